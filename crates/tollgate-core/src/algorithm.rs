@@ -1,0 +1,370 @@
+//! The algorithms as pure functions of (state, now, policy, cost).
+//!
+//! Storage only has to make the read-modify-write of [`decide`] atomic; the
+//! time comes from whoever calls it. All arithmetic is in integers (`u64`
+//! state, `u128` intermediates), so every boundary is exact.
+//!
+//! A clock reading earlier than the one a state was written at is treated as
+//! that state's own time: no credit is minted and the state never moves back.
+
+use std::time::Duration;
+
+use crate::{Algorithm, Decision, Initial, Nanos, Policy};
+
+/// The stored state of one key. Its meaning depends on the algorithm:
+///
+/// | algorithm      | `level`                        | `prior`                  | `at`                    |
+/// |----------------|--------------------------------|--------------------------|-------------------------|
+/// | token bucket   | credit in `1/denominator` units | 0                        | time of that credit     |
+/// | fixed window   | admitted cost in the window    | 0                        | window start            |
+/// | sliding window | admitted cost, current window  | admitted cost, previous  | current window's index  |
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct State {
+    /// See the table above.
+    pub level: u64,
+    /// See the table above.
+    pub prior: u64,
+    /// See the table above.
+    pub at: u64,
+}
+
+/// The result of one decision.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Step {
+    /// What the policy answered.
+    pub decision: Decision,
+    /// The state to store: the charged state when admitted; on a refusal,
+    /// `Some` only when an initially-empty token bucket is first seen (its
+    /// creation time must be recorded, or a client polling faster than one
+    /// refill step would be refused forever; recording it spends nothing).
+    /// A store must write a refusal's `next` even when another charge of the
+    /// same call was refused, and an admission's only when all were admitted.
+    pub next: Option<State>,
+    /// When the state to keep (the new one, or the old one when unchanged)
+    /// becomes indistinguishable from no state at all, so it can be dropped.
+    pub idle_at: Nanos,
+}
+
+fn ns(n: u128) -> Duration {
+    Duration::from_nanos(u64::try_from(n).unwrap_or(u64::MAX))
+}
+
+fn sat(n: u128) -> u64 {
+    u64::try_from(n).unwrap_or(u64::MAX)
+}
+
+/// Decides `cost` against `policy` given the key's stored `state` (`None`
+/// if the key has none) at time `now`.
+///
+/// A `cost` of zero is treated as one; [`crate::Charge`] never carries zero.
+pub fn decide(policy: &Policy, state: Option<State>, now: Nanos, cost: u64) -> Step {
+    let cost = cost.max(1);
+    if cost > policy.capacity() {
+        return Step {
+            decision: Decision::NeverFits {
+                cost,
+                capacity: policy.capacity(),
+            },
+            next: None,
+            idle_at: state.map_or(now, |_| idle_at(policy, state, now)),
+        };
+    }
+    match *policy.algorithm() {
+        Algorithm::TokenBucket {
+            capacity,
+            numerator,
+            denominator,
+            initial,
+            ..
+        } => token_bucket(
+            TokenBucket {
+                capacity,
+                numerator,
+                denominator,
+                initial,
+            },
+            state,
+            now,
+            cost,
+        ),
+        Algorithm::FixedWindow { limit, window } => fixed_window(limit, window, state, now, cost),
+        Algorithm::SlidingWindow { limit, window } => {
+            sliding_window(limit, window, state, now, cost)
+        }
+    }
+}
+
+/// When `state` stops mattering, without charging anything.
+pub fn idle_at(policy: &Policy, state: Option<State>, now: Nanos) -> Nanos {
+    let Some(s) = state else { return now };
+    match *policy.algorithm() {
+        Algorithm::TokenBucket {
+            capacity,
+            numerator,
+            denominator,
+            ..
+        } => {
+            let cap = u128::from(capacity) * u128::from(denominator);
+            let missing = cap.saturating_sub(u128::from(s.level));
+            sat(u128::from(s.at) + missing.div_ceil(u128::from(numerator)))
+        }
+        Algorithm::FixedWindow { window, .. } => s.at.saturating_add(window),
+        Algorithm::SlidingWindow { window, .. } => {
+            let w = u128::from(window);
+            let windows = if s.level > 0 { 2 } else { 1 };
+            sat((u128::from(s.at) + windows) * w)
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct TokenBucket {
+    capacity: u64,
+    numerator: u64,
+    denominator: u64,
+    initial: Initial,
+}
+
+fn token_bucket(p: TokenBucket, state: Option<State>, now: Nanos, cost: u64) -> Step {
+    let num = u128::from(p.numerator);
+    let den = u128::from(p.denominator);
+    let cap = u128::from(p.capacity) * den;
+    let (credit, at) = match state {
+        Some(s) => (u128::from(s.level), s.at),
+        None => match p.initial {
+            Initial::Full => (cap, now),
+            Initial::Empty => (0, now),
+        },
+    };
+    // A clock behind the state's own time refills nothing and moves nothing back.
+    let t = now.max(at);
+    let lead = u128::from(t - now);
+    let credit = cap.min(credit + u128::from(t - at) * num);
+    let need = u128::from(cost) * den;
+    let time_to_full = |c: u128| (cap - c).div_ceil(num);
+    if credit >= need {
+        let left = credit - need;
+        let full_in = time_to_full(left);
+        Step {
+            decision: Decision::Admitted {
+                remaining: sat(left / den),
+                reset: ns(lead + full_in),
+            },
+            next: Some(State {
+                level: sat(left),
+                prior: 0,
+                at: t,
+            }),
+            idle_at: sat(u128::from(t) + full_in),
+        }
+    } else {
+        Step {
+            decision: Decision::Denied {
+                retry_after: ns(lead + (need - credit).div_ceil(num)),
+                remaining: sat(credit / den),
+                reset: ns(lead + time_to_full(credit)),
+            },
+            next: match (state, p.initial) {
+                (None, Initial::Empty) => Some(State {
+                    level: 0,
+                    prior: 0,
+                    at: now,
+                }),
+                _ => None,
+            },
+            idle_at: sat(u128::from(t) + time_to_full(credit)),
+        }
+    }
+}
+
+fn fixed_window(limit: u64, window: u64, state: Option<State>, now: Nanos, cost: u64) -> Step {
+    let (count, start) = match state {
+        // Still inside the window (a clock behind `start` counts as inside).
+        Some(s) if now < s.at.saturating_add(window) => (s.level, s.at),
+        _ => (0, now),
+    };
+    let end = start.saturating_add(window);
+    let reset = Duration::from_nanos(end - now.min(end));
+    if count + cost <= limit {
+        Step {
+            decision: Decision::Admitted {
+                remaining: limit - count - cost,
+                reset,
+            },
+            next: Some(State {
+                level: count + cost,
+                prior: 0,
+                at: start,
+            }),
+            idle_at: end,
+        }
+    } else {
+        Step {
+            decision: Decision::Denied {
+                retry_after: reset,
+                remaining: limit - count,
+                reset,
+            },
+            next: None,
+            idle_at: end,
+        }
+    }
+}
+
+fn sliding_window(limit: u64, window: u64, state: Option<State>, now: Nanos, cost: u64) -> Step {
+    let w = u128::from(window);
+    let l = u128::from(limit);
+    let idx = now / window;
+    let (mut prev, mut cur, stored_idx) = match state {
+        Some(s) => (u128::from(s.prior), u128::from(s.level), s.at),
+        None => (0, 0, idx),
+    };
+    // A clock behind the stored window is read as that window's start.
+    let (idx, eff_now) = if idx < stored_idx {
+        (stored_idx, sat(u128::from(stored_idx) * w))
+    } else {
+        if idx == stored_idx + 1 {
+            prev = cur;
+            cur = 0;
+        } else if idx > stored_idx + 1 {
+            prev = 0;
+            cur = 0;
+        }
+        (idx, now)
+    };
+    let start = u128::from(idx) * w;
+    let e = u128::from(eff_now) - start;
+    let lead = u128::from(eff_now - now);
+    let c = u128::from(cost);
+    let weighted = |prev: u128, cur: u128| prev * (w - e) + cur * w;
+    let until = |prev: u128, cur: u128| -> u128 {
+        // Time from `now` until both windows' cost has slid out.
+        let end = if cur > 0 {
+            start + 2 * w
+        } else if prev > 0 {
+            start + w
+        } else {
+            return 0;
+        };
+        end.saturating_sub(u128::from(now))
+    };
+    if weighted(prev, cur) + c * w <= l * w {
+        let cur = cur + c;
+        let reset = until(prev, cur);
+        Step {
+            decision: Decision::Admitted {
+                remaining: sat((l * w).saturating_sub(weighted(prev, cur)) / w),
+                reset: ns(reset),
+            },
+            next: Some(State {
+                level: sat(cur),
+                prior: sat(prev),
+                at: idx,
+            }),
+            idle_at: sat(u128::from(now) + reset),
+        }
+    } else {
+        let wait = sliding_wait(prev, cur, e, c, l, w);
+        let reset = until(prev, cur);
+        Step {
+            decision: Decision::Denied {
+                retry_after: ns(lead + wait),
+                remaining: sat((l * w).saturating_sub(weighted(prev, cur)) / w),
+                reset: ns(reset),
+            },
+            next: None,
+            idle_at: sat(u128::from(now) + reset),
+        }
+    }
+}
+
+/// Smallest wait from elapsed `e` in the current window until
+/// `prev·(w−e′) + (cur+c)·w ≤ l·w` holds (with windows rolling over).
+fn sliding_wait(prev: u128, cur: u128, e: u128, c: u128, l: u128, w: u128) -> u128 {
+    // In the current window, only the previous window's weight decays.
+    if cur + c <= l && prev > 0 {
+        let allowed = (l - cur - c) * w / prev;
+        let need = w.saturating_sub(allowed);
+        if need < w {
+            return need.saturating_sub(e);
+        }
+    }
+    // In the next window the current count becomes the decaying one.
+    let to_next = w - e;
+    if cur == 0 {
+        return to_next;
+    }
+    let need = w.saturating_sub((l - c) * w / cur);
+    if need < w {
+        to_next + need
+    } else {
+        to_next + w
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Rate;
+
+    const S: u64 = 1_000_000_000;
+
+    #[test]
+    fn token_bucket_wait_is_exact_and_refusal_spends_nothing() {
+        let p = Policy::token_bucket("p", 3, Rate::per_second(2)).unwrap();
+        let mut s = None;
+        for _ in 0..3 {
+            let step = decide(&p, s, 0, 1);
+            assert!(step.decision.is_admitted());
+            s = step.next;
+        }
+        let step = decide(&p, s, 0, 1);
+        assert_eq!(step.decision.retry_after(), Some(Duration::from_millis(500)));
+        assert_eq!(step.next, None);
+        let step = decide(&p, s, 0, 2);
+        assert_eq!(step.decision.retry_after(), Some(Duration::from_secs(1)));
+        assert!(decide(&p, s, S / 2, 1).decision.is_admitted());
+        assert!(!decide(&p, s, S / 2 - 1, 1).decision.is_admitted());
+    }
+
+    #[test]
+    fn backwards_clock_mints_nothing() {
+        let p = Policy::token_bucket("p", 3, Rate::per_second(2)).unwrap();
+        let s = decide(&p, None, 10 * S, 3).next;
+        let step = decide(&p, s, 0, 1);
+        // Credit is as at 10 s (empty); one token is 0.5 s after 10 s.
+        assert_eq!(step.decision.retry_after(), Some(Duration::from_millis(10_500)));
+        let w = Policy::fixed_window("w", 1, Duration::from_secs(1)).unwrap();
+        let s = decide(&w, None, 10 * S, 1).next;
+        assert!(!decide(&w, s, 0, 1).decision.is_admitted());
+        let sw = Policy::sliding_window("s", 1, Duration::from_secs(1)).unwrap();
+        let s = decide(&sw, None, 10 * S, 1).next;
+        assert!(!decide(&sw, s, 0, 1).decision.is_admitted());
+    }
+
+    #[test]
+    fn empty_initial_credit_waits_one_step() {
+        let p = Policy::token_bucket("p", 3, Rate::per_second(2))
+            .unwrap()
+            .with_initial(Initial::Empty);
+        let step = decide(&p, None, 0, 1);
+        assert_eq!(step.decision.retry_after(), Some(Duration::from_millis(500)));
+    }
+
+    #[test]
+    fn sliding_window_weights_the_previous_window() {
+        let p = Policy::sliding_window("s", 4, Duration::from_secs(1)).unwrap();
+        let mut s = None;
+        for _ in 0..4 {
+            s = decide(&p, s, 0, 1).next;
+        }
+        // At 1.5 s the previous 4 weigh 2: two more fit, the third must wait
+        // until the weight drops to 1 at 1.75 s.
+        let a = decide(&p, s, 3 * S / 2, 2);
+        assert!(a.decision.is_admitted());
+        let d = decide(&p, a.next, 3 * S / 2, 1);
+        assert_eq!(d.decision.retry_after(), Some(Duration::from_millis(250)));
+        assert!(decide(&p, a.next, 7 * S / 4, 1).decision.is_admitted());
+        assert!(!decide(&p, a.next, 7 * S / 4 - 1, 1).decision.is_admitted());
+    }
+}

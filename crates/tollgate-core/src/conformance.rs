@@ -1,0 +1,240 @@
+//! A trace table every [`Store`] must reproduce exactly.
+//!
+//! Each [`Case`] is a list of timed charge sets with the verdict each must
+//! get. A store crate runs them with [`run_case`], supplying a function that
+//! sets the time its store will read next (a [`crate::ManualClock`] for
+//! [`crate::MemoryStore`]; injected time for a server-side store). Keys are
+//! prefixed with a caller-chosen namespace so that one server can host many
+//! runs.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::{Charge, Initial, Key, Nanos, Policy, Rate, Store, Verdict};
+
+const MS: Nanos = 1_000_000;
+const S: Nanos = 1_000 * MS;
+
+/// One timed charge set and the verdict it must get.
+#[derive(Debug, Clone)]
+pub struct Step {
+    /// Time of the charge, in nanoseconds of the store's clock.
+    pub at: Nanos,
+    /// `(key, index into Case::policies, cost)` charged together.
+    pub charges: Vec<(&'static str, usize, u64)>,
+    /// The verdict the store must return.
+    pub expect: Verdict,
+}
+
+/// A named trace over a set of policies.
+#[derive(Debug, Clone)]
+pub struct Case {
+    /// Short name, used in key namespaces and failure messages.
+    pub name: &'static str,
+    /// Policies the steps refer to by index.
+    pub policies: Vec<Policy>,
+    /// The trace, in nondecreasing time order unless the case tests a clock
+    /// that steps backwards.
+    pub steps: Vec<Step>,
+}
+
+/// A step whose verdict differed from the table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Mismatch {
+    /// The case's name.
+    pub case: &'static str,
+    /// Index of the step in the case.
+    pub step: usize,
+    /// What the table says.
+    pub expected: Verdict,
+    /// What the store said, or its error.
+    pub got: Result<Verdict, String>,
+}
+
+impl fmt::Display for Mismatch {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "case {} step {}: expected {}, got {:?}",
+            self.case, self.step, self.expected, self.got
+        )
+    }
+}
+
+fn step(at: Nanos, charges: &[(&'static str, usize, u64)], expect: Verdict) -> Step {
+    Step {
+        at,
+        charges: charges.to_vec(),
+        expect,
+    }
+}
+
+const fn denied(ns: Nanos) -> Verdict {
+    Verdict::Denied {
+        retry_after: Duration::from_nanos(ns),
+    }
+}
+
+const OK: Verdict = Verdict::Admitted;
+const NEVER: Verdict = Verdict::NeverFits;
+
+fn tb(name: &str, capacity: u64, rate: Rate) -> Policy {
+    Policy::token_bucket(name, capacity, rate).expect("conformance policy is valid")
+}
+
+/// Every case of the table.
+pub fn cases() -> Vec<Case> {
+    let seed = tb("seed", 3, Rate::per_second(2));
+    let a = [("k", 0, 1)];
+    vec![
+        Case {
+            // The field notes' bucket_check.py trace, with exact waits.
+            name: "seed-bucket",
+            policies: vec![seed.clone()],
+            steps: vec![
+                step(0, &a, OK),
+                step(0, &a, OK),
+                step(0, &a, OK),
+                step(0, &a, denied(500 * MS)),
+                step(250 * MS, &a, denied(250 * MS)),
+                step(500 * MS, &a, OK),
+                step(1500 * MS, &[("k", 0, 2)], OK),
+                step(100 * S, &a, OK),
+                step(100 * S, &a, OK),
+                step(100 * S, &a, OK),
+                step(100 * S, &a, denied(500 * MS)),
+                // Cost above capacity never fits and spends nothing.
+                step(200 * S, &[("k", 0, 4)], NEVER),
+                step(200 * S, &[("k", 0, 3)], OK),
+            ],
+        },
+        Case {
+            name: "bucket-odd-rate",
+            // 3 per 7 s: one token every 2⅓ s, not a whole number of ns.
+            policies: vec![tb("odd", 2, Rate::new(3, Duration::from_secs(7)))],
+            steps: vec![
+                step(0, &[("k", 0, 2)], OK),
+                step(0, &a, denied(2_333_333_334)),
+                step(2_333_333_333, &a, denied(1)),
+                step(2_333_333_334, &a, OK),
+                step(2_333_333_334, &a, denied(2_333_333_333)),
+            ],
+        },
+        Case {
+            name: "bucket-empty-start",
+            policies: vec![
+                tb("empty", 2, Rate::per_second(4)).with_initial(Initial::Empty),
+            ],
+            steps: vec![
+                step(0, &a, denied(250 * MS)),
+                step(250 * MS, &a, OK),
+                step(250 * MS, &a, denied(250 * MS)),
+            ],
+        },
+        Case {
+            name: "bucket-clock-backwards",
+            policies: vec![seed.clone()],
+            steps: vec![
+                step(10 * S, &[("k", 0, 3)], OK),
+                // The clock steps back ten seconds: no credit appears, and
+                // the wait counts from the state's own time.
+                step(0, &a, denied(10 * S + 500 * MS)),
+                step(10 * S + 499 * MS, &a, denied(MS)),
+                step(10 * S + 500 * MS, &a, OK),
+            ],
+        },
+        Case {
+            name: "fixed-window-anchored",
+            policies: vec![Policy::fixed_window("fw", 5, Duration::from_secs(60)).expect("valid")],
+            steps: vec![
+                step(10 * S, &a, OK),
+                step(11 * S, &a, OK),
+                step(12 * S, &[("k", 0, 3)], OK),
+                step(20 * S, &a, denied(50 * S)),
+                // The refusal did not extend the window: it still ends at 70 s.
+                step(69 * S, &a, denied(S)),
+                step(70 * S, &[("k", 0, 5)], OK),
+                step(70 * S, &[("k", 0, 6)], NEVER),
+                step(129 * S, &a, denied(S)),
+                // A new window starts at the first admission after expiry.
+                step(200 * S, &a, OK),
+                step(259 * S, &[("k", 0, 4)], OK),
+                step(259 * S, &a, denied(S)),
+            ],
+        },
+        Case {
+            name: "sliding-window",
+            policies: vec![Policy::sliding_window("sw", 4, Duration::from_secs(1)).expect("valid")],
+            steps: vec![
+                step(0, &[("k", 0, 4)], OK),
+                step(500 * MS, &a, denied(500 * MS + 250 * MS)),
+                // At 1.5 s the previous window weighs 2 of 4.
+                step(1500 * MS, &[("k", 0, 2)], OK),
+                step(1500 * MS, &a, denied(250 * MS)),
+                step(1750 * MS, &a, OK),
+                // At 2 s the three of window 1 weigh 3 in full: one more fits.
+                step(1750 * MS, &a, denied(250 * MS)),
+                step(2 * S, &a, OK),
+                // Now 3·(1 − e) + 2 ≤ 4 needs e ≥ ⅓ s, rounded up to a whole ns.
+                step(2 * S, &a, denied(333_333_334)),
+                step(2 * S + 333_333_333, &a, denied(1)),
+                step(2 * S + 333_333_334, &a, OK),
+                step(10 * S, &[("k", 0, 4)], OK),
+            ],
+        },
+        Case {
+            // Several limits on one request: if any refuses, none is spent.
+            name: "all-or-nothing",
+            policies: vec![
+                tb("per-ip", 5, Rate::per_second(1)),
+                tb("per-account", 3, Rate::per_second(2)),
+            ],
+            steps: vec![
+                step(0, &[("ip", 0, 1), ("alice", 1, 1)], OK),
+                step(0, &[("ip", 0, 1), ("alice", 1, 2)], OK),
+                step(0, &[("ip", 0, 1), ("alice", 1, 1)], denied(500 * MS)),
+                // The refused step spent nothing from per-ip: 3 are left.
+                step(0, &[("ip", 0, 3)], OK),
+                step(0, &[("ip", 0, 1), ("bob", 1, 1)], denied(S)),
+                step(0, &[("bob", 1, 3)], OK),
+                step(0, &[("ip", 0, 1), ("bob", 1, 4)], NEVER),
+            ],
+        },
+    ]
+}
+
+/// Runs one case against `store`, calling `set_time(at)` before each step.
+/// Keys are `namespace:case:key`.
+pub async fn run_case<S: Store>(
+    store: &S,
+    namespace: &str,
+    case: &Case,
+    mut set_time: impl FnMut(Nanos),
+) -> Result<(), Mismatch> {
+    for (i, s) in case.steps.iter().enumerate() {
+        set_time(s.at);
+        let charges: Vec<Charge> = s
+            .charges
+            .iter()
+            .map(|&(key, p, cost)| {
+                let policy = case.policies[p].clone();
+                let key = Key::new(namespace).with(case.name).with(policy.name()).with(key);
+                Charge::new(key, policy, cost).expect("conformance costs are positive")
+            })
+            .collect();
+        let got = store
+            .charge(&charges)
+            .await
+            .map(|o| o.verdict())
+            .map_err(|e| e.to_string());
+        if got.as_ref() != Ok(&s.expect) {
+            return Err(Mismatch {
+                case: case.name,
+                step: i,
+                expected: s.expect,
+                got,
+            });
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,239 @@
+//! Charges and decisions: what is asked of a budget and what it answered.
+
+use std::fmt;
+use std::time::Duration;
+
+use crate::{Key, Policy};
+
+/// One charge: `cost` units against `policy` for `key`.
+///
+/// The cost is a positive integer in the policy's unit; zero is refused by
+/// [`Charge::new`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Charge {
+    key: Key,
+    policy: Policy,
+    cost: u64,
+}
+
+/// A charge whose cost was zero.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("charge for policy {policy:?} has cost 0; a cost must be a positive integer")]
+pub struct InvalidCharge {
+    policy: String,
+}
+
+impl Charge {
+    /// A charge of `cost` units; refused when `cost` is zero.
+    pub fn new(key: Key, policy: Policy, cost: u64) -> Result<Self, InvalidCharge> {
+        if cost == 0 {
+            return Err(InvalidCharge {
+                policy: policy.name().to_owned(),
+            });
+        }
+        Ok(Self { key, policy, cost })
+    }
+
+    /// The key whose budget is charged.
+    pub fn key(&self) -> &Key {
+        &self.key
+    }
+
+    /// The policy that defines the budget.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    /// The positive cost.
+    pub fn cost(&self) -> u64 {
+        self.cost
+    }
+
+    /// Whether this cost can ever fit the policy (`cost <= capacity`).
+    pub fn can_fit(&self) -> bool {
+        self.cost <= self.policy.capacity()
+    }
+}
+
+/// What one policy answered for one charge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Decision {
+    /// The cost fitted and was (or, in a multi-charge that another limit
+    /// refused, would have been) deducted.
+    Admitted {
+        /// Whole units left after the charge.
+        remaining: u64,
+        /// Time until the budget is fully restored if nothing else is charged.
+        reset: Duration,
+    },
+    /// The cost did not fit; nothing was spent.
+    Denied {
+        /// The exact time until this cost would fit, if nothing else is charged.
+        retry_after: Duration,
+        /// Whole units available now.
+        remaining: u64,
+        /// Time until the budget is fully restored.
+        reset: Duration,
+    },
+    /// The cost exceeds the policy's capacity and can never fit; no wait is
+    /// promised and nothing was spent.
+    NeverFits {
+        /// The cost that was asked.
+        cost: u64,
+        /// The policy's capacity.
+        capacity: u64,
+    },
+}
+
+impl Decision {
+    /// Whether the charge was admitted.
+    pub fn is_admitted(&self) -> bool {
+        matches!(self, Decision::Admitted { .. })
+    }
+
+    /// Units left (admitted) or available now (denied); 0 for never-fits.
+    pub fn remaining(&self) -> u64 {
+        match *self {
+            Decision::Admitted { remaining, .. } | Decision::Denied { remaining, .. } => remaining,
+            Decision::NeverFits { .. } => 0,
+        }
+    }
+
+    /// Time until the budget is fully restored; zero for never-fits.
+    pub fn reset(&self) -> Duration {
+        match *self {
+            Decision::Admitted { reset, .. } | Decision::Denied { reset, .. } => reset,
+            Decision::NeverFits { .. } => Duration::ZERO,
+        }
+    }
+
+    /// The wait before this charge would fit, for denials only.
+    pub fn retry_after(&self) -> Option<Duration> {
+        match *self {
+            Decision::Denied { retry_after, .. } => Some(retry_after),
+            _ => None,
+        }
+    }
+}
+
+/// The answer to a set of charges made together, all-or-nothing.
+///
+/// `limits` holds one [`Decision`] per charge, in the order the charges were
+/// given, so a caller can describe every policy (e.g. in `RateLimit` headers).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Outcome {
+    limits: Vec<Decision>,
+}
+
+/// The overall verdict of an [`Outcome`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Verdict {
+    /// Every charge fitted and all were spent.
+    Admitted,
+    /// At least one charge did not fit; none was spent. `retry_after` is the
+    /// longest of the refusing limits' waits: before it, one of them still
+    /// refuses.
+    Denied {
+        /// Exact wait until every refusing limit would fit this charge.
+        retry_after: Duration,
+    },
+    /// At least one cost exceeds its policy's capacity; none was spent.
+    NeverFits,
+}
+
+impl Outcome {
+    /// An outcome from per-charge decisions, in charge order.
+    pub fn new(limits: Vec<Decision>) -> Self {
+        Self { limits }
+    }
+
+    /// Per-charge decisions, in the order the charges were given.
+    pub fn limits(&self) -> &[Decision] {
+        &self.limits
+    }
+
+    /// The overall verdict: never-fits beats denied beats admitted.
+    pub fn verdict(&self) -> Verdict {
+        let mut wait: Option<Duration> = None;
+        for d in &self.limits {
+            match *d {
+                Decision::NeverFits { .. } => return Verdict::NeverFits,
+                Decision::Denied { retry_after, .. } => {
+                    wait = Some(wait.map_or(retry_after, |w| w.max(retry_after)));
+                }
+                Decision::Admitted { .. } => {}
+            }
+        }
+        match wait {
+            Some(retry_after) => Verdict::Denied { retry_after },
+            None => Verdict::Admitted,
+        }
+    }
+
+    /// Whether every charge was admitted.
+    pub fn is_admitted(&self) -> bool {
+        self.verdict() == Verdict::Admitted
+    }
+
+    /// The index of the most restrictive limit: the never-fitting one, else
+    /// the refusing one with the longest wait, else the admitted one with the
+    /// fewest units left. `None` for an empty outcome.
+    pub fn most_restrictive(&self) -> Option<usize> {
+        let rank = |d: &Decision| match *d {
+            Decision::NeverFits { .. } => (2, Duration::MAX, 0),
+            Decision::Denied { retry_after, .. } => (1, retry_after, 0),
+            Decision::Admitted { remaining, .. } => (0, Duration::ZERO, u64::MAX - remaining),
+        };
+        (0..self.limits.len()).max_by_key(|&i| rank(&self.limits[i]))
+    }
+}
+
+impl fmt::Display for Verdict {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Verdict::Admitted => f.write_str("admitted"),
+            Verdict::Denied { retry_after } => write!(f, "denied, retry after {retry_after:?}"),
+            Verdict::NeverFits => f.write_str("never fits"),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Rate;
+
+    #[test]
+    fn zero_cost_is_not_a_charge() {
+        let p = Policy::token_bucket("p", 3, Rate::per_second(1)).unwrap();
+        let e = Charge::new(Key::new("p"), p, 0).unwrap_err();
+        assert!(e.to_string().contains("cost 0"));
+    }
+
+    #[test]
+    fn verdict_takes_the_longest_wait_and_never_fits_wins() {
+        let denied = |s| Decision::Denied {
+            retry_after: Duration::from_secs(s),
+            remaining: 0,
+            reset: Duration::from_secs(s),
+        };
+        let ok = Decision::Admitted {
+            remaining: 1,
+            reset: Duration::ZERO,
+        };
+        let o = Outcome::new(vec![ok, denied(2), denied(5), denied(1)]);
+        assert_eq!(
+            o.verdict(),
+            Verdict::Denied {
+                retry_after: Duration::from_secs(5)
+            }
+        );
+        assert_eq!(o.most_restrictive(), Some(2));
+        let never = Decision::NeverFits {
+            cost: 4,
+            capacity: 3,
+        };
+        assert_eq!(Outcome::new(vec![denied(9), never]).verdict(), Verdict::NeverFits);
+        assert_eq!(Outcome::new(vec![ok]).verdict(), Verdict::Admitted);
+    }
+}

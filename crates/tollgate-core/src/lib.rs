@@ -1,0 +1,57 @@
+//! Exact, runtime-agnostic budget arithmetic for [tollgate].
+//!
+//! This crate holds everything about rate limiting that needs neither HTTP nor
+//! an async runtime:
+//!
+//! - [`Policy`]: a named budget (token bucket, anchored fixed window, sliding
+//!   window) validated so that every decision is exact integer arithmetic;
+//! - [`algorithm::decide`]: the algorithms as pure functions;
+//! - [`Clock`]: monotonic elapsed time, with [`ManualClock`] for tests;
+//! - [`Key`]: tuple keys with an injective text form;
+//! - [`Charge`], [`Decision`], [`Outcome`]: what is asked and answered;
+//! - [`Store`]: one atomic, all-or-nothing decision for a set of charges, with
+//!   [`MemoryStore`] as the embedded default;
+//! - [`conformance`]: a trace table every store must reproduce.
+//!
+//! ```
+//! use tollgate_core::{Charge, Key, ManualClock, MemoryStore, Policy, Rate, Verdict};
+//! # fn block_on<F: std::future::Future>(f: F) -> F::Output {
+//! #     let mut f = std::pin::pin!(f);
+//! #     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+//! #     loop { if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) { return v; } }
+//! # }
+//! use tollgate_core::Store;
+//!
+//! let clock = ManualClock::new(0);
+//! let store = MemoryStore::builder().clock(clock.clone()).build();
+//! let policy = Policy::token_bucket("export", 3, Rate::per_second(2))?;
+//! let charge = Charge::new(Key::new("export").with("alice"), policy, 1)?;
+//!
+//! for _ in 0..3 {
+//!     assert!(block_on(store.charge(std::slice::from_ref(&charge)))?.is_admitted());
+//! }
+//! let refused = block_on(store.charge(std::slice::from_ref(&charge)))?;
+//! assert_eq!(
+//!     refused.verdict(),
+//!     Verdict::Denied { retry_after: std::time::Duration::from_millis(500) }
+//! );
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! [tollgate]: https://docs.rs/tollgate
+
+pub mod algorithm;
+mod clock;
+pub mod conformance;
+mod decision;
+mod key;
+mod memory;
+mod policy;
+mod store;
+
+pub use clock::{Clock, ManualClock, Nanos, SystemClock};
+pub use decision::{Charge, Decision, InvalidCharge, Outcome, Verdict};
+pub use key::{InvalidKey, Key};
+pub use memory::{CapPolicy, MemoryStore, MemoryStoreBuilder, MemoryStoreStats};
+pub use policy::{Algorithm, Initial, InvalidPolicy, Policy, Rate, Unit};
+pub use store::{DynStore, Store, StoreError, StoreErrorKind, StoreFuture};

@@ -1,0 +1,487 @@
+//! [`MemoryStore`]: the in-process store, the embedded default.
+//!
+//! Keys are sharded over mutex-protected hash maps. A decision locks only the
+//! shards its charges live in (in index order, so multi-shard charges cannot
+//! deadlock), evaluates every charge, and writes only if all were admitted.
+//!
+//! A map entry is keyed by a 128-bit keyed digest (two independently seeded
+//! SipHash-1-3 values) of the policy and the key's text, not by the text
+//! itself: memory per key is fixed whatever the key's length. The seeds are
+//! random per store, so a caller cannot aim for a collision; an accidental
+//! one among ten million keys has probability below 10⁻²⁴.
+//!
+//! Idle entries (refilled to full, or past their window) are dropped by an
+//! amortised sweep: the first access to a shard after its sweep interval
+//! removes that shard's idle entries. No background task is needed.
+
+use std::hash::{BuildHasher, Hasher, RandomState};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use hashbrown::HashMap;
+
+use crate::algorithm::{self, State, Step};
+use crate::{
+    Charge, Clock, Decision, Nanos, Outcome, Store, StoreError, StoreErrorKind, SystemClock,
+};
+
+/// What [`MemoryStore`] does when a shard is at its share of the key cap and
+/// a charge needs a new key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum CapPolicy {
+    /// Refuse: the charge fails with [`StoreErrorKind::CapacityExhausted`]
+    /// (counted), so the layer applies its store-failure outcome. Keys already
+    /// tracked are unaffected. Never creates extra allowance (default).
+    #[default]
+    RefuseNewKeys,
+    /// Evict the entry nearest to idle among a small sample of the shard
+    /// (counted). The evicted key starts again from a fresh budget, so every
+    /// eviction can create up to one policy capacity of extra allowance for
+    /// that key.
+    EvictNearestIdle,
+}
+
+/// Counters kept by a [`MemoryStore`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct MemoryStoreStats {
+    /// Keys currently tracked.
+    pub keys: u64,
+    /// New keys refused because of the cap.
+    pub refused_new_keys: u64,
+    /// Entries evicted because of the cap.
+    pub evicted: u64,
+    /// Idle entries dropped by sweeps.
+    pub swept: u64,
+}
+
+/// Builder for [`MemoryStore`].
+#[must_use]
+pub struct MemoryStoreBuilder {
+    clock: Arc<dyn Clock>,
+    shards: usize,
+    max_keys: Option<usize>,
+    cap_policy: CapPolicy,
+    sweep_interval: Duration,
+}
+
+impl std::fmt::Debug for MemoryStoreBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStoreBuilder")
+            .field("shards", &self.shards)
+            .field("max_keys", &self.max_keys)
+            .field("cap_policy", &self.cap_policy)
+            .field("sweep_interval", &self.sweep_interval)
+            .finish_non_exhaustive()
+    }
+}
+
+impl MemoryStoreBuilder {
+    /// Uses `clock` instead of the [`SystemClock`].
+    pub fn clock(mut self, clock: impl Clock) -> Self {
+        self.clock = Arc::new(clock);
+        self
+    }
+
+    /// Number of shards, rounded up to a power of two (default: 64).
+    pub fn shards(mut self, shards: usize) -> Self {
+        self.shards = shards.clamp(1, 1 << 16).next_power_of_two();
+        self
+    }
+
+    /// Caps tracked keys at about `max_keys` (each shard holds at most its
+    /// share, rounded up), applying `policy` when a shard is full.
+    pub fn max_keys(mut self, max_keys: usize, policy: CapPolicy) -> Self {
+        self.max_keys = Some(max_keys.max(1));
+        self.cap_policy = policy;
+        self
+    }
+
+    /// How often each shard is swept for idle entries (default: 1 s).
+    pub fn sweep_interval(mut self, interval: Duration) -> Self {
+        self.sweep_interval = interval;
+        self
+    }
+
+    /// Builds the store.
+    pub fn build(self) -> MemoryStore {
+        let per_shard = self.max_keys.map(|m| m.div_ceil(self.shards));
+        MemoryStore {
+            inner: Arc::new(Inner {
+                shards: (0..self.shards)
+                    .map(|_| Mutex::new(Shard::default()))
+                    .collect(),
+                mask: self.shards - 1,
+                clock: self.clock,
+                seeds: (RandomState::new(), RandomState::new()),
+                per_shard,
+                cap_policy: self.cap_policy,
+                sweep_every: u64::try_from(self.sweep_interval.as_nanos()).unwrap_or(u64::MAX),
+                refused_new_keys: AtomicU64::new(0),
+                evicted: AtomicU64::new(0),
+                swept: AtomicU64::new(0),
+            }),
+        }
+    }
+}
+
+/// The in-process [`Store`]. Cloning shares the same budgets.
+///
+/// See the [module docs](self) for its layout. Every decision is O(1) in the
+/// number of tracked keys (plus the amortised sweep).
+#[derive(Clone)]
+pub struct MemoryStore {
+    inner: Arc<Inner>,
+}
+
+impl std::fmt::Debug for MemoryStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryStore")
+            .field("shards", &self.inner.shards.len())
+            .field("per_shard_cap", &self.inner.per_shard)
+            .field("cap_policy", &self.inner.cap_policy)
+            .finish_non_exhaustive()
+    }
+}
+
+struct Inner {
+    shards: Box<[Mutex<Shard>]>,
+    mask: usize,
+    clock: Arc<dyn Clock>,
+    seeds: (RandomState, RandomState),
+    per_shard: Option<usize>,
+    cap_policy: CapPolicy,
+    sweep_every: u64,
+    refused_new_keys: AtomicU64,
+    evicted: AtomicU64,
+    swept: AtomicU64,
+}
+
+#[derive(Default)]
+struct Shard {
+    map: HashMap<u128, Entry, DigestHasher>,
+    next_sweep: Nanos,
+}
+
+#[derive(Clone, Copy)]
+struct Entry {
+    state: State,
+    idle_at: Nanos,
+}
+
+/// The map key is already a keyed digest: hashing it again would be waste.
+#[derive(Clone, Copy, Default)]
+struct DigestHasher;
+
+impl BuildHasher for DigestHasher {
+    type Hasher = DigestBits;
+    fn build_hasher(&self) -> DigestBits {
+        DigestBits(0)
+    }
+}
+
+#[derive(Default)]
+struct DigestBits(u64);
+
+impl Hasher for DigestBits {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        // Only reached if something other than a u128 is hashed.
+        for &b in bytes {
+            self.0 = self.0.rotate_left(8) ^ u64::from(b);
+        }
+    }
+    fn write_u128(&mut self, n: u128) {
+        self.0 = n as u64;
+    }
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl MemoryStore {
+    /// A store on the system clock with default settings and no key cap.
+    pub fn new() -> Self {
+        Self::builder().build()
+    }
+
+    /// A builder to set the clock, shards, key cap and sweep interval.
+    pub fn builder() -> MemoryStoreBuilder {
+        MemoryStoreBuilder {
+            clock: Arc::new(SystemClock::new()),
+            shards: 64,
+            max_keys: None,
+            cap_policy: CapPolicy::default(),
+            sweep_interval: Duration::from_secs(1),
+        }
+    }
+
+    /// Charges `charges` all-or-nothing, synchronously. [`Store::charge`]
+    /// calls this; it never blocks on anything but the shard locks.
+    pub fn charge_now(&self, charges: &[Charge]) -> Result<Outcome, StoreError> {
+        let inner = &*self.inner;
+        let now = inner.clock.now();
+        if charges.iter().any(|c| !c.can_fit()) {
+            return Ok(self.peek(charges, now));
+        }
+        let digests: Vec<u128> = charges.iter().map(|c| inner.digest(c)).collect();
+        let mut order: Vec<usize> = digests.iter().map(|d| inner.shard_of(*d)).collect();
+        order.sort_unstable();
+        order.dedup();
+        let mut guards: Vec<MutexGuard<'_, Shard>> =
+            order.iter().map(|&i| inner.lock(i)).collect();
+        for g in &mut guards {
+            inner.maybe_sweep(g, now);
+        }
+        let guard_of = |d: u128| order.binary_search(&inner.shard_of(d)).unwrap_or(0);
+
+        let mut steps: Vec<(u128, Step)> = Vec::with_capacity(charges.len());
+        for (charge, &digest) in charges.iter().zip(&digests) {
+            // A repeated key in one call sees the earlier charge's effect.
+            let state = steps
+                .iter()
+                .rev()
+                .find(|(d, s)| *d == digest && s.next.is_some())
+                .and_then(|(_, s)| s.next)
+                .or_else(|| guards[guard_of(digest)].map.get(&digest).map(|e| e.state));
+            steps.push((digest, algorithm::decide(charge.policy(), state, now, charge.cost())));
+        }
+        let outcome = Outcome::new(steps.iter().map(|(_, s)| s.decision).collect());
+        let admitted = outcome.is_admitted();
+        // Admissions are written only together; a refusal's state (the
+        // creation of an initially-empty bucket) is written regardless.
+        steps.retain(|(_, s)| s.next.is_some() && (admitted || !s.decision.is_admitted()));
+        if let Some(cap) = inner.per_shard {
+            for (digest, _) in &steps {
+                let shard = &mut guards[guard_of(*digest)];
+                if !shard.map.contains_key(digest) && shard.map.len() >= cap {
+                    inner.make_room(shard, now)?;
+                }
+            }
+        }
+        for (digest, step) in steps {
+            if let Some(state) = step.next {
+                guards[guard_of(digest)].map.insert(
+                    digest,
+                    Entry {
+                        state,
+                        idle_at: step.idle_at,
+                    },
+                );
+            }
+        }
+        Ok(outcome)
+    }
+
+    /// Decisions for `charges` at `now` without writing anything.
+    fn peek(&self, charges: &[Charge], now: Nanos) -> Outcome {
+        let inner = &*self.inner;
+        Outcome::new(
+            charges
+                .iter()
+                .map(|c| {
+                    let digest = inner.digest(c);
+                    let state = inner
+                        .lock(inner.shard_of(digest))
+                        .map
+                        .get(&digest)
+                        .map(|e| e.state);
+                    let d = algorithm::decide(c.policy(), state, now, c.cost()).decision;
+                    match d {
+                        // Without this charge's own admission nothing is spent.
+                        Decision::Admitted { .. } if !c.can_fit() => d,
+                        other => other,
+                    }
+                })
+                .collect(),
+        )
+    }
+
+    /// Current counters. Counting keys locks every shard in turn.
+    pub fn stats(&self) -> MemoryStoreStats {
+        let inner = &*self.inner;
+        MemoryStoreStats {
+            keys: (0..inner.shards.len())
+                .map(|i| inner.lock(i).map.len() as u64)
+                .sum(),
+            refused_new_keys: inner.refused_new_keys.load(Ordering::Relaxed),
+            evicted: inner.evicted.load(Ordering::Relaxed),
+            swept: inner.swept.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Drops every idle entry now, in every shard.
+    pub fn sweep(&self) {
+        let inner = &*self.inner;
+        let now = inner.clock.now();
+        for i in 0..inner.shards.len() {
+            let mut g = inner.lock(i);
+            inner.sweep_shard(&mut g, now);
+        }
+    }
+}
+
+impl Inner {
+    fn digest(&self, charge: &Charge) -> u128 {
+        let item = (charge.policy(), charge.key().as_str());
+        (u128::from(self.seeds.0.hash_one(item)) << 64) | u128::from(self.seeds.1.hash_one(item))
+    }
+
+    fn shard_of(&self, digest: u128) -> usize {
+        ((digest >> 64) as usize) & self.mask
+    }
+
+    fn lock(&self, i: usize) -> MutexGuard<'_, Shard> {
+        // No code holding a shard lock can panic on input, but a poisoned
+        // lock must not take the whole limiter down with it.
+        self.shards[i].lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn maybe_sweep(&self, shard: &mut Shard, now: Nanos) {
+        if now >= shard.next_sweep {
+            self.sweep_shard(shard, now);
+        }
+    }
+
+    fn sweep_shard(&self, shard: &mut Shard, now: Nanos) {
+        let before = shard.map.len();
+        shard.map.retain(|_, e| e.idle_at > now);
+        let removed = before - shard.map.len();
+        if removed > 0 {
+            self.swept.fetch_add(removed as u64, Ordering::Relaxed);
+        }
+        if shard.map.capacity() > 64 && shard.map.capacity() > 4 * shard.map.len() {
+            shard.map.shrink_to_fit();
+        }
+        shard.next_sweep = now.saturating_add(self.sweep_every);
+    }
+
+    fn make_room(&self, shard: &mut Shard, now: Nanos) -> Result<(), StoreError> {
+        self.sweep_shard(shard, now);
+        let cap = self.per_shard.unwrap_or(usize::MAX);
+        if shard.map.len() < cap {
+            return Ok(());
+        }
+        match self.cap_policy {
+            CapPolicy::RefuseNewKeys => {
+                self.refused_new_keys.fetch_add(1, Ordering::Relaxed);
+                Err(StoreError::new(
+                    StoreErrorKind::CapacityExhausted,
+                    format!("memory store shard is at its cap of {cap} keys"),
+                ))
+            }
+            CapPolicy::EvictNearestIdle => {
+                const SAMPLE: usize = 8;
+                let victim = shard
+                    .map
+                    .iter()
+                    .take(SAMPLE)
+                    .min_by_key(|(_, e)| e.idle_at)
+                    .map(|(d, _)| *d);
+                if let Some(d) = victim {
+                    shard.map.remove(&d);
+                    self.evicted.fetch_add(1, Ordering::Relaxed);
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+impl Store for MemoryStore {
+    fn charge<'a>(
+        &'a self,
+        charges: &'a [Charge],
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send + 'a {
+        std::future::ready(self.charge_now(charges))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Key, ManualClock, Policy, Rate, Verdict};
+
+    fn charge(key: &str, policy: &Policy, cost: u64) -> Charge {
+        Charge::new(Key::new(policy.name()).with(key), policy.clone(), cost).unwrap()
+    }
+
+    #[test]
+    fn idle_entries_are_swept_on_access() {
+        let clock = ManualClock::new(0);
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .shards(1)
+            .sweep_interval(Duration::from_secs(1))
+            .build();
+        let p = Policy::token_bucket("p", 2, Rate::per_second(1)).unwrap();
+        for i in 0..100 {
+            store.charge_now(&[charge(&i.to_string(), &p, 1)]).unwrap();
+        }
+        assert_eq!(store.stats().keys, 100);
+        clock.advance(Duration::from_secs(2));
+        store.charge_now(&[charge("x", &p, 1)]).unwrap();
+        let stats = store.stats();
+        assert_eq!((stats.keys, stats.swept), (1, 100));
+    }
+
+    #[test]
+    fn key_cap_refuses_new_keys_and_counts() {
+        let store = MemoryStore::builder()
+            .clock(ManualClock::new(0))
+            .shards(1)
+            .max_keys(3, CapPolicy::RefuseNewKeys)
+            .build();
+        let p = Policy::token_bucket("p", 2, Rate::per_second(1)).unwrap();
+        for k in ["a", "b", "c"] {
+            assert!(store.charge_now(&[charge(k, &p, 1)]).unwrap().is_admitted());
+        }
+        let e = store.charge_now(&[charge("d", &p, 1)]).unwrap_err();
+        assert_eq!(e.kind(), StoreErrorKind::CapacityExhausted);
+        assert!(store.charge_now(&[charge("a", &p, 1)]).unwrap().is_admitted());
+        assert_eq!(store.stats().refused_new_keys, 1);
+        assert_eq!(store.stats().keys, 3);
+    }
+
+    #[test]
+    fn key_cap_can_evict_and_counts() {
+        let store = MemoryStore::builder()
+            .clock(ManualClock::new(0))
+            .shards(1)
+            .max_keys(2, CapPolicy::EvictNearestIdle)
+            .build();
+        let p = Policy::token_bucket("p", 2, Rate::per_second(1)).unwrap();
+        for k in ["a", "b", "c", "d"] {
+            assert!(store.charge_now(&[charge(k, &p, 1)]).unwrap().is_admitted());
+        }
+        let stats = store.stats();
+        assert_eq!((stats.keys, stats.evicted), (2, 2));
+    }
+
+    #[test]
+    fn never_fits_touches_nothing() {
+        let store = MemoryStore::builder().clock(ManualClock::new(0)).build();
+        let p = Policy::token_bucket("p", 3, Rate::per_second(2)).unwrap();
+        let o = store
+            .charge_now(&[charge("a", &p, 1), charge("b", &p, 4)])
+            .unwrap();
+        assert_eq!(o.verdict(), Verdict::NeverFits);
+        assert_eq!(store.stats().keys, 0);
+    }
+
+    #[test]
+    fn repeated_key_in_one_call_sees_its_own_charge() {
+        let store = MemoryStore::builder().clock(ManualClock::new(0)).build();
+        let p = Policy::token_bucket("p", 3, Rate::per_second(2)).unwrap();
+        let o = store
+            .charge_now(&[charge("a", &p, 2), charge("a", &p, 2)])
+            .unwrap();
+        assert!(!o.is_admitted());
+        assert!(store.charge_now(&[charge("a", &p, 3)]).unwrap().is_admitted());
+    }
+}

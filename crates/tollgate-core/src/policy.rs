@@ -1,0 +1,446 @@
+//! Policies: what a budget is, in which unit, under which time rule.
+//!
+//! Every number is validated at construction so that the algorithms can work
+//! in exact integer arithmetic: a policy whose numbers cannot be represented
+//! exactly in 64-bit scaled units is refused with [`InvalidPolicy`].
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A refill rate, named as a rate: `Rate::per_second(10)` is ten per second.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Rate {
+    amount: u64,
+    period: Duration,
+}
+
+impl Rate {
+    /// `amount` units every `period`.
+    pub const fn new(amount: u64, period: Duration) -> Self {
+        Self { amount, period }
+    }
+
+    /// `amount` units per second.
+    pub const fn per_second(amount: u64) -> Self {
+        Self::new(amount, Duration::from_secs(1))
+    }
+
+    /// `amount` units per minute.
+    pub const fn per_minute(amount: u64) -> Self {
+        Self::new(amount, Duration::from_secs(60))
+    }
+
+    /// `amount` units per hour.
+    pub const fn per_hour(amount: u64) -> Self {
+        Self::new(amount, Duration::from_secs(3600))
+    }
+
+    /// Units added per period.
+    pub const fn amount(&self) -> u64 {
+        self.amount
+    }
+
+    /// The period over which [`Rate::amount`] units are added.
+    pub const fn period(&self) -> Duration {
+        self.period
+    }
+}
+
+/// What one unit of cost stands for; it names the unit in headers and docs.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub enum Unit {
+    /// One unit per request (the default).
+    #[default]
+    Requests,
+    /// Content bytes.
+    Bytes,
+    /// Requests running at the same time (used by concurrency limits).
+    ConcurrentRequests,
+    /// Any other unit, e.g. `"kib"` or `"work"`; must be a valid policy name.
+    Other(Arc<str>),
+}
+
+impl Unit {
+    /// The unit's name as used in the `RateLimit-Policy` `pu` parameter.
+    pub fn as_str(&self) -> &str {
+        match self {
+            Unit::Requests => "requests",
+            Unit::Bytes => "content-bytes",
+            Unit::ConcurrentRequests => "concurrent-requests",
+            Unit::Other(name) => name,
+        }
+    }
+}
+
+/// Credit a token bucket starts with, for a key it has never seen (or that
+/// expired because it was idle).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum Initial {
+    /// Start with `capacity` tokens: an immediate burst is allowed (default).
+    #[default]
+    Full,
+    /// Start with no tokens: the first unit is available after one refill step.
+    Empty,
+}
+
+/// The time rule of a policy, with its validated, exact parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Algorithm {
+    /// Token bucket: capacity `B`, refill `r`, lazily refilled on arrival.
+    ///
+    /// Credit is kept in units of `1 / denominator` tokens; `numerator` such
+    /// units are added per nanosecond. `numerator / denominator` is the refill
+    /// rate in tokens per nanosecond, reduced to lowest terms.
+    TokenBucket {
+        /// Maximum stored tokens, `B`.
+        capacity: u64,
+        /// Scaled units added per nanosecond.
+        numerator: u64,
+        /// Scaled units per token.
+        denominator: u64,
+        /// Credit for a key with no state.
+        initial: Initial,
+        /// The rate as configured, for headers and docs.
+        rate: Rate,
+    },
+    /// Fixed window anchored at the first admitted request: at most `limit`
+    /// within `window` from that admission; a refusal neither counts nor
+    /// extends the window.
+    FixedWindow {
+        /// Maximum admitted cost per window.
+        limit: u64,
+        /// Window length in nanoseconds.
+        window: u64,
+    },
+    /// Sliding window counter: windows of `window` nanoseconds aligned to the
+    /// clock's origin; a charge is admitted when
+    /// `previous × (window − elapsed) + (current + cost) × window ≤ limit × window`,
+    /// i.e. the previous window's admitted cost is weighted by the share of it
+    /// still inside the sliding interval. Computed exactly in integers.
+    SlidingWindow {
+        /// Maximum weighted cost per sliding interval.
+        limit: u64,
+        /// Window length in nanoseconds.
+        window: u64,
+    },
+}
+
+/// A named budget: an algorithm, its numbers and its unit.
+///
+/// Cheap to clone. Construct with [`Policy::token_bucket`],
+/// [`Policy::fixed_window`] or [`Policy::sliding_window`].
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Policy {
+    name: Arc<str>,
+    unit: Unit,
+    algorithm: Algorithm,
+}
+
+/// Why a policy was refused at construction.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid policy {name:?}: {reason}")]
+pub struct InvalidPolicy {
+    name: String,
+    reason: String,
+}
+
+impl InvalidPolicy {
+    fn new(name: &str, reason: impl Into<String>) -> Self {
+        Self {
+            name: name.to_owned(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The name of the policy that was refused.
+    pub fn policy_name(&self) -> &str {
+        &self.name
+    }
+
+    /// What was wrong, with the offending value.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+const MAX_NAME_LEN: usize = 64;
+
+fn validate_name(name: &str) -> Result<(), InvalidPolicy> {
+    if name.is_empty() || name.len() > MAX_NAME_LEN {
+        return Err(InvalidPolicy::new(
+            name,
+            format!("name must be 1..={MAX_NAME_LEN} bytes, got {}", name.len()),
+        ));
+    }
+    // Names appear as structured-field strings in `RateLimit` headers and as
+    // metric labels; restricting them keeps both unambiguous.
+    if let Some(bad) = name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')))
+    {
+        return Err(InvalidPolicy::new(
+            name,
+            format!("name may contain only ASCII letters, digits, '-', '_' and '.', found {bad:?}"),
+        ));
+    }
+    Ok(())
+}
+
+fn nanos(name: &str, what: &str, d: Duration) -> Result<u64, InvalidPolicy> {
+    let n = u64::try_from(d.as_nanos()).map_err(|_| {
+        InvalidPolicy::new(name, format!("{what} {d:?} does not fit in 64-bit nanoseconds"))
+    })?;
+    if n == 0 {
+        return Err(InvalidPolicy::new(name, format!("{what} must be positive, got {d:?}")));
+    }
+    Ok(n)
+}
+
+const fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        let t = a % b;
+        a = b;
+        b = t;
+    }
+    a
+}
+
+impl Policy {
+    /// A token bucket holding at most `capacity` tokens, refilled at `rate`,
+    /// starting full.
+    ///
+    /// Refused when the capacity, the rate's amount or its period is zero, or
+    /// when `capacity` expressed in the exact scaled unit (`1 / denominator` of
+    /// a token, where `rate` reduced to lowest terms is
+    /// `numerator / denominator` tokens per nanosecond) overflows 64 bits.
+    ///
+    /// ```
+    /// use tollgate_core::{Policy, Rate};
+    /// let export = Policy::token_bucket("export", 3, Rate::per_second(2)).unwrap();
+    /// assert_eq!(export.capacity(), 3);
+    /// assert!(Policy::token_bucket("bad", 0, Rate::per_second(2)).is_err());
+    /// ```
+    pub fn token_bucket(
+        name: impl Into<Arc<str>>,
+        capacity: u64,
+        rate: Rate,
+    ) -> Result<Self, InvalidPolicy> {
+        let name = name.into();
+        validate_name(&name)?;
+        if capacity == 0 {
+            return Err(InvalidPolicy::new(&name, "capacity must be positive, got 0"));
+        }
+        if rate.amount == 0 {
+            return Err(InvalidPolicy::new(&name, "refill amount must be positive, got 0"));
+        }
+        let period = nanos(&name, "refill period", rate.period)?;
+        let g = gcd(rate.amount, period);
+        let (numerator, denominator) = (rate.amount / g, period / g);
+        if capacity.checked_mul(denominator).is_none() {
+            return Err(InvalidPolicy::new(
+                &name,
+                format!(
+                    "capacity {capacity} at {} per {:?} needs {capacity} x {denominator} \
+                     scaled units, which overflows 64 bits; use a shorter period or smaller capacity",
+                    rate.amount, rate.period
+                ),
+            ));
+        }
+        Ok(Self {
+            name,
+            unit: Unit::Requests,
+            algorithm: Algorithm::TokenBucket {
+                capacity,
+                numerator,
+                denominator,
+                initial: Initial::Full,
+                rate,
+            },
+        })
+    }
+
+    /// A fixed window of length `window` anchored at the first admitted
+    /// request, admitting at most `limit` per window.
+    pub fn fixed_window(
+        name: impl Into<Arc<str>>,
+        limit: u64,
+        window: Duration,
+    ) -> Result<Self, InvalidPolicy> {
+        let name = name.into();
+        validate_name(&name)?;
+        if limit == 0 {
+            return Err(InvalidPolicy::new(&name, "limit must be positive, got 0"));
+        }
+        let window = nanos(&name, "window", window)?;
+        Ok(Self {
+            name,
+            unit: Unit::Requests,
+            algorithm: Algorithm::FixedWindow { limit, window },
+        })
+    }
+
+    /// A sliding window counter admitting at most `limit` weighted cost per
+    /// `window` (see [`Algorithm::SlidingWindow`] for the exact rule).
+    pub fn sliding_window(
+        name: impl Into<Arc<str>>,
+        limit: u64,
+        window: Duration,
+    ) -> Result<Self, InvalidPolicy> {
+        let name = name.into();
+        validate_name(&name)?;
+        if limit == 0 {
+            return Err(InvalidPolicy::new(&name, "limit must be positive, got 0"));
+        }
+        let window = nanos(&name, "window", window)?;
+        Ok(Self {
+            name,
+            unit: Unit::Requests,
+            algorithm: Algorithm::SlidingWindow { limit, window },
+        })
+    }
+
+    /// The same policy counting in `unit`.
+    #[must_use]
+    pub fn with_unit(mut self, unit: Unit) -> Self {
+        self.unit = unit;
+        self
+    }
+
+    /// The same token bucket with the given initial credit; other algorithms
+    /// are returned unchanged.
+    #[must_use]
+    pub fn with_initial(mut self, initial: Initial) -> Self {
+        if let Algorithm::TokenBucket { initial: i, .. } = &mut self.algorithm {
+            *i = initial;
+        }
+        self
+    }
+
+    /// The policy's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The policy's name, shared.
+    pub fn name_arc(&self) -> &Arc<str> {
+        &self.name
+    }
+
+    /// The unit of cost.
+    pub fn unit(&self) -> &Unit {
+        &self.unit
+    }
+
+    /// The algorithm and its exact parameters.
+    pub fn algorithm(&self) -> &Algorithm {
+        &self.algorithm
+    }
+
+    /// The largest cost a single charge can ever have: `B` for a token bucket,
+    /// the limit for windows.
+    pub fn capacity(&self) -> u64 {
+        match self.algorithm {
+            Algorithm::TokenBucket { capacity, .. } => capacity,
+            Algorithm::FixedWindow { limit, .. } | Algorithm::SlidingWindow { limit, .. } => limit,
+        }
+    }
+
+    /// The window the quota is expressed over, for the `w` header parameter:
+    /// the refill period scaled to refill a full bucket for token buckets
+    /// (rounded up to a whole second by the header writer), the window for
+    /// window algorithms.
+    pub fn window(&self) -> Duration {
+        match self.algorithm {
+            Algorithm::TokenBucket {
+                capacity,
+                numerator,
+                denominator,
+                ..
+            } => {
+                // Time to refill from empty: capacity * denominator / numerator ns.
+                let ns = (u128::from(capacity) * u128::from(denominator))
+                    .div_ceil(u128::from(numerator));
+                Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX))
+            }
+            Algorithm::FixedWindow { window, .. } | Algorithm::SlidingWindow { window, .. } => {
+                Duration::from_nanos(window)
+            }
+        }
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match &self.algorithm {
+            Algorithm::TokenBucket { capacity, rate, .. } => write!(
+                f,
+                "{}: token bucket, capacity {capacity} {}, refill {} per {:?}",
+                self.name,
+                self.unit.as_str(),
+                rate.amount,
+                rate.period
+            ),
+            Algorithm::FixedWindow { limit, window } => write!(
+                f,
+                "{}: fixed window, {limit} {} per {:?} from the first admission",
+                self.name,
+                self.unit.as_str(),
+                Duration::from_nanos(*window)
+            ),
+            Algorithm::SlidingWindow { limit, window } => write!(
+                f,
+                "{}: sliding window, {limit} {} per {:?}",
+                self.name,
+                self.unit.as_str(),
+                Duration::from_nanos(*window)
+            ),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rates_are_reduced_to_lowest_terms() {
+        let p = Policy::token_bucket("p", 3, Rate::per_second(2)).unwrap();
+        match p.algorithm() {
+            Algorithm::TokenBucket {
+                numerator,
+                denominator,
+                ..
+            } => assert_eq!((*numerator, *denominator), (1, 500_000_000)),
+            other => panic!("unexpected {other:?}"),
+        }
+        assert_eq!(p.window(), Duration::from_millis(1500));
+    }
+
+    #[test]
+    fn invalid_numbers_are_refused_with_the_value() {
+        let e = Policy::token_bucket("p", 0, Rate::per_second(1)).unwrap_err();
+        assert!(e.to_string().contains("capacity must be positive"), "{e}");
+        let e = Policy::token_bucket("p", 1, Rate::per_second(0)).unwrap_err();
+        assert!(e.to_string().contains("refill amount"), "{e}");
+        let e = Policy::token_bucket("p", 1, Rate::new(1, Duration::ZERO)).unwrap_err();
+        assert!(e.to_string().contains("refill period"), "{e}");
+        let e = Policy::token_bucket("p", u64::MAX / 2, Rate::per_hour(7)).unwrap_err();
+        assert!(e.to_string().contains("overflows 64 bits"), "{e}");
+        let e = Policy::fixed_window("p", 0, Duration::from_secs(1)).unwrap_err();
+        assert!(e.to_string().contains("limit"), "{e}");
+        let e = Policy::sliding_window("p", 1, Duration::ZERO).unwrap_err();
+        assert!(e.to_string().contains("window must be positive"), "{e}");
+        let e = Policy::fixed_window("p", 1, Duration::MAX).unwrap_err();
+        assert!(e.to_string().contains("64-bit"), "{e}");
+    }
+
+    #[test]
+    fn names_are_checked() {
+        assert!(Policy::fixed_window("", 1, Duration::from_secs(1)).is_err());
+        let e = Policy::fixed_window("a b", 1, Duration::from_secs(1)).unwrap_err();
+        assert!(e.to_string().contains("' '"), "{e}");
+        assert!(Policy::fixed_window("x".repeat(65), 1, Duration::from_secs(1)).is_err());
+        assert!(Policy::fixed_window("per-ip_v2.1", 1, Duration::from_secs(1)).is_ok());
+    }
+}

@@ -1,0 +1,159 @@
+//! The [`Store`] trait: one atomic, all-or-nothing decision per request.
+
+use std::error::Error as StdError;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use crate::{Charge, Outcome};
+
+/// A boxed, sendable future, as returned by [`DynStore`].
+pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Where budgets live.
+///
+/// [`Store::charge`] makes one decision for a set of charges: refill, compare
+/// and deduct for every charge happen atomically, and either all are spent or
+/// none is. The returned [`Outcome`] has one decision per charge, in order.
+///
+/// A charge whose cost exceeds its policy's capacity is answered
+/// [`crate::Decision::NeverFits`] without touching any state.
+///
+/// Use it as a generic parameter, or as `Arc<dyn DynStore>` to choose a store
+/// at runtime; every `Store` is a [`DynStore`] and `Arc<dyn DynStore>` is a
+/// `Store`.
+pub trait Store: Send + Sync + 'static {
+    /// Charges every item of `charges` together, all-or-nothing.
+    fn charge<'a>(
+        &'a self,
+        charges: &'a [Charge],
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send + 'a;
+}
+
+/// The object-safe form of [`Store`], implemented for every `Store`.
+pub trait DynStore: Send + Sync + 'static {
+    /// [`Store::charge`], boxed.
+    fn charge_boxed<'a>(&'a self, charges: &'a [Charge])
+    -> StoreFuture<'a, Result<Outcome, StoreError>>;
+}
+
+impl<S: Store> DynStore for S {
+    fn charge_boxed<'a>(
+        &'a self,
+        charges: &'a [Charge],
+    ) -> StoreFuture<'a, Result<Outcome, StoreError>> {
+        Box::pin(self.charge(charges))
+    }
+}
+
+impl Store for Arc<dyn DynStore> {
+    fn charge<'a>(
+        &'a self,
+        charges: &'a [Charge],
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send + 'a {
+        (**self).charge_boxed(charges)
+    }
+}
+
+impl<S: Store> Store for Arc<S> {
+    fn charge<'a>(
+        &'a self,
+        charges: &'a [Charge],
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send + 'a {
+        (**self).charge(charges)
+    }
+}
+
+/// What kind of failure a [`StoreError`] is; the layer maps each to its
+/// configured outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum StoreErrorKind {
+    /// The store could not be reached or refused the request before anything
+    /// was applied (connection refused, not connected yet, timeout before
+    /// sending). Nothing was spent.
+    Unavailable,
+    /// The request may have been applied (connection lost after sending, or a
+    /// timeout while waiting for the answer). Budget may have been spent.
+    Uncertain,
+    /// The store is at its configured key cap and refuses new keys.
+    CapacityExhausted,
+    /// The store answered something this client does not understand.
+    Protocol,
+}
+
+impl fmt::Display for StoreErrorKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            StoreErrorKind::Unavailable => "store unavailable",
+            StoreErrorKind::Uncertain => "store outcome uncertain",
+            StoreErrorKind::CapacityExhausted => "store key capacity exhausted",
+            StoreErrorKind::Protocol => "store protocol error",
+        })
+    }
+}
+
+/// A store failure. Keeps its source chain.
+#[derive(Debug)]
+pub struct StoreError {
+    kind: StoreErrorKind,
+    message: String,
+    source: Option<Box<dyn StdError + Send + Sync>>,
+}
+
+impl StoreError {
+    /// An error of `kind` described by `message`.
+    pub fn new(kind: StoreErrorKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: message.into(),
+            source: None,
+        }
+    }
+
+    /// The same error, caused by `source`.
+    #[must_use]
+    pub fn with_source(mut self, source: impl Into<Box<dyn StdError + Send + Sync>>) -> Self {
+        self.source = Some(source.into());
+        self
+    }
+
+    /// What kind of failure this is.
+    pub fn kind(&self) -> StoreErrorKind {
+        self.kind
+    }
+
+    /// Whether budget may have been spent despite the error.
+    pub fn is_uncertain(&self) -> bool {
+        self.kind == StoreErrorKind::Uncertain
+    }
+}
+
+impl fmt::Display for StoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.kind, self.message)
+    }
+}
+
+impl StdError for StoreError {
+    fn source(&self) -> Option<&(dyn StdError + 'static)> {
+        self.source
+            .as_deref()
+            .map(|e| e as &(dyn StdError + 'static))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn source_chain_is_kept() {
+        let io = std::io::Error::new(std::io::ErrorKind::ConnectionRefused, "refused");
+        let e = StoreError::new(StoreErrorKind::Unavailable, "connecting to redis").with_source(io);
+        assert_eq!(e.to_string(), "store unavailable: connecting to redis");
+        assert_eq!(e.source().unwrap().to_string(), "refused");
+        assert!(!e.is_uncertain());
+    }
+}
