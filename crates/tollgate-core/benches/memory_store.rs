@@ -1,6 +1,8 @@
 //! Decision cost of `MemoryStore`: one hot key, 100k keys round-robin, and two
 //! threads on one key. Run: `cargo bench -p tollgate-core --bench memory_store`.
 
+#![allow(missing_docs)] // criterion_group! generates undocumented items.
+
 use std::hint::black_box;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -16,12 +18,15 @@ fn charges(n: usize, policy: &Policy) -> Vec<[Charge; 1]> {
 
 fn decisions(c: &mut Criterion) {
     // Generous enough that every decision is an admission.
-    let policy = Policy::token_bucket("bench", 1_000_000_000, Rate::per_second(1_000_000_000)).unwrap();
+    let policy =
+        Policy::token_bucket("bench", 1_000_000_000, Rate::per_second(1_000_000_000)).unwrap();
     let mut group = c.benchmark_group("memory_store");
 
     let store = MemoryStore::new();
     let hot = charges(1, &policy);
-    group.bench_function("hot_key", |b| b.iter(|| black_box(store.charge_now(&hot[0]).unwrap())));
+    group.bench_function("hot_key", |b| {
+        b.iter(|| black_box(store.charge_now(&hot[0]).unwrap()))
+    });
 
     let store = MemoryStore::new();
     let keys = charges(100_000, &policy);

@@ -94,6 +94,76 @@ pub fn decide(policy: &Policy, state: Option<State>, now: Nanos, cost: u64) -> S
     }
 }
 
+/// The budget as it stands at `now`, without charging: the units available
+/// and the time until fully restored, as an [`Decision::Admitted`]-shaped
+/// description. Used to describe limits that were not spent because another
+/// limit of the same call refused.
+pub fn describe(policy: &Policy, state: Option<State>, now: Nanos) -> Decision {
+    let s = match state {
+        Some(s) => s,
+        None => {
+            let remaining = match *policy.algorithm() {
+                Algorithm::TokenBucket {
+                    initial: Initial::Empty,
+                    ..
+                } => 0,
+                _ => policy.capacity(),
+            };
+            let reset = if remaining == 0 {
+                policy.window()
+            } else {
+                Duration::ZERO
+            };
+            return Decision::Admitted { remaining, reset };
+        }
+    };
+    match *policy.algorithm() {
+        Algorithm::TokenBucket {
+            capacity,
+            numerator,
+            denominator,
+            ..
+        } => {
+            let (num, den) = (u128::from(numerator), u128::from(denominator));
+            let cap = u128::from(capacity) * den;
+            let t = now.max(s.at);
+            let credit = cap.min(u128::from(s.level) + u128::from(t - s.at) * num);
+            Decision::Admitted {
+                remaining: sat(credit / den),
+                reset: ns(u128::from(t - now) + (cap - credit).div_ceil(num)),
+            }
+        }
+        Algorithm::FixedWindow { limit, window } => {
+            let end = s.at.saturating_add(window);
+            if now < end {
+                Decision::Admitted {
+                    remaining: limit.saturating_sub(s.level),
+                    reset: Duration::from_nanos(end - now),
+                }
+            } else {
+                Decision::Admitted {
+                    remaining: limit,
+                    reset: Duration::ZERO,
+                }
+            }
+        }
+        Algorithm::SlidingWindow { .. } => {
+            // A cost of one unit shows the same weighted state; undo it.
+            let step = decide(policy, Some(s), now, 1);
+            match step.decision {
+                Decision::Admitted { remaining, .. } => Decision::Admitted {
+                    remaining: remaining + 1,
+                    reset: Duration::from_nanos(idle_at(policy, Some(s), now).saturating_sub(now)),
+                },
+                Decision::Denied {
+                    remaining, reset, ..
+                } => Decision::Admitted { remaining, reset },
+                other => other,
+            }
+        }
+    }
+}
+
 /// When `state` stops mattering, without charging anything.
 pub fn idle_at(policy: &Policy, state: Option<State>, now: Nanos) -> Nanos {
     let Some(s) = state else { return now };
@@ -319,7 +389,10 @@ mod tests {
             s = step.next;
         }
         let step = decide(&p, s, 0, 1);
-        assert_eq!(step.decision.retry_after(), Some(Duration::from_millis(500)));
+        assert_eq!(
+            step.decision.retry_after(),
+            Some(Duration::from_millis(500))
+        );
         assert_eq!(step.next, None);
         let step = decide(&p, s, 0, 2);
         assert_eq!(step.decision.retry_after(), Some(Duration::from_secs(1)));
@@ -333,7 +406,10 @@ mod tests {
         let s = decide(&p, None, 10 * S, 3).next;
         let step = decide(&p, s, 0, 1);
         // Credit is as at 10 s (empty); one token is 0.5 s after 10 s.
-        assert_eq!(step.decision.retry_after(), Some(Duration::from_millis(10_500)));
+        assert_eq!(
+            step.decision.retry_after(),
+            Some(Duration::from_millis(10_500))
+        );
         let w = Policy::fixed_window("w", 1, Duration::from_secs(1)).unwrap();
         let s = decide(&w, None, 10 * S, 1).next;
         assert!(!decide(&w, s, 0, 1).decision.is_admitted());
@@ -348,7 +424,10 @@ mod tests {
             .unwrap()
             .with_initial(Initial::Empty);
         let step = decide(&p, None, 0, 1);
-        assert_eq!(step.decision.retry_after(), Some(Duration::from_millis(500)));
+        assert_eq!(
+            step.decision.retry_after(),
+            Some(Duration::from_millis(500))
+        );
     }
 
     #[test]

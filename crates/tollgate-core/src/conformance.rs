@@ -122,9 +122,7 @@ pub fn cases() -> Vec<Case> {
         },
         Case {
             name: "bucket-empty-start",
-            policies: vec![
-                tb("empty", 2, Rate::per_second(4)).with_initial(Initial::Empty),
-            ],
+            policies: vec![tb("empty", 2, Rate::per_second(4)).with_initial(Initial::Empty)],
             steps: vec![
                 step(0, &a, denied(250 * MS)),
                 step(250 * MS, &a, OK),
@@ -218,7 +216,10 @@ pub async fn run_case<S: Store>(
             .iter()
             .map(|&(key, p, cost)| {
                 let policy = case.policies[p].clone();
-                let key = Key::new(namespace).with(case.name).with(policy.name()).with(key);
+                let key = Key::new(namespace)
+                    .with(case.name)
+                    .with(policy.name())
+                    .with(key);
                 Charge::new(key, policy, cost).expect("conformance costs are positive")
             })
             .collect();

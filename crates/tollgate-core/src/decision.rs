@@ -120,6 +120,9 @@ impl Decision {
 ///
 /// `limits` holds one [`Decision`] per charge, in the order the charges were
 /// given, so a caller can describe every policy (e.g. in `RateLimit` headers).
+/// When the verdict is not [`Verdict::Admitted`] nothing was spent, and an
+/// [`Decision::Admitted`] entry describes that budget as it stands (units
+/// available and time to full without this charge).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
     limits: Vec<Decision>,
@@ -233,7 +236,10 @@ mod tests {
             cost: 4,
             capacity: 3,
         };
-        assert_eq!(Outcome::new(vec![denied(9), never]).verdict(), Verdict::NeverFits);
+        assert_eq!(
+            Outcome::new(vec![denied(9), never]).verdict(),
+            Verdict::NeverFits
+        );
         assert_eq!(Outcome::new(vec![ok]).verdict(), Verdict::Admitted);
     }
 }

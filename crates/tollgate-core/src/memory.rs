@@ -233,14 +233,14 @@ impl MemoryStore {
         let mut order: Vec<usize> = digests.iter().map(|d| inner.shard_of(*d)).collect();
         order.sort_unstable();
         order.dedup();
-        let mut guards: Vec<MutexGuard<'_, Shard>> =
-            order.iter().map(|&i| inner.lock(i)).collect();
+        let mut guards: Vec<MutexGuard<'_, Shard>> = order.iter().map(|&i| inner.lock(i)).collect();
         for g in &mut guards {
             inner.maybe_sweep(g, now);
         }
         let guard_of = |d: u128| order.binary_search(&inner.shard_of(d)).unwrap_or(0);
 
         let mut steps: Vec<(u128, Step)> = Vec::with_capacity(charges.len());
+        let mut before: Vec<Option<State>> = Vec::with_capacity(charges.len());
         for (charge, &digest) in charges.iter().zip(&digests) {
             // A repeated key in one call sees the earlier charge's effect.
             let state = steps
@@ -249,10 +249,17 @@ impl MemoryStore {
                 .find(|(d, s)| *d == digest && s.next.is_some())
                 .and_then(|(_, s)| s.next)
                 .or_else(|| guards[guard_of(digest)].map.get(&digest).map(|e| e.state));
-            steps.push((digest, algorithm::decide(charge.policy(), state, now, charge.cost())));
+            before.push(state);
+            steps.push((
+                digest,
+                algorithm::decide(charge.policy(), state, now, charge.cost()),
+            ));
         }
-        let outcome = Outcome::new(steps.iter().map(|(_, s)| s.decision).collect());
+        let mut outcome = Outcome::new(steps.iter().map(|(_, s)| s.decision).collect());
         let admitted = outcome.is_admitted();
+        if !admitted {
+            outcome = unspent(charges, &before, outcome, now);
+        }
         // Admissions are written only together; a refusal's state (the
         // creation of an initially-empty bucket) is written regardless.
         steps.retain(|(_, s)| s.next.is_some() && (admitted || !s.decision.is_admitted()));
@@ -281,25 +288,23 @@ impl MemoryStore {
     /// Decisions for `charges` at `now` without writing anything.
     fn peek(&self, charges: &[Charge], now: Nanos) -> Outcome {
         let inner = &*self.inner;
-        Outcome::new(
-            charges
-                .iter()
-                .map(|c| {
-                    let digest = inner.digest(c);
-                    let state = inner
-                        .lock(inner.shard_of(digest))
-                        .map
-                        .get(&digest)
-                        .map(|e| e.state);
-                    let d = algorithm::decide(c.policy(), state, now, c.cost()).decision;
-                    match d {
-                        // Without this charge's own admission nothing is spent.
-                        Decision::Admitted { .. } if !c.can_fit() => d,
-                        other => other,
-                    }
-                })
-                .collect(),
-        )
+        let states: Vec<Option<State>> = charges
+            .iter()
+            .map(|c| {
+                let digest = inner.digest(c);
+                inner
+                    .lock(inner.shard_of(digest))
+                    .map
+                    .get(&digest)
+                    .map(|e| e.state)
+            })
+            .collect();
+        let decisions = charges
+            .iter()
+            .zip(&states)
+            .map(|(c, s)| algorithm::decide(c.policy(), *s, now, c.cost()).decision)
+            .collect();
+        unspent(charges, &states, Outcome::new(decisions), now)
     }
 
     /// Current counters. Counting keys locks every shard in turn.
@@ -326,6 +331,22 @@ impl MemoryStore {
     }
 }
 
+/// In a refused outcome nothing was spent: admitted entries describe their
+/// budget as it stands, not as it would be after the charge.
+fn unspent(charges: &[Charge], before: &[Option<State>], outcome: Outcome, now: Nanos) -> Outcome {
+    Outcome::new(
+        outcome
+            .limits()
+            .iter()
+            .zip(charges.iter().zip(before))
+            .map(|(d, (c, s))| match d {
+                Decision::Admitted { .. } => algorithm::describe(c.policy(), *s, now),
+                other => *other,
+            })
+            .collect(),
+    )
+}
+
 impl Inner {
     fn digest(&self, charge: &Charge) -> u128 {
         let item = (charge.policy(), charge.key().as_str());
@@ -339,7 +360,9 @@ impl Inner {
     fn lock(&self, i: usize) -> MutexGuard<'_, Shard> {
         // No code holding a shard lock can panic on input, but a poisoned
         // lock must not take the whole limiter down with it.
-        self.shards[i].lock().unwrap_or_else(PoisonError::into_inner)
+        self.shards[i]
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
     }
 
     fn maybe_sweep(&self, shard: &mut Shard, now: Nanos) {
@@ -443,7 +466,12 @@ mod tests {
         }
         let e = store.charge_now(&[charge("d", &p, 1)]).unwrap_err();
         assert_eq!(e.kind(), StoreErrorKind::CapacityExhausted);
-        assert!(store.charge_now(&[charge("a", &p, 1)]).unwrap().is_admitted());
+        assert!(
+            store
+                .charge_now(&[charge("a", &p, 1)])
+                .unwrap()
+                .is_admitted()
+        );
         assert_eq!(store.stats().refused_new_keys, 1);
         assert_eq!(store.stats().keys, 3);
     }
@@ -482,6 +510,11 @@ mod tests {
             .charge_now(&[charge("a", &p, 2), charge("a", &p, 2)])
             .unwrap();
         assert!(!o.is_admitted());
-        assert!(store.charge_now(&[charge("a", &p, 3)]).unwrap().is_admitted());
+        assert!(
+            store
+                .charge_now(&[charge("a", &p, 3)])
+                .unwrap()
+                .is_admitted()
+        );
     }
 }

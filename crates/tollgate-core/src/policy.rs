@@ -189,10 +189,16 @@ fn validate_name(name: &str) -> Result<(), InvalidPolicy> {
 
 fn nanos(name: &str, what: &str, d: Duration) -> Result<u64, InvalidPolicy> {
     let n = u64::try_from(d.as_nanos()).map_err(|_| {
-        InvalidPolicy::new(name, format!("{what} {d:?} does not fit in 64-bit nanoseconds"))
+        InvalidPolicy::new(
+            name,
+            format!("{what} {d:?} does not fit in 64-bit nanoseconds"),
+        )
     })?;
     if n == 0 {
-        return Err(InvalidPolicy::new(name, format!("{what} must be positive, got {d:?}")));
+        return Err(InvalidPolicy::new(
+            name,
+            format!("{what} must be positive, got {d:?}"),
+        ));
     }
     Ok(n)
 }
@@ -229,10 +235,16 @@ impl Policy {
         let name = name.into();
         validate_name(&name)?;
         if capacity == 0 {
-            return Err(InvalidPolicy::new(&name, "capacity must be positive, got 0"));
+            return Err(InvalidPolicy::new(
+                &name,
+                "capacity must be positive, got 0",
+            ));
         }
         if rate.amount == 0 {
-            return Err(InvalidPolicy::new(&name, "refill amount must be positive, got 0"));
+            return Err(InvalidPolicy::new(
+                &name,
+                "refill amount must be positive, got 0",
+            ));
         }
         let period = nanos(&name, "refill period", rate.period)?;
         let g = gcd(rate.amount, period);

@@ -34,8 +34,10 @@ pub trait Store: Send + Sync + 'static {
 /// The object-safe form of [`Store`], implemented for every `Store`.
 pub trait DynStore: Send + Sync + 'static {
     /// [`Store::charge`], boxed.
-    fn charge_boxed<'a>(&'a self, charges: &'a [Charge])
-    -> StoreFuture<'a, Result<Outcome, StoreError>>;
+    fn charge_boxed<'a>(
+        &'a self,
+        charges: &'a [Charge],
+    ) -> StoreFuture<'a, Result<Outcome, StoreError>>;
 }
 
 impl<S: Store> DynStore for S {

@@ -34,7 +34,9 @@ fn seed_trace_envelope_and_oversized_cost() {
     let allowed: Vec<bool> = results.iter().map(|r| r.2 == Verdict::Admitted).collect();
     assert_eq!(
         allowed,
-        [true, true, true, false, false, true, true, true, true, true, false]
+        [
+            true, true, true, false, false, true, true, true, true, true, false
+        ]
     );
     // bucket.tokens == 0: the last refusal needs exactly one token at 2/s.
     assert_eq!(
@@ -63,7 +65,10 @@ fn seed_trace_envelope_and_oversized_cost() {
     // Cost above capacity never fits; rejection does not consume tokens.
     assert_eq!(take(&store, &clock, q(200, 1), 4), Verdict::NeverFits);
     assert_eq!(take(&store, &clock, q(200, 1), 3), Verdict::Admitted);
-    assert!(matches!(take(&store, &clock, q(200, 1), 1), Verdict::Denied { .. }));
+    assert!(matches!(
+        take(&store, &clock, q(200, 1), 1),
+        Verdict::Denied { .. }
+    ));
 }
 
 #[test]

@@ -1,0 +1,88 @@
+//! [`ResponseBody`]: the inner service's body, or one of our refusals.
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use bytes::Bytes;
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::Full;
+use pin_project_lite::pin_project;
+
+pin_project! {
+    /// The body of a response from a tollgate middleware: the inner
+    /// service's body passed through untouched, or the small body of a
+    /// refusal this crate produced. The inner body's error type is kept, so
+    /// an `Infallible` stays `Infallible`.
+    pub struct ResponseBody<B> {
+        #[pin]
+        inner: Kind<B>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<B> {
+        Inner { #[pin] body: B },
+        Refused { #[pin] body: Full<Bytes> },
+    }
+}
+
+impl<B> ResponseBody<B> {
+    pub(crate) fn inner(body: B) -> Self {
+        Self {
+            inner: Kind::Inner { body },
+        }
+    }
+
+    pub(crate) fn refused(body: Full<Bytes>) -> Self {
+        Self {
+            inner: Kind::Refused { body },
+        }
+    }
+}
+
+impl<B> std::fmt::Debug for ResponseBody<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.inner {
+            Kind::Inner { .. } => f.write_str("ResponseBody::Inner"),
+            Kind::Refused { .. } => f.write_str("ResponseBody::Refused"),
+        }
+    }
+}
+
+impl<B> Body for ResponseBody<B>
+where
+    B: Body<Data = Bytes>,
+{
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match self.project().inner.project() {
+            KindProj::Inner { body } => body.poll_frame(cx),
+            KindProj::Refused { body } => match body.poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => Poll::Ready(Some(Ok(frame))),
+                Poll::Ready(Some(Err(never))) => match never {},
+                Poll::Ready(None) => Poll::Ready(None),
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.inner {
+            Kind::Inner { body } => body.is_end_stream(),
+            Kind::Refused { body } => body.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.inner {
+            Kind::Inner { body } => body.size_hint(),
+            Kind::Refused { body } => body.size_hint(),
+        }
+    }
+}

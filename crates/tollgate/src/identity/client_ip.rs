@@ -1,0 +1,569 @@
+use std::fmt;
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::sync::Arc;
+
+use http::request::Parts;
+use http::{HeaderMap, HeaderName};
+use ipnet::IpNet;
+
+use super::forwarded::{self, Chain, Node};
+
+/// The connected peer's address, for servers that are not axum: insert it
+/// into each request's extensions when accepting the connection.
+///
+/// With the `axum` feature, axum's `ConnectInfo<SocketAddr>` is read too.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct PeerAddr(pub SocketAddr);
+
+/// Which forwarding header a trusted proxy writes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum ForwardedHeader {
+    /// `X-Forwarded-For: client, proxy1, proxy2` (default).
+    #[default]
+    XForwardedFor,
+    /// RFC 7239 `Forwarded: for=client, for=proxy1`.
+    Forwarded,
+    /// `X-Real-IP: client`, one address per line.
+    XRealIp,
+}
+
+impl ForwardedHeader {
+    fn chain(self, headers: &HeaderMap) -> Chain {
+        match self {
+            ForwardedHeader::XForwardedFor => {
+                forwarded::x_forwarded_for(headers.get_all("x-forwarded-for"))
+            }
+            ForwardedHeader::Forwarded => forwarded::forwarded(headers.get_all("forwarded")),
+            ForwardedHeader::XRealIp => forwarded::x_real_ip(headers.get_all("x-real-ip")),
+        }
+    }
+}
+
+/// A client address as used in keys: normalised (IPv4-mapped IPv6 is IPv4;
+/// IPv6 is in canonical form) and, if configured, masked to a prefix.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ClientIp {
+    addr: IpAddr,
+    prefix: u8,
+}
+
+impl ClientIp {
+    /// The (masked) address.
+    pub fn addr(&self) -> IpAddr {
+        self.addr
+    }
+
+    /// The prefix length the address was masked to (32 or 128 if none).
+    pub fn prefix(&self) -> u8 {
+        self.prefix
+    }
+}
+
+impl fmt::Display for ClientIp {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let full = if self.addr.is_ipv4() { 32 } else { 128 };
+        if self.prefix == full {
+            write!(f, "{}", self.addr)
+        } else {
+            write!(f, "{}/{}", self.addr, self.prefix)
+        }
+    }
+}
+
+/// Why no client address could be resolved.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ClientIpError {
+    /// The request carries no peer address: a server configuration error.
+    #[error(
+        "no peer address in the request extensions: serve axum with \
+         `into_make_service_with_connect_info::<SocketAddr>()`, or insert \
+         `tollgate::PeerAddr` for each connection"
+    )]
+    MissingPeer,
+    /// The single trusted proxy sent something other than exactly one address.
+    #[error("trusted proxy {proxy} must send exactly one address in {header}, got {value:?}")]
+    NotSingleAddress {
+        /// The proxy's address.
+        proxy: IpAddr,
+        /// The header it should have set.
+        header: String,
+        /// What it sent, cut to 64 bytes.
+        value: String,
+    },
+}
+
+/// An invalid prefix length.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("prefix length {prefix} is out of range for IPv{family} (1..={max})")]
+pub struct InvalidPrefix {
+    prefix: u8,
+    family: u8,
+    max: u8,
+}
+
+#[derive(Debug, Clone)]
+enum Mode {
+    PeerOnly,
+    Recursive {
+        trusted: Arc<[IpNet]>,
+        header: ForwardedHeader,
+    },
+    SingleProxy {
+        proxy: IpAddr,
+        header: HeaderName,
+    },
+}
+
+/// Resolves the client address of a request.
+///
+/// - [`ClientIpResolver::peer_only`] (default): the connected peer; forwarding
+///   headers are ignored.
+/// - [`ClientIpResolver::trusting`]: when the peer is inside a trusted
+///   network, walk the forwarding chain from the right past trusted hops and
+///   take the first address that is not trusted, like nginx's
+///   `real_ip_recursive on`. If every hop is trusted the leftmost address is
+///   taken. A hop that is not an address (`unknown`, obfuscated, garbage, or
+///   beyond the input limits) stops the walk at the trusted hop that
+///   reported it, so a caller can never choose its key by sending junk.
+/// - [`ClientIpResolver::single_proxy`]: the field notes' strict contract —
+///   one trusted proxy that overwrites one header with exactly one address;
+///   anything else from it is an error ([`ClientIpError::NotSingleAddress`]).
+///
+/// ```
+/// use tollgate::{ClientIpResolver, ForwardedHeader};
+/// let resolver = ClientIpResolver::trusting(["10.0.0.0/8".parse().unwrap()], ForwardedHeader::XForwardedFor);
+/// let mut headers = http::HeaderMap::new();
+/// headers.insert("x-forwarded-for", "203.0.113.7, 10.1.1.1".parse().unwrap());
+/// let ip = resolver.resolve_from("10.0.0.2".parse().unwrap(), &headers).unwrap();
+/// assert_eq!(ip.to_string(), "203.0.113.7");
+/// // An untrusted peer cannot choose its address.
+/// let ip = resolver.resolve_from("198.51.100.8".parse().unwrap(), &headers).unwrap();
+/// assert_eq!(ip.to_string(), "198.51.100.8");
+/// ```
+#[derive(Debug, Clone)]
+pub struct ClientIpResolver {
+    mode: Mode,
+    v4_prefix: u8,
+    v6_prefix: u8,
+}
+
+impl Default for ClientIpResolver {
+    fn default() -> Self {
+        Self::peer_only()
+    }
+}
+
+/// IPv4-mapped IPv6 collapses to IPv4; other addresses are unchanged.
+fn canonical(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(ip, IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+impl ClientIpResolver {
+    /// The connected peer only.
+    pub fn peer_only() -> Self {
+        Self {
+            mode: Mode::PeerOnly,
+            v4_prefix: 32,
+            v6_prefix: 128,
+        }
+    }
+
+    /// Believe `header` from peers inside `trusted`, walking right to left.
+    /// With no networks this is [`ClientIpResolver::peer_only`].
+    pub fn trusting(trusted: impl IntoIterator<Item = IpNet>, header: ForwardedHeader) -> Self {
+        let trusted: Arc<[IpNet]> = trusted.into_iter().map(|n| n.trunc()).collect();
+        if trusted.is_empty() {
+            return Self::peer_only();
+        }
+        Self {
+            mode: Mode::Recursive { trusted, header },
+            ..Self::peer_only()
+        }
+    }
+
+    /// The strict single-proxy contract: `proxy` overwrites `header` with
+    /// exactly one IP address; a list or anything else from it is refused.
+    pub fn single_proxy(proxy: IpAddr, header: HeaderName) -> Self {
+        Self {
+            mode: Mode::SingleProxy {
+                proxy: canonical(proxy),
+                header,
+            },
+            ..Self::peer_only()
+        }
+    }
+
+    /// Aggregates IPv6 clients by prefix, e.g. 64 for one key per /64.
+    pub fn aggregate_ipv6(mut self, prefix: u8) -> Result<Self, InvalidPrefix> {
+        if !(1..=128).contains(&prefix) {
+            return Err(InvalidPrefix {
+                prefix,
+                family: 6,
+                max: 128,
+            });
+        }
+        self.v6_prefix = prefix;
+        Ok(self)
+    }
+
+    /// Aggregates IPv4 clients by prefix, e.g. 24.
+    pub fn aggregate_ipv4(mut self, prefix: u8) -> Result<Self, InvalidPrefix> {
+        if !(1..=32).contains(&prefix) {
+            return Err(InvalidPrefix {
+                prefix,
+                family: 4,
+                max: 32,
+            });
+        }
+        self.v4_prefix = prefix;
+        Ok(self)
+    }
+
+    /// The peer address of a request: [`PeerAddr`], or axum's
+    /// `ConnectInfo<SocketAddr>` with the `axum` feature.
+    pub fn peer_of(parts: &Parts) -> Option<IpAddr> {
+        if let Some(PeerAddr(sa)) = parts.extensions.get::<PeerAddr>() {
+            return Some(sa.ip());
+        }
+        #[cfg(feature = "axum")]
+        if let Some(ci) = parts
+            .extensions
+            .get::<axum::extract::ConnectInfo<SocketAddr>>()
+        {
+            return Some(ci.0.ip());
+        }
+        None
+    }
+
+    /// Resolves the client address of a request.
+    pub fn resolve(&self, parts: &Parts) -> Result<ClientIp, ClientIpError> {
+        let peer = Self::peer_of(parts).ok_or(ClientIpError::MissingPeer)?;
+        self.resolve_from(peer, &parts.headers)
+    }
+
+    /// Resolves the client address given the peer and the request headers.
+    pub fn resolve_from(
+        &self,
+        peer: IpAddr,
+        headers: &HeaderMap,
+    ) -> Result<ClientIp, ClientIpError> {
+        let peer = canonical(peer);
+        let addr = match &self.mode {
+            Mode::PeerOnly => peer,
+            Mode::Recursive { trusted, header } => {
+                let is_trusted = |ip: IpAddr| trusted.iter().any(|n| n.contains(&ip));
+                if is_trusted(peer) {
+                    walk(peer, &header.chain(headers), is_trusted)
+                } else {
+                    peer
+                }
+            }
+            Mode::SingleProxy { proxy, header } => {
+                if peer == *proxy {
+                    single(*proxy, header, headers)?
+                } else {
+                    peer
+                }
+            }
+        };
+        Ok(self.mask(addr))
+    }
+
+    fn mask(&self, addr: IpAddr) -> ClientIp {
+        match addr {
+            IpAddr::V4(v4) => {
+                let p = self.v4_prefix;
+                let bits = u32::from(v4) & (u32::MAX.checked_shl(32 - u32::from(p)).unwrap_or(0));
+                ClientIp {
+                    addr: IpAddr::V4(Ipv4Addr::from(bits)),
+                    prefix: p,
+                }
+            }
+            IpAddr::V6(v6) => {
+                let p = self.v6_prefix;
+                let bits =
+                    u128::from(v6) & (u128::MAX.checked_shl(128 - u32::from(p)).unwrap_or(0));
+                ClientIp {
+                    addr: IpAddr::V6(Ipv6Addr::from(bits)),
+                    prefix: p,
+                }
+            }
+        }
+    }
+}
+
+fn walk(peer: IpAddr, chain: &Chain, is_trusted: impl Fn(IpAddr) -> bool) -> IpAddr {
+    let mut current = peer;
+    for node in chain.nodes.iter().rev() {
+        match *node {
+            Node::Addr(ip) => {
+                current = canonical(ip);
+                if !is_trusted(current) {
+                    return current;
+                }
+            }
+            // The trusted hop that reported a non-address is as far as we
+            // can believe.
+            Node::Unknown | Node::Obfuscated | Node::Invalid => return current,
+        }
+    }
+    current
+}
+
+fn single(
+    proxy: IpAddr,
+    header: &HeaderName,
+    headers: &HeaderMap,
+) -> Result<IpAddr, ClientIpError> {
+    let mut lines = headers.get_all(header).iter();
+    let refuse = |value: &[u8]| ClientIpError::NotSingleAddress {
+        proxy,
+        header: header.to_string(),
+        value: String::from_utf8_lossy(&value[..value.len().min(64)]).into_owned(),
+    };
+    let (Some(only), None) = (lines.next(), lines.next()) else {
+        let joined: Vec<u8> = headers
+            .get_all(header)
+            .iter()
+            .flat_map(|v| v.as_bytes().iter().copied().chain(*b"\n"))
+            .take(64)
+            .collect();
+        return Err(refuse(&joined));
+    };
+    only.to_str()
+        .ok()
+        .map(|s| s.trim_matches([' ', '\t']))
+        .and_then(|s| s.parse::<IpAddr>().ok())
+        .map(canonical)
+        .ok_or_else(|| refuse(only.as_bytes()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    fn headers(name: &str, values: &[&str]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for v in values {
+            h.append(
+                HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                v.parse().unwrap(),
+            );
+        }
+        h
+    }
+
+    fn trusting(nets: &[&str], header: ForwardedHeader) -> ClientIpResolver {
+        ClientIpResolver::trusting(nets.iter().map(|n| n.parse().unwrap()), header)
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn untrusted_peer_keeps_its_own_address() {
+        let r = trusting(&["192.0.2.10/32"], ForwardedHeader::XForwardedFor);
+        let h = headers("x-forwarded-for", &["203.0.113.77"]);
+        assert_eq!(
+            r.resolve_from(ip("198.51.100.8"), &h).unwrap().addr(),
+            ip("198.51.100.8")
+        );
+        assert_eq!(
+            r.resolve_from(ip("192.0.2.10"), &h).unwrap().addr(),
+            ip("203.0.113.77")
+        );
+    }
+
+    #[test]
+    fn recursive_walk_skips_trusted_hops_across_lines() {
+        let r = trusting(
+            &["10.0.0.0/8", "192.0.2.0/24"],
+            ForwardedHeader::XForwardedFor,
+        );
+        let h = headers(
+            "x-forwarded-for",
+            &["1.1.1.1, 6.6.6.6", "10.0.0.5", "192.0.2.1"],
+        );
+        // 1.1.1.1 was sent by the client itself; 6.6.6.6 is where the first
+        // trusted proxy saw the connection come from.
+        assert_eq!(
+            r.resolve_from(ip("10.9.9.9"), &h).unwrap().addr(),
+            ip("6.6.6.6")
+        );
+        // Garbage right of the untrusted hop stops the walk at the reporter.
+        let h = headers("x-forwarded-for", &["6.6.6.6, garbage, 10.0.0.5"]);
+        assert_eq!(
+            r.resolve_from(ip("10.9.9.9"), &h).unwrap().addr(),
+            ip("10.0.0.5")
+        );
+        let h = headers("x-forwarded-for", &["unknown"]);
+        assert_eq!(
+            r.resolve_from(ip("10.9.9.9"), &h).unwrap().addr(),
+            ip("10.9.9.9")
+        );
+        // All trusted: the leftmost address.
+        let h = headers("x-forwarded-for", &["10.1.1.1, 10.2.2.2"]);
+        assert_eq!(
+            r.resolve_from(ip("10.9.9.9"), &h).unwrap().addr(),
+            ip("10.1.1.1")
+        );
+        // No header: the trusted peer itself.
+        assert_eq!(
+            r.resolve_from(ip("10.9.9.9"), &HeaderMap::new())
+                .unwrap()
+                .addr(),
+            ip("10.9.9.9")
+        );
+    }
+
+    #[test]
+    fn forwarded_header_with_ports_and_brackets() {
+        let r = trusting(&["10.0.0.0/8"], ForwardedHeader::Forwarded);
+        let h = headers(
+            "forwarded",
+            &[r#"for="[2001:db8:cafe::17]:4711", for=10.0.0.1"#],
+        );
+        assert_eq!(
+            r.resolve_from(ip("10.0.0.2"), &h).unwrap().addr(),
+            ip("2001:db8:cafe::17")
+        );
+        let h = headers("forwarded", &["for=_hidden, for=10.0.0.1"]);
+        assert_eq!(
+            r.resolve_from(ip("10.0.0.2"), &h).unwrap().addr(),
+            ip("10.0.0.1")
+        );
+    }
+
+    #[test]
+    fn normalisation_and_aggregation() {
+        let r = ClientIpResolver::peer_only();
+        assert_eq!(
+            r.resolve_from(ip("::ffff:198.51.100.8"), &HeaderMap::new())
+                .unwrap()
+                .to_string(),
+            "198.51.100.8"
+        );
+        let t = trusting(&["127.0.0.1/32"], ForwardedHeader::XForwardedFor);
+        let a = t
+            .resolve_from(
+                ip("127.0.0.1"),
+                &headers("x-forwarded-for", &["2001:0db8:0:0::1"]),
+            )
+            .unwrap();
+        let b = t
+            .resolve_from(
+                ip("127.0.0.1"),
+                &headers("x-forwarded-for", &["2001:db8::1"]),
+            )
+            .unwrap();
+        assert_eq!(a, b);
+        assert_eq!(a.to_string(), "2001:db8::1");
+        let agg = ClientIpResolver::peer_only()
+            .aggregate_ipv6(64)
+            .unwrap()
+            .aggregate_ipv4(24)
+            .unwrap();
+        assert_eq!(
+            agg.resolve_from(ip("2001:db8:1:2:3:4:5:6"), &HeaderMap::new())
+                .unwrap()
+                .to_string(),
+            "2001:db8:1:2::/64"
+        );
+        assert_eq!(
+            agg.resolve_from(ip("198.51.100.8"), &HeaderMap::new())
+                .unwrap()
+                .to_string(),
+            "198.51.100.0/24"
+        );
+        assert!(ClientIpResolver::peer_only().aggregate_ipv6(0).is_err());
+        assert!(ClientIpResolver::peer_only().aggregate_ipv4(33).is_err());
+    }
+
+    #[test]
+    fn single_proxy_contract() {
+        let r =
+            ClientIpResolver::single_proxy(ip("192.0.2.10"), HeaderName::from_static("x-real-ip"));
+        let one = headers("x-real-ip", &["198.51.100.8"]);
+        assert_eq!(
+            r.resolve_from(ip("192.0.2.10"), &one).unwrap().addr(),
+            ip("198.51.100.8")
+        );
+        assert_eq!(
+            r.resolve_from(ip("198.51.100.8"), &headers("x-real-ip", &["203.0.113.77"]))
+                .unwrap()
+                .addr(),
+            ip("198.51.100.8")
+        );
+        assert_eq!(
+            r.resolve_from(
+                ip("198.51.100.8"),
+                &headers("x-real-ip", &["not-an-address"])
+            )
+            .unwrap()
+            .addr(),
+            ip("198.51.100.8")
+        );
+        for bad in [
+            &["198.51.100.8, 203.0.113.9"][..],
+            &["1.2.3.4", "5.6.7.8"],
+            &["nonsense"],
+            &[],
+        ] {
+            let e = r
+                .resolve_from(ip("192.0.2.10"), &headers("x-real-ip", bad))
+                .unwrap_err();
+            assert!(
+                matches!(e, ClientIpError::NotSingleAddress { .. }),
+                "{bad:?}"
+            );
+        }
+    }
+
+    proptest! {
+        /// For any header content, an untrusted peer is keyed by itself.
+        #[test]
+        fn untrusted_peer_is_never_replaced(values in proptest::collection::vec("[ -~]{0,80}", 0..5), last in 0u8..=255) {
+            let peer = IpAddr::V4(Ipv4Addr::new(198, 51, 100, last));
+            let mut h = HeaderMap::new();
+            for v in &values {
+                if let Ok(v) = v.parse::<http::HeaderValue>() {
+                    h.append("x-forwarded-for", v.clone());
+                    h.append("forwarded", v.clone());
+                    h.append("x-real-ip", v);
+                }
+            }
+            for header in [ForwardedHeader::XForwardedFor, ForwardedHeader::Forwarded, ForwardedHeader::XRealIp] {
+                let r = trusting(&["10.0.0.0/8"], header);
+                prop_assert_eq!(r.resolve_from(peer, &h).unwrap().addr(), peer);
+            }
+        }
+
+        /// With trusted proxies, the chosen address is either untrusted with
+        /// only trusted hops to its right, or a trusted hop itself: never an
+        /// address that a hop beyond the trust boundary wrote.
+        #[test]
+        fn chosen_address_was_written_by_a_trusted_hop(entries in proptest::collection::vec(prop_oneof![
+            Just("10.0.0.1".to_owned()), Just("10.0.0.2".to_owned()), Just("6.6.6.6".to_owned()),
+            Just("7.7.7.7".to_owned()), Just("unknown".to_owned()), Just("junk".to_owned()),
+        ], 0..8)) {
+            let r = trusting(&["10.0.0.0/8"], ForwardedHeader::XForwardedFor);
+            let h = if entries.is_empty() { HeaderMap::new() } else { headers("x-forwarded-for", &[&entries.join(", ")]) };
+            let got = r.resolve_from(ip("10.9.9.9"), &h).unwrap().addr();
+            // Expected: walk from the right.
+            let mut expected = ip("10.9.9.9");
+            for e in entries.iter().rev() {
+                match e.parse::<IpAddr>() {
+                    Ok(a) => { expected = a; if !a.to_string().starts_with("10.") { break; } }
+                    Err(_) => break,
+                }
+            }
+            prop_assert_eq!(got, expected);
+        }
+    }
+}

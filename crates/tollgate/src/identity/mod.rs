@@ -1,0 +1,18 @@
+//! Who is asking: the verified [`Principal`], the client address
+//! ([`ClientIpResolver`]) and the [`Operation`] from routing.
+//!
+//! Nothing here reads an account from a header or query string, and nothing
+//! reads a bearer secret: a per-account key comes only from the
+//! [`Principal`] that an authentication layer put into the request
+//! extensions. A client address comes from the connected peer, and a
+//! forwarded address is believed only from a configured trusted proxy.
+
+mod client_ip;
+pub mod forwarded;
+mod operation;
+mod principal;
+
+pub use client_ip::{ClientIp, ClientIpError, ClientIpResolver, ForwardedHeader, PeerAddr};
+pub use operation::Operation;
+pub(crate) use operation::route_of as operation_route;
+pub use principal::Principal;

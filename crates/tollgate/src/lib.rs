@@ -1,0 +1,38 @@
+//! Rate limiting and admission control for Rust HTTP services, as Tower
+//! middleware.
+//!
+//! - [`RateLimitLayer`] resolves who is asking (a verified [`Principal`], or
+//!   a client address through a trusted-proxy boundary) into tuple keys,
+//!   charges every applicable [`Rule`] in one all-or-nothing [`Store`] call,
+//!   and answers refusals with `429`, `Retry-After` and the IETF
+//!   `RateLimit-Policy` / `RateLimit` fields.
+//! - The budget arithmetic, keys and stores come from [`tollgate_core`],
+//!   re-exported here.
+//!
+//! See the [`rate_limit`] module for the full table of answers and an axum
+//! example.
+//!
+//! # Features
+//!
+//! - `axum`: read axum's `MatchedPath` (route identity) and
+//!   `ConnectInfo<SocketAddr>` (peer address).
+//! - `metrics`: counters and histograms through the `metrics` facade.
+
+mod body;
+pub mod identity;
+mod observe;
+pub mod rate_limit;
+pub mod response;
+
+pub use body::ResponseBody;
+pub use identity::{
+    ClientIp, ClientIpError, ClientIpResolver, ForwardedHeader, Operation, PeerAddr, Principal,
+};
+pub use rate_limit::{
+    Cost, KeyPart, MissingPrincipal, OnStoreError, RateLimit, RateLimitLayer, Rule,
+};
+pub use tollgate_core::{
+    self as core, Algorithm, CapPolicy, Charge, Clock, Decision, DynStore, Initial, Key,
+    ManualClock, MemoryStore, Outcome, Policy, Rate, Store, StoreError, StoreErrorKind,
+    SystemClock, Unit, Verdict,
+};

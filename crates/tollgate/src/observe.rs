@@ -1,0 +1,63 @@
+//! Tracing events and (with the `metrics` feature) metrics, labelled by
+//! policy name and never by raw key.
+//!
+//! Metrics emitted:
+//! - `tollgate_admitted_cost_total{policy}`: cost admitted;
+//! - `tollgate_denied_cost_total{policy}`: cost refused (429);
+//! - `tollgate_never_fits_total{policy}`: requests whose cost can never fit;
+//! - `tollgate_store_errors_total{kind,outcome}`: store failures and the
+//!   outcome applied (`fail_closed`, `fail_open`, `fallback`);
+//! - `tollgate_store_seconds`: store decision latency histogram.
+
+use std::time::Duration;
+
+use tollgate_core::{Charge, Decision, Outcome, StoreError};
+
+pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome) {
+    let admitted = outcome.is_admitted();
+    for (charge, decision) in charges.iter().zip(outcome.limits()) {
+        let name = charge.policy().name();
+        match decision {
+            Decision::NeverFits { .. } => {
+                tracing::debug!(policy = name, cost = charge.cost(), "cost can never fit");
+                count("tollgate_never_fits_total", name, 1);
+            }
+            Decision::Denied { retry_after, .. } => {
+                tracing::debug!(
+                    policy = name,
+                    cost = charge.cost(),
+                    ?retry_after,
+                    "rate limited"
+                );
+                count("tollgate_denied_cost_total", name, charge.cost());
+            }
+            Decision::Admitted { .. } if admitted => {
+                count("tollgate_admitted_cost_total", name, charge.cost());
+            }
+            Decision::Admitted { .. } => {}
+        }
+    }
+}
+
+pub(crate) fn store_error(error: &StoreError, applied: &'static str) {
+    tracing::warn!(error = %error, kind = ?error.kind(), outcome = applied, "rate-limit store failed");
+    #[cfg(feature = "metrics")]
+    metrics::counter!(
+        "tollgate_store_errors_total",
+        "kind" => format!("{:?}", error.kind()),
+        "outcome" => applied
+    )
+    .increment(1);
+}
+
+pub(crate) fn store_latency(elapsed: Duration) {
+    #[cfg(feature = "metrics")]
+    metrics::histogram!("tollgate_store_seconds").record(elapsed.as_secs_f64());
+    let _ = elapsed;
+}
+
+fn count(metric: &'static str, policy: &str, by: u64) {
+    #[cfg(feature = "metrics")]
+    metrics::counter!(metric, "policy" => policy.to_owned()).increment(by);
+    let _ = (metric, policy, by);
+}

@@ -1,0 +1,149 @@
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, ready};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::Full;
+use pin_project_lite::pin_project;
+use tower_service::Service;
+
+use super::service::Fields;
+use crate::ResponseBody;
+use crate::response::{Answer, RATELIMIT, RATELIMIT_POLICY};
+
+type Decision = Pin<Box<dyn Future<Output = Result<Fields, Answer>> + Send>>;
+
+pin_project! {
+    /// Response future of [`RateLimit`](super::RateLimit): first the store's
+    /// decision, then either the inner service's response or a refusal.
+    pub struct ResponseFuture<S, ReqB>
+    where
+        S: Service<Request<ReqB>>,
+    {
+        #[pin]
+        state: State<S, ReqB>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<S, ReqB>
+    where
+        S: Service<Request<ReqB>>,
+    {
+        Deciding {
+            decision: Decision,
+            // The inner service and request, taken when the store admits.
+            pending: Option<(S, Request<ReqB>)>,
+            grpc: bool,
+        },
+        Calling {
+            #[pin]
+            future: S::Future,
+            fields: Fields,
+        },
+        Refused {
+            response: Option<Response<Full<Bytes>>>,
+        },
+    }
+}
+
+impl<S, ReqB> ResponseFuture<S, ReqB>
+where
+    S: Service<Request<ReqB>>,
+{
+    pub(crate) fn deciding(decision: Decision, inner: S, req: Request<ReqB>, grpc: bool) -> Self {
+        Self {
+            state: State::Deciding {
+                decision,
+                pending: Some((inner, req)),
+                grpc,
+            },
+        }
+    }
+
+    pub(crate) fn calling(mut inner: S, req: Request<ReqB>, fields: Fields) -> Self {
+        Self {
+            state: State::Calling {
+                future: inner.call(req),
+                fields,
+            },
+        }
+    }
+
+    pub(crate) fn refused(response: Response<Full<Bytes>>) -> Self {
+        Self {
+            state: State::Refused {
+                response: Some(response),
+            },
+        }
+    }
+}
+
+impl<S, ReqB, ResB> Future for ResponseFuture<S, ReqB>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>>,
+{
+    type Output = Result<Response<ResponseBody<ResB>>, S::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            match this.state.as_mut().project() {
+                StateProj::Deciding {
+                    decision,
+                    pending,
+                    grpc,
+                } => {
+                    let result = ready!(decision.as_mut().poll(cx));
+                    let next = match (result, pending.take()) {
+                        (Ok(fields), Some((mut inner, req))) => State::Calling {
+                            future: inner.call(req),
+                            fields,
+                        },
+                        (Err(answer), _) => State::Refused {
+                            response: Some(answer.into_response(*grpc)),
+                        },
+                        (Ok(_), None) => unreachable_state(),
+                    };
+                    this.state.set(next);
+                }
+                StateProj::Calling { future, fields } => {
+                    let mut response = ready!(future.poll(cx))?;
+                    if let Some((policy, current)) = fields.take() {
+                        response
+                            .headers_mut()
+                            .insert(RATELIMIT_POLICY.clone(), policy);
+                        response.headers_mut().insert(RATELIMIT.clone(), current);
+                    }
+                    return Poll::Ready(Ok(response.map(ResponseBody::inner)));
+                }
+                StateProj::Refused { response } => {
+                    let response = response.take().unwrap_or_else(polled_after_completion);
+                    return Poll::Ready(Ok(response.map(ResponseBody::refused)));
+                }
+            }
+        }
+    }
+}
+
+#[cold]
+fn unreachable_state<S, ReqB>() -> State<S, ReqB>
+where
+    S: Service<Request<ReqB>>,
+{
+    State::Refused {
+        response: Some(polled_after_completion()),
+    }
+}
+
+/// A future polled after it completed gets a 500 rather than a panic.
+#[cold]
+fn polled_after_completion() -> Response<Full<Bytes>> {
+    Answer::new(
+        crate::response::Refusal::Misconfigured,
+        "tollgate response future polled after completion",
+    )
+    .into_response(false)
+}

@@ -1,0 +1,140 @@
+use std::fmt;
+use std::sync::Arc;
+
+use tollgate_core::{DynStore, Store};
+use tower_layer::Layer;
+
+use super::{RateLimit, Rule};
+use crate::ClientIpResolver;
+
+/// What the layer does when the store fails or times out.
+#[derive(Clone, Default)]
+pub enum OnStoreError {
+    /// Refuse with `503 Service Unavailable` and `Cache-Control: no-store`
+    /// (gRPC: UNAVAILABLE). Never admits beyond the budget (default).
+    #[default]
+    FailClosed,
+    /// Admit the request, and count and log that it was admitted unchecked.
+    FailOpen,
+    /// Ask another store (e.g. a local [`tollgate_core::MemoryStore`]); if it
+    /// fails too, fail closed.
+    Fallback(Arc<dyn DynStore>),
+}
+
+impl fmt::Debug for OnStoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            OnStoreError::FailClosed => f.write_str("FailClosed"),
+            OnStoreError::FailOpen => f.write_str("FailOpen"),
+            OnStoreError::Fallback(_) => f.write_str("Fallback(..)"),
+        }
+    }
+}
+
+pub(crate) struct Config<St> {
+    pub(crate) store: Arc<St>,
+    pub(crate) rules: Vec<Rule>,
+    pub(crate) resolver: ClientIpResolver,
+    pub(crate) on_store_error: OnStoreError,
+    pub(crate) headers_on_admitted: bool,
+}
+
+/// Applies [`RateLimit`] to a service: the rules, the store, how client
+/// addresses are resolved and what a store failure means.
+///
+/// Builder methods consume and return the layer; the configuration is shared
+/// (behind an `Arc`) by every service the layer makes.
+#[must_use]
+pub struct RateLimitLayer<St> {
+    config: Arc<Config<St>>,
+}
+
+impl<St> Clone for RateLimitLayer<St> {
+    fn clone(&self) -> Self {
+        Self {
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<St> fmt::Debug for RateLimitLayer<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitLayer")
+            .field("rules", &self.config.rules)
+            .field("resolver", &self.config.resolver)
+            .field("on_store_error", &self.config.on_store_error)
+            .field("headers_on_admitted", &self.config.headers_on_admitted)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<St: Store> RateLimitLayer<St> {
+    /// A layer charging `store`, with no rules yet, peer-only client
+    /// addresses, fail-closed on store errors and `RateLimit` fields on
+    /// admitted responses.
+    pub fn new(store: St) -> Self {
+        Self::with_shared_store(Arc::new(store))
+    }
+
+    /// Like [`RateLimitLayer::new`], for a store shared with other layers.
+    pub fn with_shared_store(store: Arc<St>) -> Self {
+        Self {
+            config: Arc::new(Config {
+                store,
+                rules: Vec::new(),
+                resolver: ClientIpResolver::peer_only(),
+                on_store_error: OnStoreError::FailClosed,
+                headers_on_admitted: true,
+            }),
+        }
+    }
+
+    fn edit(mut self, f: impl FnOnce(&mut Config<St>)) -> Self {
+        match Arc::get_mut(&mut self.config) {
+            Some(config) => f(config),
+            None => {
+                let old = &*self.config;
+                let mut config = Config {
+                    store: old.store.clone(),
+                    rules: old.rules.clone(),
+                    resolver: old.resolver.clone(),
+                    on_store_error: old.on_store_error.clone(),
+                    headers_on_admitted: old.headers_on_admitted,
+                };
+                f(&mut config);
+                self.config = Arc::new(config);
+            }
+        }
+        self
+    }
+
+    /// Adds a rule. Every rule that applies to a request is charged in one
+    /// all-or-nothing store call.
+    pub fn rule(self, rule: Rule) -> Self {
+        self.edit(|c| c.rules.push(rule))
+    }
+
+    /// Sets how client addresses are resolved (default: the peer only).
+    pub fn client_ip(self, resolver: ClientIpResolver) -> Self {
+        self.edit(|c| c.resolver = resolver)
+    }
+
+    /// Sets what a store failure means (default: fail closed, 503).
+    pub fn on_store_error(self, what: OnStoreError) -> Self {
+        self.edit(|c| c.on_store_error = what)
+    }
+
+    /// Whether admitted responses carry `RateLimit-Policy` and `RateLimit`
+    /// (default: yes). Refusals always carry them.
+    pub fn headers_on_admitted(self, yes: bool) -> Self {
+        self.edit(|c| c.headers_on_admitted = yes)
+    }
+}
+
+impl<S, St> Layer<S> for RateLimitLayer<St> {
+    type Service = RateLimit<S, St>;
+
+    fn layer(&self, inner: S) -> Self::Service {
+        RateLimit::from_config(inner, self.config.clone())
+    }
+}

@@ -1,0 +1,51 @@
+//! The rate-limit middleware: resolve who is asking, charge every rule that
+//! applies in one all-or-nothing store call, and answer refusals.
+//!
+//! # Answers
+//!
+//! | situation | HTTP | gRPC (`grpc-status`) |
+//! |---|---|---|
+//! | admitted | the inner response, plus `RateLimit-Policy` / `RateLimit` (configurable) | same |
+//! | denied | `429`, `Retry-After` (whole seconds, rounded up, never 0), `RateLimit-Policy`, `RateLimit`, `Cache-Control: no-store`, problem+json | 8 RESOURCE_EXHAUSTED |
+//! | cost can never fit | `413` for content-length costs, `400` for other costs; no `Retry-After` | 3 INVALID_ARGUMENT |
+//! | store failed, fail-closed | `503`, no-store | 14 UNAVAILABLE |
+//! | rule needs a principal, none present | `401` (configurable per rule) | 16 UNAUTHENTICATED |
+//! | content-length cost without `Content-Length` | `411` | 3 |
+//! | no peer address (server misconfigured) | `500`, logged | 13 INTERNAL |
+//!
+//! The inner service's error type passes through unchanged: refusals are
+//! responses, not errors. `poll_ready` only forwards the inner service's
+//! readiness: the limiter never exerts backpressure.
+//!
+//! # Example
+//!
+//! ```
+//! use std::net::SocketAddr;
+//! use axum::{Router, routing::{get, post}};
+//! use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer, Rule};
+//!
+//! let per_ip = Policy::token_bucket("per-ip", 5, Rate::per_second(1)).unwrap();
+//! let export = Policy::token_bucket("export", 3, Rate::per_second(2)).unwrap();
+//!
+//! let limits = RateLimitLayer::new(MemoryStore::new())
+//!     .rule(Rule::per_client_ip(per_ip))
+//!     .rule(Rule::per_account_operation(export).on_route("/export"));
+//!
+//! let app: Router = Router::new()
+//!     .route("/", get(|| async { "hello" }))
+//!     .route("/export", post(|| async { "exported" }))
+//!     .layer(limits);
+//! // Serve with `app.into_make_service_with_connect_info::<SocketAddr>()`
+//! // so the layer can see the peer address.
+//! # let _ = app.into_make_service_with_connect_info::<SocketAddr>();
+//! ```
+
+mod future;
+mod layer;
+mod rule;
+mod service;
+
+pub use future::ResponseFuture;
+pub use layer::{OnStoreError, RateLimitLayer};
+pub use rule::{Cost, CostError, CostFn, KeyPart, MissingPrincipal, Rule};
+pub use service::RateLimit;

@@ -1,0 +1,274 @@
+//! [`Rule`]: which requests a policy applies to, how its key is built and
+//! what a request costs.
+
+use std::fmt;
+use std::num::NonZeroU64;
+use std::sync::Arc;
+
+use http::request::Parts;
+use http::{Method, StatusCode};
+use tollgate_core::{Policy, Unit};
+
+use crate::identity::operation_route;
+
+/// One component of a rate-limit key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum KeyPart {
+    /// The resolved client address ([`crate::ClientIpResolver`]).
+    ClientIp,
+    /// The principal's tenant.
+    Tenant,
+    /// The principal's tenant and account (an account id is only meaningful
+    /// within its tenant, so both are always included).
+    Account,
+    /// The principal's tenant, account and credential id (empty if the
+    /// authenticator set none).
+    Credential,
+    /// The operation from routing ([`crate::Operation`]).
+    Operation,
+    /// A fixed component, e.g. to group several routes into one budget.
+    Literal(Arc<str>),
+}
+
+impl KeyPart {
+    pub(crate) fn needs_principal(&self) -> bool {
+        matches!(
+            self,
+            KeyPart::Tenant | KeyPart::Account | KeyPart::Credential
+        )
+    }
+}
+
+/// What a rule does when its key needs a [`crate::Principal`] and the
+/// request has none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum MissingPrincipal {
+    /// Answer `401 Unauthorized` (gRPC: UNAUTHENTICATED) without charging
+    /// anything (default). Use it on routes that require authentication.
+    #[default]
+    Reject,
+    /// Key the rule by the client address instead of the principal parts.
+    FallbackToClientIp,
+    /// Do not apply this rule to the request.
+    Skip,
+}
+
+/// A cost computed from the request.
+pub type CostFn = dyn Fn(&Parts) -> Result<u64, CostError> + Send + Sync;
+
+/// Why a cost could not be computed; answered with `400 Bad Request`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct CostError(pub String);
+
+/// What a request costs, in the rule policy's unit.
+#[derive(Clone)]
+pub enum Cost {
+    /// A fixed cost (default: 1).
+    Fixed(NonZeroU64),
+    /// The declared `Content-Length` in units of `unit_bytes`, rounded up,
+    /// at least 1. A request without `Content-Length` is answered
+    /// `411 Length Required`; one whose cost exceeds the capacity never fits
+    /// and is answered `413 Content Too Large`.
+    ContentLength {
+        /// Bytes per unit of cost (1 for bytes, 1024 for KiB).
+        unit_bytes: NonZeroU64,
+    },
+    /// A cost computed from the request head. Zero or an error is answered
+    /// `400 Bad Request`.
+    Computed(Arc<CostFn>),
+}
+
+impl Cost {
+    /// One unit per request.
+    pub const ONE: Cost = Cost::Fixed(NonZeroU64::MIN);
+
+    /// The content length in KiB, rounded up, at least 1.
+    pub fn content_kib() -> Self {
+        Cost::ContentLength {
+            unit_bytes: NonZeroU64::new(1024).unwrap_or(NonZeroU64::MIN),
+        }
+    }
+
+    /// The content length in bytes, at least 1.
+    pub fn content_bytes() -> Self {
+        Cost::ContentLength {
+            unit_bytes: NonZeroU64::MIN,
+        }
+    }
+
+    /// A cost computed by `f` from the request head.
+    pub fn computed(f: impl Fn(&Parts) -> Result<u64, CostError> + Send + Sync + 'static) -> Self {
+        Cost::Computed(Arc::new(f))
+    }
+
+    pub(crate) fn of(&self, parts: &Parts) -> Result<u64, CostRefusal> {
+        match self {
+            Cost::Fixed(n) => Ok(n.get()),
+            Cost::ContentLength { unit_bytes } => {
+                let Some(value) = parts.headers.get(http::header::CONTENT_LENGTH) else {
+                    return Err(CostRefusal::LengthRequired);
+                };
+                let len: u64 = value
+                    .to_str()
+                    .ok()
+                    .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+                    .and_then(|s| s.parse().ok())
+                    .ok_or_else(|| {
+                        CostRefusal::Invalid("Content-Length is not a valid length".into())
+                    })?;
+                Ok(len.div_ceil(unit_bytes.get()).max(1))
+            }
+            Cost::Computed(f) => match f(parts) {
+                Ok(0) => Err(CostRefusal::Invalid(
+                    "computed cost is 0; a cost must be positive".into(),
+                )),
+                Ok(n) => Ok(n),
+                Err(e) => Err(CostRefusal::Invalid(e.0)),
+            },
+        }
+    }
+
+    /// The status for a cost that can never fit: 413 for content costs,
+    /// 400 otherwise. Neither carries `Retry-After`: waiting cannot help.
+    pub(crate) fn never_fits_status(&self) -> StatusCode {
+        match self {
+            Cost::ContentLength { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            _ => StatusCode::BAD_REQUEST,
+        }
+    }
+}
+
+pub(crate) enum CostRefusal {
+    LengthRequired,
+    Invalid(String),
+}
+
+impl fmt::Debug for Cost {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Cost::Fixed(n) => write!(f, "Fixed({n})"),
+            Cost::ContentLength { unit_bytes } => {
+                write!(f, "ContentLength({unit_bytes} bytes per unit)")
+            }
+            Cost::Computed(_) => f.write_str("Computed(..)"),
+        }
+    }
+}
+
+/// One limit: a policy, the requests it applies to, how its key is built
+/// and what a request costs.
+///
+/// ```
+/// use tollgate::{Cost, KeyPart, Policy, Rate, Rule};
+/// let export = Rule::new(Policy::token_bucket("export", 3, Rate::per_second(2)).unwrap())
+///     .on_route("/export")
+///     .on_method(http::Method::POST)
+///     .keyed_by([KeyPart::Account, KeyPart::Operation]);
+/// let upload = Rule::per_account(Policy::token_bucket("upload", 1024, Rate::per_second(256)).unwrap())
+///     .on_route("/upload")
+///     .with_cost(Cost::content_kib());
+/// ```
+#[derive(Debug, Clone)]
+pub struct Rule {
+    pub(crate) policy: Policy,
+    route: Option<Arc<str>>,
+    methods: Option<Vec<Method>>,
+    pub(crate) key: Vec<KeyPart>,
+    pub(crate) cost: Cost,
+    pub(crate) missing_principal: MissingPrincipal,
+}
+
+impl Rule {
+    /// A rule for every request, with one key shared by all of them (a
+    /// global limit) and cost 1. Narrow it with the builder methods.
+    pub fn new(policy: Policy) -> Self {
+        Self {
+            policy,
+            route: None,
+            methods: None,
+            key: Vec::new(),
+            cost: Cost::ONE,
+            missing_principal: MissingPrincipal::Reject,
+        }
+    }
+
+    /// A rule keyed by client address.
+    pub fn per_client_ip(policy: Policy) -> Self {
+        Self::new(policy).keyed_by([KeyPart::ClientIp])
+    }
+
+    /// A rule keyed by (tenant, account).
+    pub fn per_account(policy: Policy) -> Self {
+        Self::new(policy).keyed_by([KeyPart::Account])
+    }
+
+    /// A rule keyed by (tenant, account, operation).
+    pub fn per_account_operation(policy: Policy) -> Self {
+        Self::new(policy).keyed_by([KeyPart::Account, KeyPart::Operation])
+    }
+
+    /// Applies only to requests whose matched route is `route` (axum's
+    /// `MatchedPath`, e.g. `/users/{id}`; without one, the request path).
+    #[must_use]
+    pub fn on_route(mut self, route: impl Into<Arc<str>>) -> Self {
+        self.route = Some(route.into());
+        self
+    }
+
+    /// Applies only to requests with `method` (repeat for several).
+    #[must_use]
+    pub fn on_method(mut self, method: Method) -> Self {
+        self.methods.get_or_insert_with(Vec::new).push(method);
+        self
+    }
+
+    /// Sets the key components (after the policy name, which always comes
+    /// first so that policies never share a budget).
+    #[must_use]
+    pub fn keyed_by(mut self, parts: impl IntoIterator<Item = KeyPart>) -> Self {
+        self.key = parts.into_iter().collect();
+        self
+    }
+
+    /// Sets the cost of a request. A content-length cost also sets the
+    /// policy's unit to `content-bytes` when counting bytes.
+    #[must_use]
+    pub fn with_cost(mut self, cost: Cost) -> Self {
+        if let Cost::ContentLength { unit_bytes } = &cost {
+            if unit_bytes.get() == 1 && *self.policy.unit() == Unit::Requests {
+                self.policy = self.policy.clone().with_unit(Unit::Bytes);
+            }
+        }
+        self.cost = cost;
+        self
+    }
+
+    /// What to do when the key needs a principal and there is none.
+    #[must_use]
+    pub fn when_no_principal(mut self, what: MissingPrincipal) -> Self {
+        self.missing_principal = what;
+        self
+    }
+
+    /// The rule's policy.
+    pub fn policy(&self) -> &Policy {
+        &self.policy
+    }
+
+    pub(crate) fn applies_to(&self, parts: &Parts) -> bool {
+        if let Some(methods) = &self.methods {
+            if !methods.contains(&parts.method) {
+                return false;
+            }
+        }
+        match &self.route {
+            None => true,
+            Some(route) => operation_route(parts).unwrap_or(parts.uri.path()) == &**route,
+        }
+    }
+
+    pub(crate) fn needs_principal(&self) -> bool {
+        self.key.iter().any(KeyPart::needs_principal)
+    }
+}

@@ -1,0 +1,285 @@
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+
+use http::request::Parts;
+use http::{HeaderValue, Request, Response, StatusCode};
+use tollgate_core::{Charge, DynStore, Key, Outcome, Store, Verdict};
+use tower_service::Service;
+
+use super::layer::{Config, OnStoreError};
+use super::rule::{CostRefusal, KeyPart, MissingPrincipal};
+use super::{ResponseFuture, Rule};
+use crate::identity::{ClientIp, ClientIpError, Operation, Principal};
+use crate::observe;
+use crate::response::{Answer, Refusal, is_grpc, ratelimit_fields};
+
+/// Rate-limits requests to an inner service; made by
+/// [`RateLimitLayer`](super::RateLimitLayer).
+pub struct RateLimit<S, St> {
+    inner: S,
+    config: Arc<Config<St>>,
+}
+
+impl<S: Clone, St> Clone for RateLimit<S, St> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug, St> fmt::Debug for RateLimit<S, St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimit")
+            .field("inner", &self.inner)
+            .field("rules", &self.config.rules)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S, St> RateLimit<S, St> {
+    pub(crate) fn from_config(inner: S, config: Arc<Config<St>>) -> Self {
+        Self { inner, config }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Consumes the middleware, returning the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+/// The `RateLimit-Policy` and `RateLimit` values to add to a response.
+pub(crate) type Fields = Option<(HeaderValue, HeaderValue)>;
+
+/// What the head of a request asks of the store.
+pub(crate) enum Plan {
+    /// No rule applies.
+    Pass,
+    /// Refused before asking the store.
+    Refuse(Answer),
+    /// These charges, with the never-fits status of each charge's rule.
+    Charge(Vec<Charge>, Vec<StatusCode>),
+}
+
+/// Lazily resolved identity of one request.
+struct Who<'a> {
+    parts: &'a Parts,
+    config_resolver: &'a crate::ClientIpResolver,
+    ip: Option<Result<ClientIp, ClientIpError>>,
+    operation: Option<Operation>,
+}
+
+impl Who<'_> {
+    fn ip(&mut self) -> Result<ClientIp, ClientIpError> {
+        self.ip
+            .get_or_insert_with(|| self.config_resolver.resolve(self.parts))
+            .clone()
+    }
+
+    fn operation(&mut self) -> &Operation {
+        self.operation
+            .get_or_insert_with(|| Operation::of(self.parts))
+    }
+}
+
+pub(crate) fn plan(rules: &[Rule], resolver: &crate::ClientIpResolver, parts: &Parts) -> Plan {
+    let principal = parts.extensions.get::<Principal>();
+    let mut who = Who {
+        parts,
+        config_resolver: resolver,
+        ip: None,
+        operation: None,
+    };
+    let mut charges = Vec::new();
+    let mut statuses = Vec::new();
+    for rule in rules.iter().filter(|r| r.applies_to(parts)) {
+        let mut fallback = false;
+        if rule.needs_principal() && principal.is_none() {
+            match rule.missing_principal {
+                MissingPrincipal::Reject => {
+                    return Plan::Refuse(Answer::new(
+                        Refusal::Unauthenticated,
+                        format!(
+                            "policy {:?} needs an authenticated principal",
+                            rule.policy.name()
+                        ),
+                    ));
+                }
+                MissingPrincipal::Skip => continue,
+                MissingPrincipal::FallbackToClientIp => fallback = true,
+            }
+        }
+        let mut key = Key::new(rule.policy.name());
+        let mut ip_done = false;
+        for part in &rule.key {
+            let part = if fallback && part.needs_principal() {
+                if ip_done {
+                    continue;
+                }
+                &KeyPart::ClientIp
+            } else {
+                part
+            };
+            match part {
+                KeyPart::ClientIp => match who.ip() {
+                    Ok(ip) => {
+                        ip_done = true;
+                        key.push(ip.to_string());
+                    }
+                    Err(e @ ClientIpError::MissingPeer) => {
+                        tracing::error!(error = %e, "tollgate cannot key by client address");
+                        return Plan::Refuse(Answer::new(Refusal::Misconfigured, e.to_string()));
+                    }
+                    Err(e) => return Plan::Refuse(Answer::new(Refusal::BadRequest, e.to_string())),
+                },
+                KeyPart::Tenant => key.push(principal.map_or("", |p| p.tenant())),
+                KeyPart::Account => {
+                    key.push(principal.map_or("", |p| p.tenant()));
+                    key.push(principal.map_or("", |p| p.account()));
+                }
+                KeyPart::Credential => {
+                    key.push(principal.map_or("", |p| p.tenant()));
+                    key.push(principal.map_or("", |p| p.account()));
+                    key.push(principal.and_then(|p| p.credential()).unwrap_or(""));
+                }
+                KeyPart::Operation => key.push(who.operation().as_str()),
+                KeyPart::Literal(s) => key.push(&**s),
+            }
+        }
+        let cost = match rule.cost.of(parts) {
+            Ok(cost) => cost,
+            Err(CostRefusal::LengthRequired) => {
+                return Plan::Refuse(Answer::new(
+                    Refusal::LengthRequired,
+                    format!(
+                        "policy {:?} charges by content length; send Content-Length",
+                        rule.policy.name()
+                    ),
+                ));
+            }
+            Err(CostRefusal::Invalid(why)) => {
+                return Plan::Refuse(Answer::new(Refusal::BadRequest, why));
+            }
+        };
+        match Charge::new(key, rule.policy.clone(), cost) {
+            Ok(charge) => {
+                charges.push(charge);
+                statuses.push(rule.cost.never_fits_status());
+            }
+            Err(e) => return Plan::Refuse(Answer::new(Refusal::BadRequest, e.to_string())),
+        }
+    }
+    if charges.is_empty() {
+        Plan::Pass
+    } else {
+        Plan::Charge(charges, statuses)
+    }
+}
+
+/// Charges the store and turns the outcome into admit (with fields) or a
+/// refusal.
+pub(crate) async fn decide<St: Store>(
+    config: Arc<Config<St>>,
+    charges: Vec<Charge>,
+    statuses: Vec<StatusCode>,
+) -> Result<Fields, Answer> {
+    let started = Instant::now();
+    let result = config.store.charge(&charges).await;
+    observe::store_latency(started.elapsed());
+    let outcome: Outcome = match result {
+        Ok(outcome) => outcome,
+        Err(error) => match &config.on_store_error {
+            OnStoreError::FailClosed => {
+                observe::store_error(&error, "fail_closed");
+                return Err(Answer::new(
+                    Refusal::StoreUnavailable,
+                    "the rate limiter's store is unavailable; try again later",
+                ));
+            }
+            OnStoreError::FailOpen => {
+                observe::store_error(&error, "fail_open");
+                return Ok(None);
+            }
+            OnStoreError::Fallback(fallback) => {
+                observe::store_error(&error, "fallback");
+                match fallback.charge_boxed(&charges).await {
+                    Ok(outcome) => outcome,
+                    Err(second) => {
+                        observe::store_error(&second, "fail_closed");
+                        return Err(Answer::new(
+                            Refusal::StoreUnavailable,
+                            "the rate limiter's stores are unavailable; try again later",
+                        ));
+                    }
+                }
+            }
+        },
+    };
+    observe::outcome(&charges, &outcome);
+    match outcome.verdict() {
+        Verdict::Admitted => Ok(if config.headers_on_admitted {
+            ratelimit_fields(&charges, &outcome)
+        } else {
+            None
+        }),
+        _ => {
+            let idx = outcome.most_restrictive().unwrap_or(0);
+            let status = statuses
+                .get(idx)
+                .copied()
+                .unwrap_or(StatusCode::BAD_REQUEST);
+            Err(Answer::from_outcome(&charges, &outcome, status))
+        }
+    }
+}
+
+impl<S, St, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, St>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone + Send + 'static,
+    St: Store,
+    ReqB: Send + 'static,
+{
+    type Response = Response<crate::ResponseBody<ResB>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S, ReqB>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // The limiter itself never waits: only the inner service's readiness
+        // is passed on.
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        // The inner service was driven to readiness in poll_ready; keep that
+        // ready instance for this request and leave a fresh clone behind.
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let (parts, body) = req.into_parts();
+        let grpc = is_grpc(&parts.headers);
+        match plan(&self.config.rules, &self.config.resolver, &parts) {
+            Plan::Pass => ResponseFuture::calling(inner, Request::from_parts(parts, body), None),
+            Plan::Refuse(answer) => ResponseFuture::refused(answer.into_response(grpc)),
+            Plan::Charge(charges, statuses) => {
+                let decision = Box::pin(decide(self.config.clone(), charges, statuses));
+                ResponseFuture::deciding(decision, inner, Request::from_parts(parts, body), grpc)
+            }
+        }
+    }
+}
+
+/// Keeps `DynStore` in the public signature's vocabulary for docs.
+#[allow(dead_code)]
+fn _assert_dyn(_: &dyn DynStore) {}

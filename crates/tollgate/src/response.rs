@@ -1,0 +1,306 @@
+//! The answers tollgate gives instead of calling the inner service: 429,
+//! never-fits, store failure, missing principal, bad input, and their gRPC
+//! forms; plus the `RateLimit-Policy` / `RateLimit` fields.
+//!
+//! Every refusal carries `Cache-Control: no-store` and an
+//! `application/problem+json` body (RFC 9457), or for gRPC requests an HTTP
+//! 200 trailers-only response with `grpc-status`.
+
+use std::fmt::Write as _;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
+use http_body_util::Full;
+use tollgate_core::{Charge, Decision, Outcome, Unit};
+
+/// The `RateLimit-Policy` header name.
+pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+/// The `RateLimit` header name.
+pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+
+/// Whole seconds, rounded up; never 0 for a positive duration.
+pub fn ceil_secs(d: Duration) -> u64 {
+    d.as_secs() + u64::from(d.subsec_nanos() > 0)
+}
+
+/// Whether a request is gRPC (`content-type: application/grpc...`).
+pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
+    headers
+        .get(CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("application/grpc"))
+}
+
+/// `RateLimit-Policy` and `RateLimit` values (draft-ietf-httpapi-ratelimit-headers-10)
+/// describing each charged policy.
+pub(crate) fn ratelimit_fields(
+    charges: &[Charge],
+    outcome: &Outcome,
+) -> Option<(HeaderValue, HeaderValue)> {
+    let mut policy = String::new();
+    let mut current = String::new();
+    for (charge, decision) in charges.iter().zip(outcome.limits()) {
+        let p = charge.policy();
+        if !policy.is_empty() {
+            policy.push_str(", ");
+        }
+        // Names are restricted to [A-Za-z0-9._-], so they need no escaping.
+        let _ = write!(
+            policy,
+            "\"{}\";q={};w={}",
+            p.name(),
+            p.capacity(),
+            ceil_secs(p.window()).max(1)
+        );
+        if *p.unit() != Unit::Requests {
+            let _ = write!(policy, ";qu=\"{}\"", p.unit().as_str());
+        }
+        // A cost that can never fit says nothing about the budget's state.
+        if !matches!(decision, Decision::NeverFits { .. }) {
+            if !current.is_empty() {
+                current.push_str(", ");
+            }
+            let _ = write!(
+                current,
+                "\"{}\";r={};t={}",
+                p.name(),
+                decision.remaining(),
+                ceil_secs(decision.reset())
+            );
+        }
+    }
+    if policy.is_empty() || current.is_empty() {
+        return None;
+    }
+    Some((
+        HeaderValue::from_str(&policy).ok()?,
+        HeaderValue::from_str(&current).ok()?,
+    ))
+}
+
+fn json_string(out: &mut String, s: &str) {
+    out.push('"');
+    for c in s.chars() {
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if (c as u32) < 0x20 => {
+                let _ = write!(out, "\\u{:04x}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+}
+
+/// What kind of refusal, with its status, problem type and gRPC code.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    RateLimited,
+    NeverFits(StatusCode),
+    StoreUnavailable,
+    Unauthenticated,
+    BadRequest,
+    LengthRequired,
+    Misconfigured,
+}
+
+impl Refusal {
+    fn status(self) -> StatusCode {
+        match self {
+            Refusal::RateLimited => StatusCode::TOO_MANY_REQUESTS,
+            Refusal::NeverFits(status) => status,
+            Refusal::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Refusal::Unauthenticated => StatusCode::UNAUTHORIZED,
+            Refusal::BadRequest => StatusCode::BAD_REQUEST,
+            Refusal::LengthRequired => StatusCode::LENGTH_REQUIRED,
+            Refusal::Misconfigured => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn problem_type(self) -> &'static str {
+        match self {
+            Refusal::RateLimited => "urn:tollgate:problem:rate-limited",
+            Refusal::NeverFits(_) => "urn:tollgate:problem:cost-exceeds-capacity",
+            Refusal::StoreUnavailable => "urn:tollgate:problem:limiter-unavailable",
+            Refusal::Unauthenticated => "urn:tollgate:problem:principal-required",
+            Refusal::BadRequest => "urn:tollgate:problem:bad-request",
+            Refusal::LengthRequired => "urn:tollgate:problem:length-required",
+            Refusal::Misconfigured => "urn:tollgate:problem:limiter-misconfigured",
+        }
+    }
+
+    /// gRPC status codes: RESOURCE_EXHAUSTED (8), INVALID_ARGUMENT (3),
+    /// UNAVAILABLE (14), UNAUTHENTICATED (16), INTERNAL (13).
+    fn grpc_code(self) -> u16 {
+        match self {
+            Refusal::RateLimited => 8,
+            Refusal::NeverFits(_) | Refusal::BadRequest | Refusal::LengthRequired => 3,
+            Refusal::StoreUnavailable => 14,
+            Refusal::Unauthenticated => 16,
+            Refusal::Misconfigured => 13,
+        }
+    }
+}
+
+/// A refusal response under construction.
+#[derive(Debug)]
+pub(crate) struct Answer {
+    pub(crate) refusal: Refusal,
+    pub(crate) detail: String,
+    pub(crate) policy: Option<String>,
+    pub(crate) retry_after: Option<Duration>,
+    pub(crate) fields: Option<(HeaderValue, HeaderValue)>,
+}
+
+impl Answer {
+    pub(crate) fn new(refusal: Refusal, detail: impl Into<String>) -> Self {
+        Self {
+            refusal,
+            detail: detail.into(),
+            policy: None,
+            retry_after: None,
+            fields: None,
+        }
+    }
+
+    /// The answer to a denied or never-fitting outcome.
+    pub(crate) fn from_outcome(
+        charges: &[Charge],
+        outcome: &Outcome,
+        never_fits_status: StatusCode,
+    ) -> Self {
+        let idx = outcome.most_restrictive().unwrap_or(0);
+        let policy = charges.get(idx).map(|c| c.policy().name().to_owned());
+        let fields = ratelimit_fields(charges, outcome);
+        match outcome.limits().get(idx) {
+            Some(Decision::NeverFits { cost, capacity }) => Self {
+                refusal: Refusal::NeverFits(never_fits_status),
+                detail: format!(
+                    "this request costs {cost} {} but policy {:?} holds at most {capacity}; it can never be admitted",
+                    charges[idx].policy().unit().as_str(),
+                    charges[idx].policy().name()
+                ),
+                policy,
+                retry_after: None,
+                fields,
+            },
+            _ => {
+                let wait = match outcome.verdict() {
+                    tollgate_core::Verdict::Denied { retry_after } => retry_after,
+                    _ => Duration::ZERO,
+                };
+                Self {
+                    refusal: Refusal::RateLimited,
+                    detail: format!(
+                        "rate limit of policy {:?} exceeded; retry after {} s",
+                        policy.as_deref().unwrap_or(""),
+                        ceil_secs(wait).max(1)
+                    ),
+                    policy,
+                    retry_after: Some(wait),
+                    fields,
+                }
+            }
+        }
+    }
+
+    pub(crate) fn into_response(self, grpc: bool) -> Response<Full<Bytes>> {
+        let mut headers = HeaderMap::new();
+        headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
+        if let Some((policy, current)) = self.fields {
+            headers.insert(RATELIMIT_POLICY.clone(), policy);
+            headers.insert(RATELIMIT.clone(), current);
+        }
+        let (status, body) = if grpc {
+            headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+            headers.insert("grpc-status", HeaderValue::from(self.refusal.grpc_code()));
+            if let Ok(v) = HeaderValue::from_str(&grpc_percent_encode(&self.detail)) {
+                headers.insert("grpc-message", v);
+            }
+            (StatusCode::OK, Bytes::new())
+        } else {
+            if let Some(wait) = self.retry_after {
+                headers.insert(RETRY_AFTER, HeaderValue::from(ceil_secs(wait).max(1)));
+            }
+            headers.insert(
+                CONTENT_TYPE,
+                HeaderValue::from_static("application/problem+json"),
+            );
+            let status = self.refusal.status();
+            let mut json = String::from("{\"type\":");
+            json_string(&mut json, self.refusal.problem_type());
+            json.push_str(",\"title\":");
+            json_string(&mut json, status.canonical_reason().unwrap_or("Error"));
+            let _ = write!(json, ",\"status\":{}", status.as_u16());
+            json.push_str(",\"detail\":");
+            json_string(&mut json, &self.detail);
+            if let Some(p) = &self.policy {
+                json.push_str(",\"policy\":");
+                json_string(&mut json, p);
+            }
+            if let Some(wait) = self.retry_after {
+                let _ = write!(json, ",\"retry_after\":{}", ceil_secs(wait).max(1));
+            }
+            json.push('}');
+            (status, Bytes::from(json))
+        };
+        let mut response = Response::new(Full::new(body));
+        *response.status_mut() = status;
+        *response.headers_mut() = headers;
+        response
+    }
+}
+
+/// gRPC's `grpc-message` encoding: percent-encode everything outside
+/// printable ASCII, and `%` itself.
+fn grpc_percent_encode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        if (0x20..=0x7e).contains(&b) && b != b'%' {
+            out.push(char::from(b));
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn retry_after_rounds_up_and_is_never_zero() {
+        assert_eq!(ceil_secs(Duration::from_millis(1)), 1);
+        assert_eq!(ceil_secs(Duration::from_millis(1000)), 1);
+        assert_eq!(ceil_secs(Duration::from_millis(1001)), 2);
+        assert_eq!(ceil_secs(Duration::ZERO), 0);
+    }
+
+    #[test]
+    fn problem_json_escapes() {
+        let r = Answer::new(Refusal::BadRequest, "bad \"value\"\n").into_response(false);
+        let body = r.into_body();
+        let bytes = futures_lite_collect(body);
+        assert!(
+            bytes.contains(r#""detail":"bad \"value\"\u000a""#),
+            "{bytes}"
+        );
+    }
+
+    fn futures_lite_collect(body: Full<Bytes>) -> String {
+        use http_body::Body;
+        let mut body = std::pin::pin!(body);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        let mut out = Vec::new();
+        while let std::task::Poll::Ready(Some(Ok(frame))) = body.as_mut().poll_frame(&mut cx) {
+            if let Ok(data) = frame.into_data() {
+                out.extend_from_slice(&data);
+            }
+        }
+        String::from_utf8(out).unwrap()
+    }
+}

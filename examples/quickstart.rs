@@ -1,0 +1,306 @@
+//! tollgate quickstart: an axum app with per-address, per-account and
+//! byte-cost limits on the in-memory store.
+//!
+//! ```text
+//! cargo run --example quickstart                 # serve on 127.0.0.1:3000
+//! cargo run --example quickstart -- --demo       # serve, drive a scripted client, exit
+//! cargo run --example quickstart -- --addr 127.0.0.1:8080 --trust-proxy 10.0.0.0/8
+//! ```
+//!
+//! The contract (other checks rely on it):
+//! - every route: per client address, token bucket of 5, refilled 1 per second;
+//! - `POST /export` (needs a principal): also per (tenant, account, operation),
+//!   3 refilled 2 per second, charged together with the address rule;
+//! - `POST /upload` (needs a principal): cost = body size in KiB (rounded up,
+//!   at least 1) per account, 1024 refilled 256 per second; over 1 MiB never fits;
+//! - `GET /`: public, the address rule only;
+//! - admitted requests get 200 and a short text body.
+//!
+//! Demo authentication (a stand-in for real authentication, not a pattern to
+//! copy): `Authorization: Bearer KEY` with `alice-key-1` or `alice-key-2` is
+//! (north, alice), `bob-key` is (north, bob), `carol-key` is (south, alice).
+//! An unknown or missing key on a route that needs a principal gets 401.
+
+use std::net::{IpAddr, SocketAddr};
+use std::process::ExitCode;
+use std::time::Duration;
+
+use axum::Router;
+use axum::extract::Request;
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+use bytes::Bytes;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpSocket};
+use tollgate::{
+    ClientIpResolver, Cost, ForwardedHeader, MemoryStore, Policy, Principal, Rate, RateLimitLayer,
+    Rule,
+};
+
+const USAGE: &str = "usage: quickstart [--addr HOST:PORT] [--trust-proxy CIDR]... [--demo]";
+
+struct Args {
+    addr: SocketAddr,
+    trusted: Vec<ipnet::IpNet>,
+    demo: bool,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args {
+        addr: SocketAddr::from(([127, 0, 0, 1], 3000)),
+        trusted: Vec::new(),
+        demo: false,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(arg) = it.next() {
+        match arg.as_str() {
+            "--addr" => {
+                let v = it.next().ok_or("--addr needs HOST:PORT")?;
+                args.addr = v.parse().map_err(|e| format!("--addr {v:?}: {e}"))?;
+            }
+            "--trust-proxy" => {
+                let v = it
+                    .next()
+                    .ok_or("--trust-proxy needs a CIDR, e.g. 10.0.0.0/8")?;
+                let net = v
+                    .parse::<ipnet::IpNet>()
+                    .or_else(|_| v.parse::<IpAddr>().map(ipnet::IpNet::from))
+                    .map_err(|e| format!("--trust-proxy {v:?}: {e}"))?;
+                args.trusted.push(net);
+            }
+            "--demo" => args.demo = true,
+            "-h" | "--help" => return Err(USAGE.to_owned()),
+            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
+        }
+    }
+    Ok(args)
+}
+
+/// Demo stand-in for authentication: maps a few fixed bearer keys to
+/// principals with stable credential ids. Real services verify credentials.
+async fn demo_auth(mut req: Request, next: Next) -> Response {
+    let principal = req
+        .headers()
+        .get(http::header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "))
+        .and_then(|key| match key {
+            "alice-key-1" => Some(Principal::new("north", "alice").with_credential("alice-1")),
+            "alice-key-2" => Some(Principal::new("north", "alice").with_credential("alice-2")),
+            "bob-key" => Some(Principal::new("north", "bob").with_credential("bob-1")),
+            "carol-key" => Some(Principal::new("south", "alice").with_credential("carol-1")),
+            _ => None,
+        });
+    if let Some(p) = principal {
+        req.extensions_mut().insert(p);
+    }
+    next.run(req).await
+}
+
+fn app(trusted: Vec<ipnet::IpNet>) -> Result<Router, tollgate::core::InvalidPolicy> {
+    let per_ip = Policy::token_bucket("per-ip", 5, Rate::per_second(1))?;
+    let export = Policy::token_bucket("export", 3, Rate::per_second(2))?;
+    let upload = Policy::token_bucket("upload", 1024, Rate::per_second(256))?
+        .with_unit(tollgate::Unit::Other("kib".into()));
+
+    let limits = RateLimitLayer::new(MemoryStore::new())
+        .client_ip(ClientIpResolver::trusting(
+            trusted,
+            ForwardedHeader::XForwardedFor,
+        ))
+        .rule(Rule::per_client_ip(per_ip))
+        .rule(Rule::per_account_operation(export).on_route("/export"))
+        .rule(
+            Rule::per_account(upload)
+                .on_route("/upload")
+                .with_cost(Cost::content_kib()),
+        );
+
+    Ok(Router::new()
+        .route("/", get(|| async { "hello from tollgate\n" }))
+        .route("/export", post(|| async { "export started\n" }))
+        .route(
+            "/upload",
+            post(|body: Bytes| async move { format!("uploaded {} bytes\n", body.len()) }),
+        )
+        .layer(limits)
+        .layer(middleware::from_fn(demo_auth)))
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    let args = match parse_args() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("{e}");
+            return ExitCode::from(2);
+        }
+    };
+    let app = match app(args.trusted) {
+        Ok(app) => app,
+        Err(e) => {
+            eprintln!("bad policy: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let addr = if args.demo && args.addr.port() == 3000 {
+        SocketAddr::new(args.addr.ip(), 0)
+    } else {
+        args.addr
+    };
+    let listener = match TcpListener::bind(addr).await {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("cannot listen on {addr}: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let local = match listener.local_addr() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("no local address: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!("tollgate quickstart listening on http://{local}");
+    let server = tokio::spawn(async move {
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .await
+    });
+    if args.demo {
+        let ok = demo(local).await;
+        server.abort();
+        return if ok {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::FAILURE
+        };
+    }
+    println!("try:");
+    println!("  for i in 1 2 3 4 5 6; do curl -si http://{local}/ | head -1; done");
+    println!("  curl -si -X POST -H 'Authorization: Bearer alice-key-1' http://{local}/export");
+    println!(
+        "  curl -si -X POST -H 'Authorization: Bearer bob-key' --data-binary @Cargo.toml http://{local}/upload"
+    );
+    match server.await {
+        Ok(Ok(())) => ExitCode::SUCCESS,
+        Ok(Err(e)) => {
+            eprintln!("server error: {e}");
+            ExitCode::FAILURE
+        }
+        Err(e) => {
+            eprintln!("server task failed: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// One raw HTTP/1.1 exchange from a chosen loopback source address.
+async fn send(
+    server: SocketAddr,
+    from: IpAddr,
+    head: &str,
+    body: &[u8],
+) -> std::io::Result<String> {
+    let socket = TcpSocket::new_v4()?;
+    socket.bind(SocketAddr::new(from, 0))?;
+    let mut stream = socket.connect(server).await?;
+    stream
+        .write_all(format!("{head}\r\nHost: {server}\r\nConnection: close\r\n\r\n").as_bytes())
+        .await?;
+    if !body.is_empty() {
+        // The server may refuse before reading the body and close.
+        let _ = stream.write_all(body).await;
+    }
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(5), stream.read_to_end(&mut out))
+        .await
+        .map_err(|_| std::io::Error::new(std::io::ErrorKind::TimedOut, "no response in 5 s"))??;
+    Ok(String::from_utf8_lossy(&out).into_owned())
+}
+
+fn summary(response: &str) -> String {
+    let mut lines = response.split("\r\n");
+    let status = lines.next().unwrap_or("").to_owned();
+    let mut shown = vec![status];
+    for line in lines.take_while(|l| !l.is_empty()) {
+        let lower = line.to_ascii_lowercase();
+        if lower.starts_with("retry-after:") || lower.starts_with("ratelimit") {
+            shown.push(line.to_owned());
+        }
+    }
+    shown.join(" | ")
+}
+
+async fn demo(server: SocketAddr) -> bool {
+    let steps: Vec<(&str, IpAddr, String, Vec<u8>)> = {
+        let a: IpAddr = [127, 0, 0, 2].into();
+        let b: IpAddr = [127, 0, 0, 3].into();
+        let c: IpAddr = [127, 0, 0, 4].into();
+        let mut s = Vec::new();
+        for _ in 0..6 {
+            s.push((
+                "public route, per-address budget of 5",
+                a,
+                "GET / HTTP/1.1".to_owned(),
+                vec![],
+            ));
+        }
+        for _ in 0..4 {
+            s.push((
+                "alice exports: account budget of 3",
+                b,
+                "POST /export HTTP/1.1\r\nAuthorization: Bearer alice-key-1\r\nContent-Length: 0"
+                    .to_owned(),
+                vec![],
+            ));
+        }
+        s.push((
+            "bob, same address, own account budget",
+            b,
+            "POST /export HTTP/1.1\r\nAuthorization: Bearer bob-key\r\nContent-Length: 0"
+                .to_owned(),
+            vec![],
+        ));
+        s.push((
+            "no credential on a principal route",
+            c,
+            "POST /export HTTP/1.1\r\nContent-Length: 0".to_owned(),
+            vec![],
+        ));
+        s.push((
+            "upload of 10 KiB costs 10",
+            c,
+            "POST /upload HTTP/1.1\r\nAuthorization: Bearer bob-key\r\nContent-Length: 10240"
+                .to_owned(),
+            vec![b'x'; 10240],
+        ));
+        s.push((
+            "upload of 2 MiB never fits",
+            c,
+            "POST /upload HTTP/1.1\r\nAuthorization: Bearer bob-key\r\nContent-Length: 2097152"
+                .to_owned(),
+            vec![],
+        ));
+        s
+    };
+    let mut ok = true;
+    for (what, from, head, body) in steps {
+        let request_line = head.split("\r\n").next().unwrap_or("");
+        match send(server, from, &head, &body).await {
+            Ok(response) => println!(
+                "{what}\n  {request_line} from {from}\n  -> {}",
+                summary(&response)
+            ),
+            Err(e) => {
+                println!("{what}: {request_line} from {from} failed: {e}");
+                ok = false;
+            }
+        }
+    }
+    ok
+}
