@@ -36,3 +36,8 @@ pub use tollgate_core::{
     ManualClock, MemoryStore, Outcome, Policy, Rate, Store, StoreError, StoreErrorKind,
     SystemClock, Unit, Verdict,
 };
+
+/// The README's examples, compiled as doctests so they stay true.
+#[doc = include_str!("../../../README.md")]
+#[cfg(doctest)]
+pub struct ReadmeDoctests;

@@ -1,0 +1,212 @@
+//! Helpers for end-to-end tests: a raw HTTP/1.1 client that can choose its
+//! loopback source address and send any header, and a quickstart launcher.
+#![allow(dead_code, unreachable_pub)]
+
+use std::io::{BufRead, BufReader};
+use std::net::{IpAddr, SocketAddr};
+use std::process::{Child, Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpSocket;
+
+/// A parsed response.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: String,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+}
+
+/// Sends one request with `Connection: close` from `from` (any 127.0.0.0/8
+/// address) and reads the whole response.
+pub async fn send(
+    server: SocketAddr,
+    from: IpAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    body: &[u8],
+) -> Reply {
+    let socket = TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::new(from, 0)).unwrap();
+    let mut stream = socket.connect(server).await.unwrap();
+    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n");
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if !body.is_empty() || method == "POST" {
+        head.push_str(&format!("Content-Length: {}\r\n", body.len()));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let _ = stream.write_all(body).await;
+    let mut raw = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut raw))
+        .await
+        .expect("response within 10 s")
+        .unwrap();
+    parse(&raw)
+}
+
+pub fn parse(raw: &[u8]) -> Reply {
+    let split = raw
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .expect("complete response head");
+    let head = std::str::from_utf8(&raw[..split]).unwrap();
+    let mut lines = head.split("\r\n");
+    let status_line = lines.next().unwrap();
+    let code: u16 = status_line.split(' ').nth(1).unwrap().parse().unwrap();
+    let mut headers = HeaderMap::new();
+    for line in lines {
+        let (k, v) = line.split_once(':').unwrap();
+        headers.append(
+            HeaderName::from_bytes(k.trim().as_bytes()).unwrap(),
+            HeaderValue::from_str(v.trim()).unwrap(),
+        );
+    }
+    let mut body = raw[split + 4..].to_vec();
+    if headers
+        .get("transfer-encoding")
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"chunked"))
+    {
+        body = dechunk(&body);
+    }
+    Reply {
+        status: StatusCode::from_u16(code).unwrap(),
+        headers,
+        body: String::from_utf8_lossy(&body).into_owned(),
+    }
+}
+
+fn dechunk(mut data: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    loop {
+        let Some(eol) = data.windows(2).position(|w| w == b"\r\n") else {
+            return out;
+        };
+        let size =
+            usize::from_str_radix(std::str::from_utf8(&data[..eol]).unwrap().trim(), 16).unwrap();
+        if size == 0 {
+            return out;
+        }
+        out.extend_from_slice(&data[eol + 2..eol + 2 + size]);
+        data = &data[eol + 2 + size + 2..];
+    }
+}
+
+pub fn ip(s: &str) -> IpAddr {
+    s.parse().unwrap()
+}
+
+/// A running quickstart process, killed on drop.
+pub struct Quickstart {
+    child: Child,
+    pub addr: SocketAddr,
+}
+
+impl Drop for Quickstart {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn quickstart_binary() -> std::path::PathBuf {
+    static BUILT: OnceLock<std::path::PathBuf> = OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            // `cargo test --test x` does not build examples: build it here.
+            let status = Command::new(env!("CARGO"))
+                .args(["build", "--quiet", "--example", "quickstart"])
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .status()
+                .expect("run cargo build --example quickstart");
+            assert!(status.success(), "building the quickstart failed");
+            let exe = std::env::current_exe().unwrap();
+            let profile_dir = exe.parent().unwrap().parent().unwrap();
+            profile_dir.join("examples").join("quickstart")
+        })
+        .clone()
+}
+
+/// Starts the quickstart on a free port with `args`, waiting for its
+/// "listening on" line.
+pub fn quickstart(args: &[&str]) -> Quickstart {
+    let mut child = Command::new(quickstart_binary())
+        .args(["--addr", "127.0.0.1:0"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .expect("start quickstart");
+    let stdout = child.stdout.take().unwrap();
+    let mut reader = BufReader::new(stdout);
+    let mut line = String::new();
+    reader.read_line(&mut line).unwrap();
+    let addr = line
+        .trim()
+        .rsplit("http://")
+        .next()
+        .and_then(|a| a.parse().ok())
+        .unwrap_or_else(|| panic!("unexpected first line {line:?}"));
+    // Keep draining stdout so the child never blocks on a full pipe.
+    std::thread::spawn(move || {
+        let mut sink = String::new();
+        while reader.read_line(&mut sink).map(|n| n > 0).unwrap_or(false) {
+            sink.clear();
+        }
+    });
+    Quickstart { child, addr }
+}
+
+/// Parses a structured-field List (RFC 9651) and returns each member's
+/// string value with its integer and string parameters.
+pub fn sf_list(value: &str) -> Vec<(String, Vec<(String, String)>)> {
+    use sfv::{List, ListEntry, Parser};
+    let list: List = Parser::new(value).parse().expect("valid RFC 9651 list");
+    list.into_iter()
+        .map(|entry| match entry {
+            ListEntry::Item(item) => {
+                let name = item
+                    .bare_item
+                    .as_string()
+                    .unwrap_or_else(|| panic!("policy name must be a string: {value}"))
+                    .as_str()
+                    .to_owned();
+                let params = item
+                    .params
+                    .iter()
+                    .map(|(k, v)| {
+                        let v = match (v.as_integer(), v.as_string()) {
+                            (Some(i), _) => i64::from(i).to_string(),
+                            (_, Some(s)) => s.as_str().to_owned(),
+                            _ => panic!("unexpected parameter {k:?}={v:?}"),
+                        };
+                        (k.as_str().to_owned(), v)
+                    })
+                    .collect();
+                (name, params)
+            }
+            ListEntry::InnerList(_) => panic!("unexpected inner list in {value}"),
+        })
+        .collect()
+}
+
+/// The named parameter of a parsed list member, as an integer.
+pub fn param(member: &(String, Vec<(String, String)>), key: &str) -> Option<i64> {
+    member
+        .1
+        .iter()
+        .find(|(k, _)| k == key)
+        .and_then(|(_, v)| v.parse().ok())
+}
