@@ -17,8 +17,11 @@
 //! - `axum`: read axum's `MatchedPath` (route identity) and
 //!   `ConnectInfo<SocketAddr>` (peer address).
 //! - `metrics`: counters and histograms through the `metrics` facade.
+//! - `client`: `Retry-After` parsing and a retry policy ([`client`]).
 
 mod body;
+#[cfg(feature = "client")]
+pub mod client;
 pub mod identity;
 mod observe;
 pub mod rate_limit;
