@@ -14,6 +14,9 @@
 //! - `POST /upload` (needs a principal): cost = body size in KiB (rounded up,
 //!   at least 1) per account, 1024 refilled 256 per second; over 1 MiB never fits;
 //! - `GET /`: public, the address rule only;
+//! - `GET /slow?ms=N` (needs a principal): sleeps N ms (default 1000, at most
+//!   10000), then streams a short body; at most 2 in flight per account and 8
+//!   in all (429 / 503 beyond), held until the body has been sent;
 //! - admitted requests get 200 and a short text body.
 //!
 //! Demo authentication (a stand-in for real authentication, not a pattern to
@@ -22,7 +25,10 @@
 //! An unknown or missing key on a route that needs a principal gets 401.
 
 use std::net::{IpAddr, SocketAddr};
+use std::num::NonZeroUsize;
+use std::pin::Pin;
 use std::process::ExitCode;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use axum::Router;
@@ -31,12 +37,15 @@ use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{get, post};
 use bytes::Bytes;
+use http::{StatusCode, Uri};
+use http_body::Frame;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket};
 use tollgate::{
-    ClientIpResolver, Cost, ForwardedHeader, MemoryStore, Policy, Principal, Rate, RateLimitLayer,
-    Rule,
+    ClientIpResolver, ConcurrencyLimitLayer, Cost, ForwardedHeader, KeyPart, MemoryStore, Policy,
+    Principal, Rate, RateLimitLayer, Rule,
 };
+use tower_http::timeout::TimeoutLayer;
 
 const USAGE: &str = "usage: quickstart [--addr HOST:PORT] [--trust-proxy CIDR]... [--demo]";
 
@@ -98,7 +107,57 @@ async fn demo_auth(mut req: Request, next: Next) -> Response {
     next.run(req).await
 }
 
-fn app(trusted: Vec<ipnet::IpNet>) -> Result<Router, tollgate::core::InvalidPolicy> {
+/// A body that yields a few lines, 50 ms apart: a stand-in for streaming
+/// work that keeps its concurrency slot until the last byte is sent.
+struct Ticks {
+    left: u8,
+    timer: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl http_body::Body for Ticks {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if self.left == 0 {
+            return Poll::Ready(None);
+        }
+        if self.timer.as_mut().poll(cx).is_pending() {
+            return Poll::Pending;
+        }
+        self.left -= 1;
+        let next = tokio::time::Instant::now() + Duration::from_millis(50);
+        self.timer.as_mut().reset(next);
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(format!(
+            "tick {}\n",
+            3 - self.left
+        ))))))
+    }
+}
+
+async fn slow(uri: Uri) -> Result<axum::response::Response, (StatusCode, String)> {
+    let ms = match uri
+        .query()
+        .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("ms=")))
+    {
+        None => 1000,
+        Some(v) => v.parse::<u64>().ok().filter(|ms| *ms <= 10_000).ok_or((
+            StatusCode::BAD_REQUEST,
+            format!("ms must be 0..=10000, got {v:?}\n"),
+        ))?,
+    };
+    tokio::time::sleep(Duration::from_millis(ms)).await;
+    let body = Ticks {
+        left: 3,
+        timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
+    };
+    Ok(axum::response::Response::new(axum::body::Body::new(body)))
+}
+
+fn app(trusted: Vec<ipnet::IpNet>) -> Result<Router, Box<dyn std::error::Error>> {
     let per_ip = Policy::token_bucket("per-ip", 5, Rate::per_second(1))?;
     let export = Policy::token_bucket("export", 3, Rate::per_second(2))?;
     let upload = Policy::token_bucket("upload", 1024, Rate::per_second(256))?
@@ -117,8 +176,24 @@ fn app(trusted: Vec<ipnet::IpNet>) -> Result<Router, tollgate::core::InvalidPoli
                 .with_cost(Cost::content_kib()),
         );
 
+    // Slow work: per account at most 2 in flight, 8 in all, each bounded by a
+    // timeout inside the limit so a stuck request cannot hold its slot.
+    let in_flight = ConcurrencyLimitLayer::new("slow")?
+        .per_key(
+            NonZeroUsize::new(2).ok_or("2 is not zero")?,
+            [KeyPart::Account],
+        )
+        .global(NonZeroUsize::new(8).ok_or("8 is not zero")?);
+    let slow_route = get(slow)
+        .route_layer(TimeoutLayer::with_status_code(
+            StatusCode::SERVICE_UNAVAILABLE,
+            Duration::from_secs(12),
+        ))
+        .route_layer(in_flight);
+
     Ok(Router::new()
         .route("/", get(|| async { "hello from tollgate\n" }))
+        .route("/slow", slow_route)
         .route("/export", post(|| async { "export started\n" }))
         .route(
             "/upload",
@@ -140,7 +215,7 @@ async fn main() -> ExitCode {
     let app = match app(args.trusted) {
         Ok(app) => app,
         Err(e) => {
-            eprintln!("bad policy: {e}");
+            eprintln!("bad configuration: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -290,17 +365,53 @@ async fn demo(server: SocketAddr) -> bool {
     };
     let mut ok = true;
     for (what, from, head, body) in steps {
-        let request_line = head.split("\r\n").next().unwrap_or("");
-        match send(server, from, &head, &body).await {
-            Ok(response) => println!(
-                "{what}\n  {request_line} from {from}\n  -> {}",
+        ok &= step(server, what, from, &head, &body).await;
+    }
+    // Concurrency: three slow requests of alice at once (from three
+    // addresses, so only the in-flight limit is in play): two run, one is
+    // refused at once.
+    println!("alice starts 3 slow requests at once: at most 2 in flight per account");
+    let head = "GET /slow?ms=400 HTTP/1.1\r\nAuthorization: Bearer alice-key-1";
+    let mut tasks = Vec::new();
+    for last in [5u8, 6, 7] {
+        let from = IpAddr::from([127, 0, 0, last]);
+        tasks.push(tokio::spawn(async move {
+            (from, send(server, from, head, b"").await)
+        }));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for task in tasks {
+        match task.await {
+            Ok((from, Ok(response))) => println!(
+                "  GET /slow?ms=400 from {from}\n  -> {}",
                 summary(&response)
             ),
+            Ok((from, Err(e))) => {
+                println!("  GET /slow from {from} failed: {e}");
+                ok = false;
+            }
             Err(e) => {
-                println!("{what}: {request_line} from {from} failed: {e}");
+                println!("  task failed: {e}");
                 ok = false;
             }
         }
     }
     ok
+}
+
+async fn step(server: SocketAddr, what: &str, from: IpAddr, head: &str, body: &[u8]) -> bool {
+    let request_line = head.split("\r\n").next().unwrap_or("");
+    match send(server, from, head, body).await {
+        Ok(response) => {
+            println!(
+                "{what}\n  {request_line} from {from}\n  -> {}",
+                summary(&response)
+            );
+            true
+        }
+        Err(e) => {
+            println!("{what}: {request_line} from {from} failed: {e}");
+            false
+        }
+    }
 }

@@ -24,6 +24,57 @@ impl Reply {
     pub fn header(&self, name: &str) -> Option<&str> {
         self.headers.get(name).and_then(|v| v.to_str().ok())
     }
+
+    /// Every line of a header, joined as one structured-field list.
+    pub fn header_joined(&self, name: &str) -> Option<String> {
+        let lines: Vec<&str> = self
+            .headers
+            .get_all(name)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .collect();
+        (!lines.is_empty()).then(|| lines.join(", "))
+    }
+}
+
+/// Opens a request and returns the stream once the response head and at
+/// least `min_body` body bytes have arrived, with what was read.
+pub async fn open(
+    server: SocketAddr,
+    from: IpAddr,
+    path: &str,
+    headers: &[(&str, &str)],
+    min_body: usize,
+) -> (tokio::net::TcpStream, String) {
+    let socket = TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::new(from, 0)).unwrap();
+    let mut stream = socket.connect(server).await.unwrap();
+    let mut head = format!("GET {path} HTTP/1.1\r\nHost: test\r\n");
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    head.push_str("\r\n");
+    stream.write_all(head.as_bytes()).await.unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 4096];
+    loop {
+        if let Some(end) = seen.windows(4).position(|w| w == b"\r\n\r\n")
+            && seen.len() >= end + 4 + min_body
+        {
+            break;
+        }
+        let n = tokio::time::timeout(Duration::from_secs(10), stream.read(&mut buf))
+            .await
+            .expect("data within 10 s")
+            .unwrap();
+        assert!(
+            n > 0,
+            "connection closed early: {:?}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
+    (stream, String::from_utf8_lossy(&seen).into_owned())
 }
 
 /// Sends one request with `Connection: close` from `from` (any 127.0.0.0/8

@@ -6,6 +6,8 @@
 //!   charges every applicable [`Rule`] in one all-or-nothing [`Store`] call,
 //!   and answers refusals with `429`, `Retry-After` and the IETF
 //!   `RateLimit-Policy` / `RateLimit` fields.
+//! - [`ConcurrencyLimitLayer`] bounds requests in flight, globally and per
+//!   key, until their response bodies end.
 //! - The budget arithmetic, keys and stores come from [`tollgate_core`],
 //!   re-exported here.
 //!
@@ -22,12 +24,14 @@
 mod body;
 #[cfg(feature = "client")]
 pub mod client;
+pub mod concurrency;
 pub mod identity;
 mod observe;
 pub mod rate_limit;
 pub mod response;
 
 pub use body::ResponseBody;
+pub use concurrency::{ConcurrencyLimit, ConcurrencyLimitLayer};
 pub use identity::{
     ClientIp, ClientIpError, ClientIpResolver, ForwardedHeader, Operation, PeerAddr, Principal,
 };

@@ -99,6 +99,10 @@ fn json_string(out: &mut String, s: &str) {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Refusal {
     RateLimited,
+    /// A per-key concurrency limit is full.
+    TooManyInFlight,
+    /// A global concurrency limit (or its waiting queue) is full.
+    Overloaded,
     NeverFits(StatusCode),
     StoreUnavailable,
     Unauthenticated,
@@ -110,7 +114,8 @@ pub(crate) enum Refusal {
 impl Refusal {
     fn status(self) -> StatusCode {
         match self {
-            Refusal::RateLimited => StatusCode::TOO_MANY_REQUESTS,
+            Refusal::RateLimited | Refusal::TooManyInFlight => StatusCode::TOO_MANY_REQUESTS,
+            Refusal::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
             Refusal::NeverFits(status) => status,
             Refusal::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             Refusal::Unauthenticated => StatusCode::UNAUTHORIZED,
@@ -123,6 +128,8 @@ impl Refusal {
     fn problem_type(self) -> &'static str {
         match self {
             Refusal::RateLimited => "urn:tollgate:problem:rate-limited",
+            Refusal::TooManyInFlight => "urn:tollgate:problem:too-many-in-flight",
+            Refusal::Overloaded => "urn:tollgate:problem:overloaded",
             Refusal::NeverFits(_) => "urn:tollgate:problem:cost-exceeds-capacity",
             Refusal::StoreUnavailable => "urn:tollgate:problem:limiter-unavailable",
             Refusal::Unauthenticated => "urn:tollgate:problem:principal-required",
@@ -136,7 +143,8 @@ impl Refusal {
     /// UNAVAILABLE (14), UNAUTHENTICATED (16), INTERNAL (13).
     fn grpc_code(self) -> u16 {
         match self {
-            Refusal::RateLimited => 8,
+            Refusal::RateLimited | Refusal::TooManyInFlight => 8,
+            Refusal::Overloaded => 14,
             Refusal::NeverFits(_) | Refusal::BadRequest | Refusal::LengthRequired => 3,
             Refusal::StoreUnavailable => 14,
             Refusal::Unauthenticated => 16,
@@ -152,7 +160,7 @@ pub(crate) struct Answer {
     pub(crate) detail: String,
     pub(crate) policy: Option<String>,
     pub(crate) retry_after: Option<Duration>,
-    pub(crate) fields: Option<(HeaderValue, HeaderValue)>,
+    pub(crate) fields: Option<Box<(HeaderValue, HeaderValue)>>,
 }
 
 impl Answer {
@@ -174,7 +182,7 @@ impl Answer {
     ) -> Self {
         let idx = outcome.most_restrictive().unwrap_or(0);
         let policy = charges.get(idx).map(|c| c.policy().name().to_owned());
-        let fields = ratelimit_fields(charges, outcome);
+        let fields = ratelimit_fields(charges, outcome).map(Box::new);
         match outcome.limits().get(idx) {
             Some(Decision::NeverFits { cost, capacity }) => Self {
                 refusal: Refusal::NeverFits(never_fits_status),
@@ -210,7 +218,8 @@ impl Answer {
     pub(crate) fn into_response(self, grpc: bool) -> Response<Full<Bytes>> {
         let mut headers = HeaderMap::new();
         headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
-        if let Some((policy, current)) = self.fields {
+        if let Some(fields) = self.fields {
+            let (policy, current) = *fields;
             headers.insert(RATELIMIT_POLICY.clone(), policy);
             headers.insert(RATELIMIT.clone(), current);
         }
@@ -252,6 +261,16 @@ impl Answer {
         *response.headers_mut() = headers;
         response
     }
+}
+
+/// A future polled after it completed gets a 500 rather than a panic.
+#[cold]
+pub(crate) fn polled_after_completion() -> Response<Full<Bytes>> {
+    Answer::new(
+        Refusal::Misconfigured,
+        "tollgate response future polled after completion",
+    )
+    .into_response(false)
 }
 
 /// gRPC's `grpc-message` encoding: percent-encode everything outside

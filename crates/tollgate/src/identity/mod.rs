@@ -9,10 +9,13 @@
 
 mod client_ip;
 pub mod forwarded;
+mod keys;
 mod operation;
 mod principal;
 
 pub use client_ip::{ClientIp, ClientIpError, ClientIpResolver, ForwardedHeader, PeerAddr};
+pub(crate) use keys::RequestIdentity;
+pub use keys::{KeyPart, MissingPrincipal};
 pub use operation::Operation;
 pub(crate) use operation::route_of as operation_route;
 pub use principal::Principal;

@@ -10,7 +10,7 @@ use tower_service::Service;
 
 use super::service::Fields;
 use crate::ResponseBody;
-use crate::response::{Answer, RATELIMIT, RATELIMIT_POLICY};
+use crate::response::{Answer, RATELIMIT, RATELIMIT_POLICY, polled_after_completion};
 
 type Decision = Pin<Box<dyn Future<Output = Result<Fields, Answer>> + Send>>;
 
@@ -111,11 +111,13 @@ where
                 }
                 StateProj::Calling { future, fields } => {
                     let mut response = ready!(future.poll(cx))?;
+                    // Appended, not replaced: an inner limit (e.g. a
+                    // concurrency limit) may have described itself already,
+                    // and a structured-field list may span field lines.
                     if let Some((policy, current)) = fields.take() {
-                        response
-                            .headers_mut()
-                            .insert(RATELIMIT_POLICY.clone(), policy);
-                        response.headers_mut().insert(RATELIMIT.clone(), current);
+                        let headers = response.headers_mut();
+                        headers.append(RATELIMIT_POLICY.clone(), policy);
+                        headers.append(RATELIMIT.clone(), current);
                     }
                     return Poll::Ready(Ok(response.map(ResponseBody::inner)));
                 }
@@ -136,14 +138,4 @@ where
     State::Refused {
         response: Some(polled_after_completion()),
     }
-}
-
-/// A future polled after it completed gets a 500 rather than a panic.
-#[cold]
-fn polled_after_completion() -> Response<Full<Bytes>> {
-    Answer::new(
-        crate::response::Refusal::Misconfigured,
-        "tollgate response future polled after completion",
-    )
-    .into_response(false)
 }

@@ -45,7 +45,8 @@ mod layer;
 mod rule;
 mod service;
 
+pub use crate::identity::{KeyPart, MissingPrincipal};
 pub use future::ResponseFuture;
 pub use layer::{OnStoreError, RateLimitLayer};
-pub use rule::{Cost, CostError, CostFn, KeyPart, MissingPrincipal, Rule};
+pub use rule::{Cost, CostError, CostFn, Rule};
 pub use service::RateLimit;

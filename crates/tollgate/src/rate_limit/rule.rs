@@ -9,49 +9,7 @@ use http::request::Parts;
 use http::{Method, StatusCode};
 use tollgate_core::{Policy, Unit};
 
-use crate::identity::operation_route;
-
-/// One component of a rate-limit key.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub enum KeyPart {
-    /// The resolved client address ([`crate::ClientIpResolver`]).
-    ClientIp,
-    /// The principal's tenant.
-    Tenant,
-    /// The principal's tenant and account (an account id is only meaningful
-    /// within its tenant, so both are always included).
-    Account,
-    /// The principal's tenant, account and credential id (empty if the
-    /// authenticator set none).
-    Credential,
-    /// The operation from routing ([`crate::Operation`]).
-    Operation,
-    /// A fixed component, e.g. to group several routes into one budget.
-    Literal(Arc<str>),
-}
-
-impl KeyPart {
-    pub(crate) fn needs_principal(&self) -> bool {
-        matches!(
-            self,
-            KeyPart::Tenant | KeyPart::Account | KeyPart::Credential
-        )
-    }
-}
-
-/// What a rule does when its key needs a [`crate::Principal`] and the
-/// request has none.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
-pub enum MissingPrincipal {
-    /// Answer `401 Unauthorized` (gRPC: UNAUTHENTICATED) without charging
-    /// anything (default). Use it on routes that require authentication.
-    #[default]
-    Reject,
-    /// Key the rule by the client address instead of the principal parts.
-    FallbackToClientIp,
-    /// Do not apply this rule to the request.
-    Skip,
-}
+use crate::identity::{KeyPart, MissingPrincipal, operation_route};
 
 /// A cost computed from the request.
 pub type CostFn = dyn Fn(&Parts) -> Result<u64, CostError> + Send + Sync;
@@ -266,9 +224,5 @@ impl Rule {
             None => true,
             Some(route) => operation_route(parts).unwrap_or(parts.uri.path()) == &**route,
         }
-    }
-
-    pub(crate) fn needs_principal(&self) -> bool {
-        self.key.iter().any(KeyPart::needs_principal)
     }
 }

@@ -5,13 +5,13 @@ use std::time::Instant;
 
 use http::request::Parts;
 use http::{HeaderValue, Request, Response, StatusCode};
-use tollgate_core::{Charge, DynStore, Key, Outcome, Store, Verdict};
+use tollgate_core::{Charge, DynStore, Outcome, Store, Verdict};
 use tower_service::Service;
 
 use super::layer::{Config, OnStoreError};
-use super::rule::{CostRefusal, KeyPart, MissingPrincipal};
+use super::rule::CostRefusal;
 use super::{ResponseFuture, Rule};
-use crate::identity::{ClientIp, ClientIpError, Operation, Principal};
+use crate::identity::RequestIdentity;
 use crate::observe;
 use crate::response::{Answer, Refusal, is_grpc, ratelimit_fields};
 
@@ -74,91 +74,16 @@ pub(crate) enum Plan {
     Charge(Vec<Charge>, Vec<StatusCode>),
 }
 
-/// Lazily resolved identity of one request.
-struct Who<'a> {
-    parts: &'a Parts,
-    config_resolver: &'a crate::ClientIpResolver,
-    ip: Option<Result<ClientIp, ClientIpError>>,
-    operation: Option<Operation>,
-}
-
-impl Who<'_> {
-    fn ip(&mut self) -> Result<ClientIp, ClientIpError> {
-        self.ip
-            .get_or_insert_with(|| self.config_resolver.resolve(self.parts))
-            .clone()
-    }
-
-    fn operation(&mut self) -> &Operation {
-        self.operation
-            .get_or_insert_with(|| Operation::of(self.parts))
-    }
-}
-
 pub(crate) fn plan(rules: &[Rule], resolver: &crate::ClientIpResolver, parts: &Parts) -> Plan {
-    let principal = parts.extensions.get::<Principal>();
-    let mut who = Who {
-        parts,
-        config_resolver: resolver,
-        ip: None,
-        operation: None,
-    };
+    let mut who = RequestIdentity::new(parts, resolver);
     let mut charges = Vec::new();
     let mut statuses = Vec::new();
     for rule in rules.iter().filter(|r| r.applies_to(parts)) {
-        let mut fallback = false;
-        if rule.needs_principal() && principal.is_none() {
-            match rule.missing_principal {
-                MissingPrincipal::Reject => {
-                    return Plan::Refuse(Answer::new(
-                        Refusal::Unauthenticated,
-                        format!(
-                            "policy {:?} needs an authenticated principal",
-                            rule.policy.name()
-                        ),
-                    ));
-                }
-                MissingPrincipal::Skip => continue,
-                MissingPrincipal::FallbackToClientIp => fallback = true,
-            }
-        }
-        let mut key = Key::new(rule.policy.name());
-        let mut ip_done = false;
-        for part in &rule.key {
-            let part = if fallback && part.needs_principal() {
-                if ip_done {
-                    continue;
-                }
-                &KeyPart::ClientIp
-            } else {
-                part
-            };
-            match part {
-                KeyPart::ClientIp => match who.ip() {
-                    Ok(ip) => {
-                        ip_done = true;
-                        key.push(ip.to_string());
-                    }
-                    Err(e @ ClientIpError::MissingPeer) => {
-                        tracing::error!(error = %e, "tollgate cannot key by client address");
-                        return Plan::Refuse(Answer::new(Refusal::Misconfigured, e.to_string()));
-                    }
-                    Err(e) => return Plan::Refuse(Answer::new(Refusal::BadRequest, e.to_string())),
-                },
-                KeyPart::Tenant => key.push(principal.map_or("", |p| p.tenant())),
-                KeyPart::Account => {
-                    key.push(principal.map_or("", |p| p.tenant()));
-                    key.push(principal.map_or("", |p| p.account()));
-                }
-                KeyPart::Credential => {
-                    key.push(principal.map_or("", |p| p.tenant()));
-                    key.push(principal.map_or("", |p| p.account()));
-                    key.push(principal.and_then(|p| p.credential()).unwrap_or(""));
-                }
-                KeyPart::Operation => key.push(who.operation().as_str()),
-                KeyPart::Literal(s) => key.push(&**s),
-            }
-        }
+        let key = match who.key(rule.policy.name(), &rule.key, rule.missing_principal) {
+            Ok(Some(key)) => key,
+            Ok(None) => continue,
+            Err(answer) => return Plan::Refuse(answer),
+        };
         let cost = match rule.cost.of(parts) {
             Ok(cost) => cost,
             Err(CostRefusal::LengthRequired) => {

@@ -1,0 +1,141 @@
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll, ready};
+
+use bytes::Bytes;
+use http::{Request, Response};
+use http_body_util::Full as FullBody;
+use pin_project_lite::pin_project;
+use tower_service::Service;
+
+use super::PermitBody;
+use super::layer::Config;
+use super::limiter::{Full, Permit};
+use super::service::refusal;
+use crate::ResponseBody;
+
+type Acquire = Pin<Box<dyn Future<Output = Result<Permit, Full>> + Send>>;
+
+pin_project! {
+    /// Response future of [`ConcurrencyLimit`](super::ConcurrencyLimit).
+    pub struct ResponseFuture<S, ReqB>
+    where
+        S: Service<Request<ReqB>>,
+    {
+        #[pin]
+        state: State<S, ReqB>,
+    }
+}
+
+pin_project! {
+    #[project = StateProj]
+    enum State<S, ReqB>
+    where
+        S: Service<Request<ReqB>>,
+    {
+        Waiting {
+            acquire: Acquire,
+            pending: Option<(S, Request<ReqB>)>,
+            config: Arc<Config>,
+            grpc: bool,
+        },
+        Calling {
+            #[pin]
+            future: S::Future,
+            // Moves into the response body when the head arrives; dropped
+            // with this future if the request is abandoned or fails.
+            permit: Option<Permit>,
+        },
+        Refused {
+            response: Option<Response<FullBody<Bytes>>>,
+        },
+    }
+}
+
+impl<S, ReqB> ResponseFuture<S, ReqB>
+where
+    S: Service<Request<ReqB>>,
+{
+    pub(crate) fn calling(mut inner: S, req: Request<ReqB>, permit: Permit) -> Self {
+        Self {
+            state: State::Calling {
+                future: inner.call(req),
+                permit: Some(permit),
+            },
+        }
+    }
+
+    pub(crate) fn waiting(
+        acquire: Acquire,
+        inner: S,
+        req: Request<ReqB>,
+        config: Arc<Config>,
+        grpc: bool,
+    ) -> Self {
+        Self {
+            state: State::Waiting {
+                acquire,
+                pending: Some((inner, req)),
+                config,
+                grpc,
+            },
+        }
+    }
+
+    pub(crate) fn refused(response: Response<FullBody<Bytes>>) -> Self {
+        Self {
+            state: State::Refused {
+                response: Some(response),
+            },
+        }
+    }
+}
+
+impl<S, ReqB, ResB> Future for ResponseFuture<S, ReqB>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>>,
+{
+    type Output = Result<Response<ResponseBody<PermitBody<ResB>>>, S::Error>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let mut this = self.project();
+        loop {
+            match this.state.as_mut().project() {
+                StateProj::Waiting {
+                    acquire,
+                    pending,
+                    config,
+                    grpc,
+                } => {
+                    let next = match (ready!(acquire.as_mut().poll(cx)), pending.take()) {
+                        (Ok(permit), Some((mut inner, req))) => State::Calling {
+                            future: inner.call(req),
+                            permit: Some(permit),
+                        },
+                        (Err(full), _) => State::Refused {
+                            response: Some(refusal(config, full).into_response(*grpc)),
+                        },
+                        (Ok(_), None) => State::Refused {
+                            response: Some(crate::response::polled_after_completion()),
+                        },
+                    };
+                    this.state.set(next);
+                }
+                StateProj::Calling { future, permit } => {
+                    let response = ready!(future.poll(cx))?;
+                    let permit = permit.take();
+                    return Poll::Ready(Ok(
+                        response.map(|b| ResponseBody::inner(PermitBody::new(b, permit)))
+                    ));
+                }
+                StateProj::Refused { response } => {
+                    let response = response
+                        .take()
+                        .unwrap_or_else(crate::response::polled_after_completion);
+                    return Poll::Ready(Ok(response.map(ResponseBody::refused)));
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,50 @@
+//! The concurrency-limit middleware: bound the work still in flight.
+//!
+//! A token bucket bounds admitted work, not running work: slow requests stay
+//! active while tokens refill. [`ConcurrencyLimitLayer`] protects scarce
+//! worker or database capacity by counting a request from admission until
+//! its response body has been fully sent, has failed, or has been dropped
+//! (a client that disconnects mid-stream frees its slot).
+//!
+//! - per key (principal, client address, operation — the same key parts as
+//!   the rate-limit layer): over the limit is `429`, whose
+//!   `RateLimit-Policy` names the unit `concurrent-requests`; no
+//!   `Retry-After`, since no time can be promised;
+//! - global: over the limit is `503`;
+//! - refusal is immediate unless [`ConcurrencyLimitLayer::wait`] allows a
+//!   bounded number of waiters for a bounded time; there is never an
+//!   unbounded queue.
+//!
+//! It composes with [`RateLimitLayer`](crate::RateLimitLayer) in either
+//! order. Put a timeout inside it, so a stuck request cannot hold a slot
+//! forever: `tower_http::timeout::TimeoutLayer` bounds the time to the
+//! response head, and `tower_http::timeout::ResponseBodyTimeoutLayer` the
+//! gaps in a streaming body.
+//!
+//! This is an in-process limit. A Redis-backed distributed in-flight limit
+//! (leases with TTLs) is not built.
+//!
+//! ```
+//! use std::num::NonZeroUsize;
+//! use axum::{Router, routing::get};
+//! use tollgate::{ConcurrencyLimitLayer, KeyPart};
+//!
+//! let slow = ConcurrencyLimitLayer::new("slow")
+//!     .unwrap()
+//!     .per_key(NonZeroUsize::new(2).unwrap(), [KeyPart::Account])
+//!     .global(NonZeroUsize::new(8).unwrap());
+//! let app: Router = Router::new().route("/slow", get(|| async { "done" }).route_layer(slow));
+//! # let _ = app;
+//! ```
+
+mod body;
+mod future;
+mod layer;
+mod limiter;
+mod service;
+
+pub use body::PermitBody;
+pub use future::ResponseFuture;
+pub use layer::{ConcurrencyLimitLayer, InvalidLimitName};
+pub use limiter::ConcurrencyStats;
+pub use service::ConcurrencyLimit;

@@ -1,0 +1,135 @@
+use std::fmt;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+
+use http::{HeaderValue, Request, Response};
+use tower_service::Service;
+
+use super::ResponseFuture;
+use super::layer::Config;
+use super::limiter::Full;
+use crate::identity::RequestIdentity;
+use crate::response::{Answer, Refusal, is_grpc};
+
+/// Bounds requests in flight; made by
+/// [`ConcurrencyLimitLayer`](super::ConcurrencyLimitLayer).
+pub struct ConcurrencyLimit<S> {
+    inner: S,
+    config: Arc<Config>,
+}
+
+impl<S: Clone> Clone for ConcurrencyLimit<S> {
+    fn clone(&self) -> Self {
+        Self {
+            inner: self.inner.clone(),
+            config: self.config.clone(),
+        }
+    }
+}
+
+impl<S: fmt::Debug> fmt::Debug for ConcurrencyLimit<S> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConcurrencyLimit")
+            .field("inner", &self.inner)
+            .field("limit", &self.config.limiter.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<S> ConcurrencyLimit<S> {
+    pub(crate) fn from_config(inner: S, config: Arc<Config>) -> Self {
+        Self { inner, config }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Consumes the middleware, returning the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+/// The refusal for a full limit.
+pub(crate) fn refusal(config: &Config, full: Full) -> Answer {
+    let l = &config.limiter;
+    match full {
+        Full::PerKey => {
+            let max = l.per_key_max.unwrap_or(0);
+            let mut answer = Answer::new(
+                Refusal::TooManyInFlight,
+                format!(
+                    "at most {max} requests of yours may be in flight at once ({:?})",
+                    &*l.name
+                ),
+            );
+            answer.policy = Some(l.name.to_string());
+            let policy = format!("\"{}\";q={max};qu=\"concurrent-requests\"", l.name);
+            let current = format!("\"{}\";r=0", l.name);
+            answer.fields = HeaderValue::from_str(&policy)
+                .ok()
+                .zip(HeaderValue::from_str(&current).ok())
+                .map(Box::new);
+            answer
+        }
+        Full::Global | Full::Queue => {
+            let mut answer = Answer::new(
+                Refusal::Overloaded,
+                "the service is at capacity; try again later",
+            );
+            answer.policy = Some(l.name.to_string());
+            answer
+        }
+    }
+}
+
+impl<S, ReqB, ResB> Service<Request<ReqB>> for ConcurrencyLimit<S>
+where
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone + Send + 'static,
+    ReqB: Send + 'static,
+{
+    type Response = Response<crate::ResponseBody<super::PermitBody<ResB>>>;
+    type Error = S::Error;
+    type Future = ResponseFuture<S, ReqB>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        // Never backpressure: a full limit is answered, not awaited here.
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: Request<ReqB>) -> Self::Future {
+        let clone = self.inner.clone();
+        let inner = std::mem::replace(&mut self.inner, clone);
+        let config = &self.config;
+        let (parts, body) = req.into_parts();
+        let grpc = is_grpc(&parts.headers);
+        let key: Option<Box<str>> = if config.limiter.per_key_max.is_some() {
+            let mut who = RequestIdentity::new(&parts, &config.resolver);
+            match who.key(&config.limiter.name, &config.key, config.missing) {
+                Ok(key) => key.map(|k| k.as_str().into()),
+                Err(answer) => return ResponseFuture::refused(answer.into_response(grpc)),
+            }
+        } else {
+            None
+        };
+        let req = Request::from_parts(parts, body);
+        match config.limiter.try_acquire(key.as_deref()) {
+            Ok(permit) => ResponseFuture::calling(inner, req, permit),
+            Err(_) if config.limiter.waiting.is_some() => {
+                let waiting = Box::pin(config.limiter.clone().acquire(key));
+                ResponseFuture::waiting(waiting, inner, req, config.clone(), grpc)
+            }
+            Err(full) => {
+                let answer = refusal(config, config.limiter.refused(full));
+                ResponseFuture::refused(answer.into_response(grpc))
+            }
+        }
+    }
+}

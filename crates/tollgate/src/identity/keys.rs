@@ -1,0 +1,148 @@
+//! Building tuple keys from a request: the one place where principal,
+//! client address and operation become key components, shared by the
+//! rate-limit and concurrency layers.
+
+use std::sync::Arc;
+
+use http::request::Parts;
+use tollgate_core::Key;
+
+use super::{ClientIp, ClientIpError, ClientIpResolver, Operation, Principal};
+use crate::response::{Answer, Refusal};
+
+/// One component of a key (after the policy or layer name, which always
+/// comes first).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum KeyPart {
+    /// The resolved client address ([`crate::ClientIpResolver`]).
+    ClientIp,
+    /// The principal's tenant.
+    Tenant,
+    /// The principal's tenant and account (an account id is only meaningful
+    /// within its tenant, so both are always included).
+    Account,
+    /// The principal's tenant, account and credential id (empty if the
+    /// authenticator set none).
+    Credential,
+    /// The operation from routing ([`crate::Operation`]).
+    Operation,
+    /// A fixed component, e.g. to group several routes into one budget.
+    Literal(Arc<str>),
+}
+
+impl KeyPart {
+    pub(crate) fn needs_principal(&self) -> bool {
+        matches!(
+            self,
+            KeyPart::Tenant | KeyPart::Account | KeyPart::Credential
+        )
+    }
+}
+
+/// What a rule does when its key needs a [`crate::Principal`] and the
+/// request has none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum MissingPrincipal {
+    /// Answer `401 Unauthorized` (gRPC: UNAUTHENTICATED) without charging
+    /// anything (default). Use it on routes that require authentication.
+    #[default]
+    Reject,
+    /// Key the rule by the client address instead of the principal parts.
+    FallbackToClientIp,
+    /// Do not apply this rule to the request.
+    Skip,
+}
+
+/// Lazily resolved identity of one request.
+pub(crate) struct RequestIdentity<'a> {
+    parts: &'a Parts,
+    resolver: &'a ClientIpResolver,
+    principal: Option<&'a Principal>,
+    ip: Option<Result<ClientIp, ClientIpError>>,
+    operation: Option<Operation>,
+}
+
+impl<'a> RequestIdentity<'a> {
+    pub(crate) fn new(parts: &'a Parts, resolver: &'a ClientIpResolver) -> Self {
+        Self {
+            parts,
+            resolver,
+            principal: parts.extensions.get::<Principal>(),
+            ip: None,
+            operation: None,
+        }
+    }
+
+    fn ip(&mut self) -> Result<ClientIp, ClientIpError> {
+        self.ip
+            .get_or_insert_with(|| self.resolver.resolve(self.parts))
+            .clone()
+    }
+
+    /// The key `(first, parts...)`, `Ok(None)` when the request should skip
+    /// it, or the refusal to send.
+    pub(crate) fn key(
+        &mut self,
+        first: &str,
+        key_parts: &[KeyPart],
+        missing: MissingPrincipal,
+    ) -> Result<Option<Key>, Answer> {
+        let mut fallback = false;
+        if self.principal.is_none() && key_parts.iter().any(KeyPart::needs_principal) {
+            match missing {
+                MissingPrincipal::Reject => {
+                    return Err(Answer::new(
+                        Refusal::Unauthenticated,
+                        format!("{first:?} needs an authenticated principal"),
+                    ));
+                }
+                MissingPrincipal::Skip => return Ok(None),
+                MissingPrincipal::FallbackToClientIp => fallback = true,
+            }
+        }
+        let principal = self.principal;
+        let mut key = Key::new(first);
+        let mut ip_done = false;
+        for part in key_parts {
+            let part = if fallback && part.needs_principal() {
+                if ip_done {
+                    continue;
+                }
+                &KeyPart::ClientIp
+            } else {
+                part
+            };
+            match part {
+                KeyPart::ClientIp => match self.ip() {
+                    Ok(ip) => {
+                        ip_done = true;
+                        key.push(ip.to_string());
+                    }
+                    Err(e @ ClientIpError::MissingPeer) => {
+                        tracing::error!(error = %e, "tollgate cannot key by client address");
+                        return Err(Answer::new(Refusal::Misconfigured, e.to_string()));
+                    }
+                    Err(e) => return Err(Answer::new(Refusal::BadRequest, e.to_string())),
+                },
+                KeyPart::Tenant => key.push(principal.map_or("", |p| p.tenant())),
+                KeyPart::Account => {
+                    key.push(principal.map_or("", |p| p.tenant()));
+                    key.push(principal.map_or("", |p| p.account()));
+                }
+                KeyPart::Credential => {
+                    key.push(principal.map_or("", |p| p.tenant()));
+                    key.push(principal.map_or("", |p| p.account()));
+                    key.push(principal.and_then(|p| p.credential()).unwrap_or(""));
+                }
+                KeyPart::Operation => {
+                    let op = self
+                        .operation
+                        .get_or_insert_with(|| Operation::of(self.parts));
+                    key.push(op.as_str());
+                }
+                KeyPart::Literal(s) => key.push(&**s),
+            }
+        }
+        Ok(Some(key))
+    }
+}

@@ -1,0 +1,346 @@
+//! The concurrency-limit layer over real sockets: permits held until the
+//! response body ends, released on disconnect, bounded waiting.
+
+mod common;
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::num::NonZeroUsize;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::routing::get;
+use bytes::Bytes;
+use common::{ip, open, param, quickstart, send, sf_list};
+use http::StatusCode;
+use http_body::Frame;
+use tokio::io::AsyncReadExt;
+use tokio::net::TcpListener;
+use tokio::sync::mpsc;
+use tollgate::{ConcurrencyLimitLayer, KeyPart, MemoryStore, Policy, Rate, RateLimitLayer, Rule};
+
+fn n(v: usize) -> NonZeroUsize {
+    NonZeroUsize::new(v).unwrap()
+}
+
+async fn serve(app: Router) -> SocketAddr {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .await
+        .unwrap();
+    });
+    addr
+}
+
+const ALICE: (&str, &str) = ("Authorization", "Bearer alice-key-1");
+const BOB: (&str, &str) = ("Authorization", "Bearer bob-key");
+
+#[tokio::test(flavor = "multi_thread")]
+async fn quickstart_slow_route_limits_each_account_to_two_in_flight() {
+    let q = quickstart(&[]);
+    let a = q.addr;
+    // Two slow requests of alice, from two addresses so that only the
+    // in-flight limit is in play.
+    let first = tokio::spawn(async move {
+        send(a, ip("127.0.30.1"), "GET", "/slow?ms=1500", &[ALICE], b"").await
+    });
+    let second = tokio::spawn(async move {
+        send(a, ip("127.0.30.2"), "GET", "/slow?ms=1500", &[ALICE], b"").await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    let third = send(a, ip("127.0.30.3"), "GET", "/slow?ms=10", &[ALICE], b"").await;
+    assert_eq!(third.status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(
+        started.elapsed() < Duration::from_millis(700),
+        "refused at once, not queued"
+    );
+    assert!(third.header("retry-after").is_none());
+    assert_eq!(third.header("cache-control"), Some("no-store"));
+    let policies = sf_list(&third.header_joined("ratelimit-policy").unwrap());
+    let slow = policies
+        .iter()
+        .find(|m| m.0 == "slow")
+        .expect("the concurrency policy is described");
+    assert_eq!(param(slow, "q"), Some(2));
+    assert!(
+        slow.1
+            .iter()
+            .any(|(k, v)| k == "qu" && v == "concurrent-requests"),
+        "{slow:?}"
+    );
+    // Bob is another account.
+    let bob = send(a, ip("127.0.30.4"), "GET", "/slow?ms=10", &[BOB], b"").await;
+    assert_eq!(bob.status, StatusCode::OK);
+    assert_eq!(bob.body, "tick 1\ntick 2\ntick 3\n");
+    // When one of alice's finishes, she is admitted again.
+    assert_eq!(first.await.unwrap().status, StatusCode::OK);
+    let again = send(a, ip("127.0.30.3"), "GET", "/slow?ms=10", &[ALICE], b"").await;
+    assert_eq!(again.status, StatusCode::OK);
+    assert_eq!(second.await.unwrap().status, StatusCode::OK);
+    // Bad input is a clear 400.
+    let bad = send(a, ip("127.0.30.5"), "GET", "/slow?ms=99999", &[ALICE], b"").await;
+    assert_eq!(bad.status, StatusCode::BAD_REQUEST);
+}
+
+/// A response body fed by the test through a channel; it ends when the
+/// sender is dropped.
+struct ChannelBody(mpsc::Receiver<Bytes>);
+
+impl http_body::Body for ChannelBody {
+    type Data = Bytes;
+    type Error = Infallible;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|chunk| chunk.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+/// An app whose `/stream` responses are driven by the test: each request
+/// hands its body sender over `senders`.
+fn streaming_app(
+    limit: ConcurrencyLimitLayer,
+) -> (
+    Router,
+    Arc<Mutex<mpsc::UnboundedReceiver<mpsc::Sender<Bytes>>>>,
+) {
+    let (tx, rx) = mpsc::unbounded_channel::<mpsc::Sender<Bytes>>();
+    let app = Router::new()
+        .route(
+            "/stream",
+            get(move || {
+                let tx = tx.clone();
+                async move {
+                    let (body_tx, body_rx) = mpsc::channel(8);
+                    body_tx.send(Bytes::from_static(b"first\n")).await.unwrap();
+                    tx.send(body_tx).unwrap();
+                    axum::response::Response::new(axum::body::Body::new(ChannelBody(body_rx)))
+                }
+            }),
+        )
+        .route("/quick", get(|| async { "quick" }))
+        .layer(limit);
+    (app, Arc::new(Mutex::new(rx)))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_streaming_body_holds_its_permit_until_fully_sent() {
+    let limit = ConcurrencyLimitLayer::new("stream").unwrap().global(n(1));
+    let (app, senders) = streaming_app(limit.clone());
+    let a = serve(app).await;
+    let (mut stream, head) = open(a, ip("127.0.31.1"), "/stream", &[], 6).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let body_tx = senders.lock().unwrap().try_recv().unwrap();
+    // The head has been sent, the body has not ended: still in flight.
+    assert_eq!(limit.stats().in_flight, 1);
+    let r = send(a, ip("127.0.31.2"), "GET", "/quick", &[], b"").await;
+    assert_eq!(
+        r.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "global limit of 1 is held by the stream"
+    );
+    // Finish the body; read it to the end.
+    body_tx.send(Bytes::from_static(b"last\n")).await.unwrap();
+    drop(body_tx);
+    let mut rest = Vec::new();
+    let mut buf = [0u8; 1024];
+    loop {
+        let n = stream.read(&mut buf).await.unwrap();
+        rest.extend_from_slice(&buf[..n]);
+        if n == 0 || rest.ends_with(b"0\r\n\r\n") {
+            break;
+        }
+    }
+    assert!(String::from_utf8_lossy(&rest).contains("last"));
+    wait_until(|| limit.stats().in_flight == 0).await;
+    assert_eq!(
+        send(a, ip("127.0.31.2"), "GET", "/quick", &[], b"")
+            .await
+            .status,
+        StatusCode::OK
+    );
+}
+
+async fn wait_until(mut f: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !f() {
+        assert!(Instant::now() < deadline, "condition not met within 5 s");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_client_that_disconnects_mid_body_frees_its_permit() {
+    let limit = ConcurrencyLimitLayer::new("stream").unwrap().global(n(1));
+    let (app, senders) = streaming_app(limit.clone());
+    let a = serve(app).await;
+    let (stream, _) = open(a, ip("127.0.32.1"), "/stream", &[], 6).await;
+    let body_tx = senders.lock().unwrap().try_recv().unwrap();
+    assert_eq!(limit.stats().in_flight, 1);
+    drop(stream);
+    // The server notices when it next writes; it keeps streaming.
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while limit.stats().in_flight > 0 {
+        assert!(
+            Instant::now() < deadline,
+            "permit not released after disconnect"
+        );
+        let _ = body_tx.send(Bytes::from_static(b"more\n")).await;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        send(a, ip("127.0.32.2"), "GET", "/quick", &[], b"")
+            .await
+            .status,
+        StatusCode::OK
+    );
+}
+
+fn slow_app(limit: ConcurrencyLimitLayer) -> Router {
+    Router::new()
+        .route(
+            "/sleep/{ms}",
+            get(
+                |axum::extract::Path(ms): axum::extract::Path<u64>| async move {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                    "slept"
+                },
+            ),
+        )
+        .layer(limit)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bounded_waiting_admits_within_its_time_or_refuses_after_it() {
+    let limit = ConcurrencyLimitLayer::new("wait")
+        .unwrap()
+        .global(n(1))
+        .wait(4, Duration::from_millis(600));
+    let a = serve(slow_app(limit.clone())).await;
+    // Held for 200 ms: a waiter gets in after it.
+    let holder =
+        tokio::spawn(async move { send(a, ip("127.0.33.1"), "GET", "/sleep/200", &[], b"").await });
+    wait_until(|| limit.stats().in_flight == 1).await;
+    let started = Instant::now();
+    let waited = send(a, ip("127.0.33.2"), "GET", "/sleep/0", &[], b"").await;
+    assert_eq!(waited.status, StatusCode::OK);
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_millis(100),
+        "admitted only after the holder finished ({took:?})"
+    );
+    assert_eq!(holder.await.unwrap().status, StatusCode::OK);
+
+    // Held for 3 s: the waiter is refused once its 600 ms are up.
+    let holder =
+        tokio::spawn(
+            async move { send(a, ip("127.0.33.1"), "GET", "/sleep/3000", &[], b"").await },
+        );
+    wait_until(|| limit.stats().in_flight == 1).await;
+    let started = Instant::now();
+    let refused = send(a, ip("127.0.33.3"), "GET", "/sleep/0", &[], b"").await;
+    let took = started.elapsed();
+    assert_eq!(refused.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        took >= Duration::from_millis(550) && took < Duration::from_millis(2500),
+        "{took:?}"
+    );
+    assert_eq!(refused.header("cache-control"), Some("no-store"));
+    holder.abort();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_waiting_queue_never_exceeds_its_bound_under_a_burst() {
+    let limit = ConcurrencyLimitLayer::new("burst")
+        .unwrap()
+        .global(n(1))
+        .wait(3, Duration::from_millis(800));
+    let a = serve(slow_app(limit.clone())).await;
+    let holder =
+        tokio::spawn(
+            async move { send(a, ip("127.0.34.1"), "GET", "/sleep/1500", &[], b"").await },
+        );
+    wait_until(|| limit.stats().in_flight == 1).await;
+    let burst: Vec<_> = (0..40)
+        .map(|i| {
+            tokio::spawn(async move {
+                let from = ip(&format!("127.0.34.{}", 10 + i));
+                send(a, from, "GET", "/sleep/0", &[], b"").await.status
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for t in burst {
+        statuses.push(t.await.unwrap());
+    }
+    let stats = limit.stats();
+    assert!(stats.peak_waiting <= 3, "{stats:?}");
+    assert_eq!(
+        stats.peak_waiting, 3,
+        "the queue filled up to its bound: {stats:?}"
+    );
+    assert!(
+        statuses
+            .iter()
+            .all(|s| *s == StatusCode::SERVICE_UNAVAILABLE),
+        "{statuses:?}"
+    );
+    assert_eq!(stats.refused_global, 40);
+    assert_eq!(stats.waiting, 0);
+    holder.await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn composes_with_the_rate_limiter_in_either_order() {
+    let rate = || {
+        RateLimitLayer::new(MemoryStore::new()).rule(Rule::per_client_ip(
+            Policy::token_bucket("per-ip", 2, Rate::per_hour(1)).unwrap(),
+        ))
+    };
+    let conc = || {
+        ConcurrencyLimitLayer::new("conc")
+            .unwrap()
+            .per_key(n(1), [KeyPart::ClientIp])
+    };
+    let inner_rate = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(rate())
+        .layer(conc());
+    let outer_rate = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(conc())
+        .layer(rate());
+    for app in [inner_rate, outer_rate] {
+        let a = serve(app).await;
+        let from = ip("127.0.35.1");
+        assert_eq!(
+            send(a, from, "GET", "/", &[], b"").await.status,
+            StatusCode::OK
+        );
+        assert_eq!(
+            send(a, from, "GET", "/", &[], b"").await.status,
+            StatusCode::OK
+        );
+        // The third is refused by the rate limiter, and frees its slot.
+        assert_eq!(
+            send(a, from, "GET", "/", &[], b"").await.status,
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        assert_eq!(
+            send(a, ip("127.0.35.2"), "GET", "/", &[], b"").await.status,
+            StatusCode::OK
+        );
+    }
+}
