@@ -17,7 +17,7 @@ use crate::{Algorithm, Decision, Initial, Nanos, Policy};
 /// |----------------|--------------------------------|--------------------------|-------------------------|
 /// | token bucket   | credit in `1/denominator` units | 0                        | time of that credit     |
 /// | fixed window   | admitted cost in the window    | 0                        | window start            |
-/// | sliding window | admitted cost, current window  | admitted cost, previous  | current window's index  |
+/// | sliding window | admitted cost, current window  | admitted cost, previous  | current window's start  |
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct State {
     /// See the table above.
@@ -180,9 +180,8 @@ pub fn idle_at(policy: &Policy, state: Option<State>, now: Nanos) -> Nanos {
         }
         Algorithm::FixedWindow { window, .. } => s.at.saturating_add(window),
         Algorithm::SlidingWindow { window, .. } => {
-            let w = u128::from(window);
             let windows = if s.level > 0 { 2 } else { 1 };
-            sat((u128::from(s.at) + windows) * w)
+            sat(u128::from(s.at) + windows * u128::from(window))
         }
     }
 }
@@ -284,25 +283,22 @@ fn fixed_window(limit: u64, window: u64, state: Option<State>, now: Nanos, cost:
 fn sliding_window(limit: u64, window: u64, state: Option<State>, now: Nanos, cost: u64) -> Step {
     let w = u128::from(window);
     let l = u128::from(limit);
-    let idx = now / window;
-    let (mut prev, mut cur, stored_idx) = match state {
+    // Windows tile the time line from the key's first admission.
+    let (mut prev, mut cur, stored_start) = match state {
         Some(s) => (u128::from(s.prior), u128::from(s.level), s.at),
-        None => (0, 0, idx),
+        None => (0, 0, now),
     };
     // A clock behind the stored window is read as that window's start.
-    let (idx, eff_now) = if idx < stored_idx {
-        (stored_idx, sat(u128::from(stored_idx) * w))
-    } else {
-        if idx == stored_idx + 1 {
-            prev = cur;
-            cur = 0;
-        } else if idx > stored_idx + 1 {
-            prev = 0;
-            cur = 0;
-        }
-        (idx, now)
-    };
-    let start = u128::from(idx) * w;
+    let eff_now = now.max(stored_start);
+    let windows_on = u128::from(eff_now - stored_start) / w;
+    if windows_on == 1 {
+        prev = cur;
+        cur = 0;
+    } else if windows_on > 1 {
+        prev = 0;
+        cur = 0;
+    }
+    let start = u128::from(stored_start) + windows_on * w;
     let e = u128::from(eff_now) - start;
     let lead = u128::from(eff_now - now);
     let c = u128::from(cost);
@@ -329,7 +325,7 @@ fn sliding_window(limit: u64, window: u64, state: Option<State>, now: Nanos, cos
             next: Some(State {
                 level: sat(cur),
                 prior: sat(prev),
-                at: idx,
+                at: sat(start),
             }),
             idle_at: sat(u128::from(now) + reset),
         }

@@ -181,6 +181,22 @@ pub fn cases() -> Vec<Case> {
             ],
         },
         Case {
+            // Windows are anchored at the key's first admission, not at the
+            // clock's origin.
+            name: "sliding-window-anchored",
+            policies: vec![
+                Policy::sliding_window("swa", 4, Duration::from_secs(1)).expect("valid"),
+            ],
+            steps: vec![
+                step(300 * MS, &[("k", 0, 4)], OK),
+                step(1300 * MS, &a, denied(250 * MS)),
+                step(1549 * MS, &a, denied(MS)),
+                step(1550 * MS, &a, OK),
+                // Two windows later nothing of the first is left.
+                step(3300 * MS, &[("k", 0, 4)], OK),
+            ],
+        },
+        Case {
             // Several limits on one request: if any refuses, none is spent.
             name: "all-or-nothing",
             policies: vec![

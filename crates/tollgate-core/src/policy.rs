@@ -113,8 +113,8 @@ pub enum Algorithm {
         /// Window length in nanoseconds.
         window: u64,
     },
-    /// Sliding window counter: windows of `window` nanoseconds aligned to the
-    /// clock's origin; a charge is admitted when
+    /// Sliding window counter: windows of `window` nanoseconds tiling the
+    /// time line from the key's first admission; a charge is admitted when
     /// `previous × (window − elapsed) + (current + cost) × window ≤ limit × window`,
     /// i.e. the previous window's admitted cost is weighted by the share of it
     /// still inside the sliding interval. Computed exactly in integers.
