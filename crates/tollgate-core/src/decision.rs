@@ -83,6 +83,10 @@ pub enum Decision {
         /// The policy's capacity.
         capacity: u64,
     },
+    /// Not evaluated: the call was decided without this limit (another
+    /// charge can never fit, or was already known to be refused). Nothing
+    /// was read or spent for it.
+    Unevaluated,
 }
 
 impl Decision {
@@ -95,7 +99,7 @@ impl Decision {
     pub fn remaining(&self) -> u64 {
         match *self {
             Decision::Admitted { remaining, .. } | Decision::Denied { remaining, .. } => remaining,
-            Decision::NeverFits { .. } => 0,
+            Decision::NeverFits { .. } | Decision::Unevaluated => 0,
         }
     }
 
@@ -103,7 +107,7 @@ impl Decision {
     pub fn reset(&self) -> Duration {
         match *self {
             Decision::Admitted { reset, .. } | Decision::Denied { reset, .. } => reset,
-            Decision::NeverFits { .. } => Duration::ZERO,
+            Decision::NeverFits { .. } | Decision::Unevaluated => Duration::ZERO,
         }
     }
 
@@ -155,7 +159,9 @@ impl Outcome {
         &self.limits
     }
 
-    /// The overall verdict: never-fits beats denied beats admitted.
+    /// The overall verdict: never-fits beats denied beats admitted. An
+    /// outcome with an unevaluated limit and no refusal is not admitted: it
+    /// is reported as denied with no wait, which a store never returns.
     pub fn verdict(&self) -> Verdict {
         let mut wait: Option<Duration> = None;
         for d in &self.limits {
@@ -164,11 +170,14 @@ impl Outcome {
                 Decision::Denied { retry_after, .. } => {
                     wait = Some(wait.map_or(retry_after, |w| w.max(retry_after)));
                 }
-                Decision::Admitted { .. } => {}
+                Decision::Admitted { .. } | Decision::Unevaluated => {}
             }
         }
         match wait {
             Some(retry_after) => Verdict::Denied { retry_after },
+            None if self.limits.contains(&Decision::Unevaluated) => Verdict::Denied {
+                retry_after: Duration::ZERO,
+            },
             None => Verdict::Admitted,
         }
     }
@@ -186,6 +195,7 @@ impl Outcome {
             Decision::NeverFits { .. } => (2, Duration::MAX, 0),
             Decision::Denied { retry_after, .. } => (1, retry_after, 0),
             Decision::Admitted { remaining, .. } => (0, Duration::ZERO, u64::MAX - remaining),
+            Decision::Unevaluated => (0, Duration::ZERO, 0),
         };
         (0..self.limits.len()).max_by_key(|&i| rank(&self.limits[i]))
     }

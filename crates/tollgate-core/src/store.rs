@@ -83,6 +83,9 @@ pub enum StoreErrorKind {
     CapacityExhausted,
     /// The store answered something this client does not understand.
     Protocol,
+    /// The store cannot represent this policy exactly (a configuration
+    /// error: fix the policy).
+    Unsupported,
 }
 
 impl fmt::Display for StoreErrorKind {
@@ -92,6 +95,7 @@ impl fmt::Display for StoreErrorKind {
             StoreErrorKind::Uncertain => "store outcome uncertain",
             StoreErrorKind::CapacityExhausted => "store key capacity exhausted",
             StoreErrorKind::Protocol => "store protocol error",
+            StoreErrorKind::Unsupported => "policy unsupported by store",
         })
     }
 }

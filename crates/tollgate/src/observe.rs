@@ -34,7 +34,7 @@ pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome) {
             Decision::Admitted { .. } if admitted => {
                 count("tollgate_admitted_cost_total", name, charge.cost());
             }
-            Decision::Admitted { .. } => {}
+            Decision::Admitted { .. } | Decision::Unevaluated => {}
         }
     }
 }

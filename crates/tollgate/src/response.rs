@@ -57,8 +57,9 @@ pub(crate) fn ratelimit_fields(
         if *p.unit() != Unit::Requests {
             let _ = write!(policy, ";qu=\"{}\"", p.unit().as_str());
         }
-        // A cost that can never fit says nothing about the budget's state.
-        if !matches!(decision, Decision::NeverFits { .. }) {
+        // A cost that can never fit, or a limit not evaluated, says nothing
+        // about the budget's state.
+        if !matches!(decision, Decision::NeverFits { .. } | Decision::Unevaluated) {
             if !current.is_empty() {
                 current.push_str(", ");
             }

@@ -1,0 +1,263 @@
+#!lua
+-- tollgate: one atomic decision for every charge of a request.
+--
+-- KEYS[i]   the Redis key of charge i
+-- ARGV[1]   "s": time from the server's TIME; "i": injected (ARGV[2], ARGV[3])
+-- ARGV[2]   injected seconds since the store epoch, ARGV[3] injected nanoseconds
+-- ARGV[4]   the store epoch, in Unix seconds
+-- ARGV[5]   "charge" (write only if every charge is admitted), "peek" (never
+--           write) or "refund" (give back an earlier admission)
+-- ARGV[6 + 7(i-1) ...] per charge: algorithm (1 token bucket, 2 fixed window,
+--           3 sliding window), p1, p2, p3, p4, need, then for refunds the
+--           window start (era:offset) that the admission reported.
+--
+-- All arithmetic is on integers below 2^53, exact in Lua's doubles: time is
+-- (era, offset) with eras of 4e6 s, so an offset is below 4e15 ns and any
+-- difference of interest (validated horizons are below 2e15 ns) is exact.
+--
+-- Reply: per charge {admitted 1/0, remaining, reset ns, retry ns, era, offset}.
+
+local ERA_SEC = 4000000
+local ERA_NS = 4000000000000000
+local HUGE = 9000000000000000
+
+local function idiv(a, b)
+  local q = math.floor(a / b)
+  while q * b > a do q = q - 1 end
+  while (q + 1) * b <= a do q = q + 1 end
+  return q
+end
+
+local function cdiv(a, b)
+  local q = idiv(a, b)
+  if q * b < a then q = q + 1 end
+  return q
+end
+
+-- t1 - t2 in ns for t1 >= t2; HUGE when they are more than an era apart.
+local function diff(e1, o1, e2, o2)
+  if e1 == e2 then return o1 - o2 end
+  if e1 == e2 + 1 then return ERA_NS + o1 - o2 end
+  return HUGE
+end
+
+local function before(e1, o1, e2, o2)
+  return e1 < e2 or (e1 == e2 and o1 < o2)
+end
+
+local function add(e, o, d)
+  o = o + d
+  while o >= ERA_NS do
+    o = o - ERA_NS
+    e = e + 1
+  end
+  return e, o
+end
+
+local sec, nsec
+if ARGV[1] == "s" then
+  local t = redis.call("TIME")
+  sec = tonumber(t[1]) - tonumber(ARGV[4])
+  nsec = tonumber(t[2]) * 1000
+else
+  sec = tonumber(ARGV[2])
+  nsec = tonumber(ARGV[3])
+end
+local NE = math.floor(sec / ERA_SEC)
+local NO = (sec - NE * ERA_SEC) * 1000000000 + nsec
+local mode = ARGV[5]
+
+local pending = {}
+local function load(key)
+  local v = pending[key]
+  if v == nil then v = redis.call("GET", key) end
+  if not v then return nil end
+  local a, b, c, d = string.match(v, "^(%d+):(%d+):(%-?%d+):(%d+)$")
+  if not a then return nil end
+  return tonumber(a), tonumber(b), tonumber(c), tonumber(d)
+end
+
+local function state(level, prior, e, o)
+  return string.format("%.0f:%.0f:%.0f:%.0f", level, prior, e, o)
+end
+
+-- TTL in ms until (e, o), at least 1 ms.
+local function ttl(e, o)
+  local d = diff(e, o, NE, NO)
+  if before(e, o, NE, NO) then d = 0 end
+  return math.max(1, cdiv(d, 1000000) + 1)
+end
+
+local replies = {}
+local writes = {}
+local all = true
+local n = #KEYS
+
+for i = 1, n do
+  local key = KEYS[i]
+  local base = 6 + (i - 1) * 7
+  local algo = tonumber(ARGV[base])
+  local p1, p2, p3, p4 = tonumber(ARGV[base + 1]), tonumber(ARGV[base + 2]), tonumber(ARGV[base + 3]), tonumber(ARGV[base + 4])
+  local need = tonumber(ARGV[base + 5])
+  local level, prior, se, so = load(key)
+  local ok, remaining, reset, retry, we, wo = 0, 0, 0, 0, 0, 0
+  local write, idle_e, idle_o = nil, nil, nil
+
+  if algo == 1 then
+    -- Token bucket: p1 = capacity in scaled units, p2 = units per ns,
+    -- p3 = units per token, p4 = 1 if a new bucket starts full.
+    local cap, num, den = p1, p2, p3
+    local credit
+    if level == nil then
+      if p4 == 1 then credit = cap else credit = 0 end
+      se, so = NE, NO
+    else
+      credit = level
+    end
+    -- A clock behind the state's time refills nothing and moves nothing back.
+    local te, to = NE, NO
+    if before(NE, NO, se, so) then te, to = se, so end
+    local lead = diff(te, to, NE, NO)
+    local el = diff(te, to, se, so)
+    local missing = cap - credit
+    if missing > 0 then
+      if el >= cdiv(missing, num) then credit = cap else credit = credit + el * num end
+    end
+    if mode == "refund" then
+      credit = math.min(cap, credit + need)
+      write = state(credit, 0, te, to)
+      idle_e, idle_o = add(te, to, cdiv(cap - credit, num))
+      ok = 1
+    elseif credit >= need then
+      local left = credit - need
+      local full_in = cdiv(cap - left, num)
+      ok, remaining, reset = 1, idiv(left, den), lead + full_in
+      write = state(left, 0, te, to)
+      idle_e, idle_o = add(te, to, full_in)
+      we, wo = te, to
+    else
+      remaining = idiv(credit, den)
+      reset = lead + cdiv(cap - credit, num)
+      retry = lead + cdiv(need - credit, num)
+      if level == nil and p4 == 0 and mode == "charge" then
+        -- Record when an initially-empty bucket was created (spends nothing).
+        redis.call("SET", key, state(0, 0, NE, NO), "PX", ttl(add(NE, NO, cdiv(cap, num))))
+      end
+    end
+  elseif algo == 2 then
+    -- Fixed window anchored at the first admission: p1 = limit, p2 = window ns.
+    local limit, w = p1, p2
+    local count, ws_e, ws_o = 0, NE, NO
+    if level ~= nil and (before(NE, NO, se, so) or diff(NE, NO, se, so) < w) then
+      count, ws_e, ws_o = level, se, so
+    end
+    local ee, eo = add(ws_e, ws_o, w)
+    local left_ns = 0
+    if before(NE, NO, ee, eo) then left_ns = diff(ee, eo, NE, NO) end
+    if mode == "refund" then
+      ok = 1
+      local re, ro = string.match(ARGV[base + 6], "^(%-?%d+):(%d+)$")
+      if level ~= nil and tonumber(re) == ws_e and tonumber(ro) == ws_o and count >= need then
+        write = state(count - need, 0, ws_e, ws_o)
+        idle_e, idle_o = ee, eo
+      end
+    elseif count + need <= limit then
+      ok, remaining, reset = 1, limit - count - need, left_ns
+      write = state(count + need, 0, ws_e, ws_o)
+      idle_e, idle_o = ee, eo
+      we, wo = ws_e, ws_o
+    else
+      remaining, reset, retry = limit - count, left_ns, left_ns
+    end
+  else
+    -- Sliding window counter anchored at the first admission:
+    -- p1 = limit, p2 = window ns.
+    local limit, w = p1, p2
+    local cur, prev = 0, 0
+    if level ~= nil then cur, prev = level, prior else se, so = NE, NO end
+    local fe, fo = NE, NO
+    if before(NE, NO, se, so) then fe, fo = se, so end
+    local el = diff(fe, fo, se, so)
+    local k = idiv(math.min(el, HUGE), w)
+    if k == 1 then
+      prev, cur = cur, 0
+      se, so = add(se, so, w)
+    elseif k > 1 then
+      prev, cur = 0, 0
+      se, so = fe, fo
+    end
+    local e = diff(fe, fo, se, so)
+    local lead = diff(fe, fo, NE, NO)
+    local function until_idle(p, c)
+      local span
+      if c > 0 then span = 2 * w elseif p > 0 then span = w else return 0, NE, NO end
+      local xe, xo = add(se, so, span)
+      local d = 0
+      if before(NE, NO, xe, xo) then d = diff(xe, xo, NE, NO) end
+      return d, xe, xo
+    end
+    local weighted = prev * (w - e) + cur * w
+    if mode == "refund" then
+      ok = 1
+      local re, ro = string.match(ARGV[base + 6], "^(%-?%d+):(%d+)$")
+      re, ro = tonumber(re), tonumber(ro)
+      if level ~= nil then
+        if re == se and ro == so and cur >= need then
+          cur = cur - need
+        else
+          local pe, po = add(re, ro, w)
+          if pe == se and po == so and prev >= need then prev = prev - need end
+        end
+        write = state(cur, prev, se, so)
+        local _, xe, xo = until_idle(prev, cur)
+        idle_e, idle_o = xe, xo
+      end
+    elseif weighted + need * w <= limit * w then
+      cur = cur + need
+      local d, xe, xo = until_idle(prev, cur)
+      ok, remaining, reset = 1, idiv(limit * w - (prev * (w - e) + cur * w), w), d
+      write = state(cur, prev, se, so)
+      idle_e, idle_o = xe, xo
+      we, wo = se, so
+    else
+      remaining = idiv(math.max(0, limit * w - weighted), w)
+      reset = until_idle(prev, cur)
+      -- Smallest wait until prev*(w-e') + (cur+need)*w <= limit*w.
+      local wait
+      if cur + need <= limit and prev > 0 then
+        local allowed = idiv((limit - cur - need) * w, prev)
+        local need_e = math.max(0, w - allowed)
+        if need_e < w then wait = math.max(0, need_e - e) end
+      end
+      if wait == nil then
+        local to_next = w - e
+        if cur == 0 then
+          wait = to_next
+        else
+          local need_e = math.max(0, w - idiv((limit - need) * w, cur))
+          if need_e < w then wait = to_next + need_e else wait = to_next + w end
+        end
+      end
+      retry = lead + wait
+    end
+  end
+
+  if ok == 0 then all = false end
+  if write ~= nil then
+    pending[key] = write
+    writes[#writes + 1] = {key, write, idle_e, idle_o}
+  end
+  replies[#replies + 1] = ok
+  replies[#replies + 1] = remaining
+  replies[#replies + 1] = reset
+  replies[#replies + 1] = retry
+  replies[#replies + 1] = we
+  replies[#replies + 1] = wo
+end
+
+if (mode == "charge" and all) or mode == "refund" then
+  for _, wr in ipairs(writes) do
+    redis.call("SET", wr[1], wr[2], "PX", ttl(wr[3], wr[4]))
+  end
+end
+return replies

@@ -1,0 +1,424 @@
+//! A Redis-backed [`Store`] for tollgate: one shared, atomic budget for a
+//! fleet.
+//!
+//! Every decision is **one Lua script** run with `EVALSHA` (reloaded on
+//! `NOSCRIPT`, e.g. after a restart or `SCRIPT FLUSH`): refill, compare and
+//! deduct for every charge of a request happen inside it, all-or-nothing. A
+//! refusal writes nothing and extends no TTL (the one exception: the
+//! creation time of an initially-empty token bucket, which spends nothing).
+//!
+//! - **Time** is the server's `TIME`, read inside the script, so a fleet
+//!   shares one clock. It is handled as integers below 2^53 (exact in Lua's
+//!   doubles): nanoseconds within 4·10⁶-second eras since 2026-01-01. A
+//!   server clock that steps backwards never mints credit. Tests may inject
+//!   time instead ([`RedisStoreBuilder::injected_time`]); that is a
+//!   test/diagnostic option, not for production.
+//! - **Same algorithms** as `tollgate-core`, with the same results on the
+//!   same traces (the core's conformance table runs against a real Redis).
+//!   Policies whose numbers do not fit the exact range are refused with
+//!   [`StoreErrorKind::Unsupported`]; see [`RedisStore::check_policy`].
+//! - **Keys**: `PREFIX:{KEY}:POLICY`, where `KEY` is the injective text of
+//!   the tuple key (`{`/`}` escaped) and `POLICY` a readable fingerprint of
+//!   the policy's numbers, so changing a policy never reinterprets old
+//!   state. The braces are a Redis Cluster hash tag: each key's slot
+//!   depends only on the key.
+//! - **TTL**: every write sets a TTL equal to the time until the state is
+//!   indistinguishable from none (bucket full, window over): idle state
+//!   disappears by itself and no key is immortal.
+//! - **Cluster**: charges whose keys share a slot run in one script. Keys
+//!   in different slots (e.g. a per-address and a global limit) cannot be
+//!   one atomic step in Redis Cluster: they are charged slot by slot in a
+//!   fixed order, and if one refuses, the earlier admissions are refunded.
+//!   Between the charge and the refund other requests may be refused that
+//!   would have fitted, but nothing is ever admitted beyond a budget.
+//! - **Failures**: the store starts even when Redis is unreachable and
+//!   (re)connects by itself. Every call has a timeout (default 200 ms).
+//!   Connection refused is [`StoreErrorKind::Unavailable`] (nothing spent);
+//!   a timeout or a connection lost after sending is
+//!   [`StoreErrorKind::Uncertain`] (budget may have been spent). The layer's
+//!   fail-closed / fail-open / fallback setting decides the HTTP answer.
+//! - **Over-limit cache** (optional): denials are remembered locally until
+//!   the time Redis said the cost would fit, and repeated requests in that
+//!   time are refused without a round trip. It only ever refuses, so it
+//!   never admits anything Redis would not.
+//!
+//! Requires Redis 7 or later (the script declares its flags with `#!lua`).
+//!
+//! ```no_run
+//! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
+//! use tollgate_core::{Charge, Key, Policy, Rate, Store};
+//! use tollgate_redis::RedisStore;
+//!
+//! let store = RedisStore::builder("redis://127.0.0.1:6379")?
+//!     .prefix("myapp")
+//!     .build()?;
+//! let policy = Policy::token_bucket("export", 3, Rate::per_second(2))?;
+//! let charge = Charge::new(Key::new("export").with("alice"), policy, 1)?;
+//! let outcome = store.charge(&[charge]).await?;
+//! println!("{:?}", outcome.verdict());
+//! # Ok(()) }
+//! ```
+
+mod cache;
+mod script;
+#[cfg(feature = "testing")]
+pub mod testing;
+
+use std::fmt;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use redis::aio::ConnectionManager;
+use redis::cluster_async::ClusterConnection;
+use tokio::sync::OnceCell;
+use tollgate_core::{Charge, Decision, Nanos, Outcome, Policy, Store, StoreError, StoreErrorKind};
+
+pub use cache::CacheStats;
+use cache::OverLimitCache;
+use script::{Mode, Prepared};
+
+/// Where time comes from.
+#[derive(Clone)]
+enum TimeSource {
+    Server,
+    Injected(Arc<dyn Fn() -> Nanos + Send + Sync>),
+}
+
+enum Conn {
+    Single(ConnectionManager),
+    Cluster(Box<ClusterConn>),
+}
+
+/// A cluster connection, made on first use.
+struct ClusterConn {
+    client: redis::cluster::ClusterClient,
+    conn: OnceCell<ClusterConnection>,
+}
+
+/// Builder for [`RedisStore`].
+#[must_use]
+pub struct RedisStoreBuilder {
+    target: Target,
+    prefix: String,
+    timeout: Duration,
+    time: TimeSource,
+    split: bool,
+    cache: Option<usize>,
+}
+
+enum Target {
+    Single(redis::Client),
+    Cluster(redis::cluster::ClusterClient),
+}
+
+impl fmt::Debug for RedisStoreBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStoreBuilder")
+            .field("prefix", &self.prefix)
+            .field("timeout", &self.timeout)
+            .field("split_by_slot", &self.split)
+            .field("over_limit_cache", &self.cache)
+            .finish_non_exhaustive()
+    }
+}
+
+fn config_error(e: impl std::error::Error + Send + Sync + 'static, what: &str) -> StoreError {
+    StoreError::new(StoreErrorKind::Unavailable, what.to_owned()).with_source(e)
+}
+
+impl RedisStoreBuilder {
+    /// The key prefix (default `tollgate`). Use one per application.
+    pub fn prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.prefix = prefix.into();
+        self
+    }
+
+    /// The time limit for each decision, connection included (default 200 ms).
+    pub fn timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = timeout;
+        self
+    }
+
+    /// Remembers up to `max_keys` denials locally until the time Redis said
+    /// the cost would fit, refusing repeats without a round trip.
+    pub fn over_limit_cache(mut self, max_keys: usize) -> Self {
+        self.cache = Some(max_keys);
+        self
+    }
+
+    /// Charges keys slot by slot with compensating refunds even on a single
+    /// node, as on a cluster. For tests of that path; a cluster store always
+    /// does this when a request's keys span slots.
+    pub fn split_by_slot(mut self, yes: bool) -> Self {
+        self.split = yes;
+        self
+    }
+
+    /// **Test/diagnostic option.** Uses `now` (nanoseconds on any fixed
+    /// origin) instead of the server's `TIME`. Every client of the same keys
+    /// must then use the same clock.
+    pub fn injected_time(mut self, now: impl Fn() -> Nanos + Send + Sync + 'static) -> Self {
+        self.time = TimeSource::Injected(Arc::new(now));
+        self
+    }
+
+    /// Builds the store without connecting: the connection is made on first
+    /// use and remade after failures, in the background. Must be called
+    /// inside a tokio runtime.
+    pub fn build(self) -> Result<RedisStore, StoreError> {
+        let conn = match self.target {
+            Target::Single(client) => {
+                let config = redis::aio::ConnectionManagerConfig::new()
+                    .set_connection_timeout(Some(self.timeout))
+                    .set_response_timeout(Some(self.timeout))
+                    .set_number_of_retries(1)
+                    .set_min_delay(Duration::from_millis(20))
+                    .set_max_delay(Duration::from_millis(500));
+                Conn::Single(
+                    ConnectionManager::new_lazy_with_config(client, config)
+                        .map_err(|e| config_error(e, "creating the Redis connection manager"))?,
+                )
+            }
+            Target::Cluster(client) => Conn::Cluster(Box::new(ClusterConn {
+                client,
+                conn: OnceCell::new(),
+            })),
+        };
+        let split = self.split || matches!(conn, Conn::Cluster(_));
+        Ok(RedisStore {
+            inner: Arc::new(Inner {
+                conn,
+                script: script::script(),
+                prefix: self.prefix,
+                timeout: self.timeout,
+                time: self.time,
+                split,
+                cache: self.cache.map(OverLimitCache::new),
+            }),
+        })
+    }
+}
+
+/// A [`Store`] backed by Redis. Cloning shares the connection.
+#[derive(Clone)]
+pub struct RedisStore {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    conn: Conn,
+    script: redis::Script,
+    prefix: String,
+    timeout: Duration,
+    time: TimeSource,
+    split: bool,
+    cache: Option<OverLimitCache>,
+}
+
+impl fmt::Debug for RedisStore {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RedisStore")
+            .field("prefix", &self.inner.prefix)
+            .field("timeout", &self.inner.timeout)
+            .field("split_by_slot", &self.inner.split)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisStore {
+    /// A builder for a single Redis server at `url` (`redis://host:port/db`
+    /// or `redis+unix:///path`).
+    pub fn builder(url: &str) -> Result<RedisStoreBuilder, StoreError> {
+        let client = redis::Client::open(url).map_err(|e| {
+            StoreError::new(
+                StoreErrorKind::Unsupported,
+                format!("invalid Redis URL {url:?}"),
+            )
+            .with_source(e)
+        })?;
+        Ok(Self::builder_for(Target::Single(client)))
+    }
+
+    /// A builder for a Redis Cluster reachable through `nodes`.
+    pub fn cluster_builder(nodes: &[&str]) -> Result<RedisStoreBuilder, StoreError> {
+        let client = redis::cluster::ClusterClient::new(nodes.to_vec()).map_err(|e| {
+            StoreError::new(StoreErrorKind::Unsupported, "invalid Redis Cluster nodes")
+                .with_source(e)
+        })?;
+        Ok(Self::builder_for(Target::Cluster(client)))
+    }
+
+    fn builder_for(target: Target) -> RedisStoreBuilder {
+        RedisStoreBuilder {
+            target,
+            prefix: "tollgate".to_owned(),
+            timeout: Duration::from_millis(200),
+            time: TimeSource::Server,
+            split: false,
+            cache: None,
+        }
+    }
+
+    /// Whether this store can decide `policy` exactly; the error says which
+    /// number is out of range. Call it at startup for every policy.
+    pub fn check_policy(policy: &Policy) -> Result<(), StoreError> {
+        script::params(policy, 1).map(|_| ())
+    }
+
+    /// The Redis key that holds `charge`'s state.
+    pub fn redis_key(&self, charge: &Charge) -> String {
+        script::redis_key(&self.inner.prefix, charge)
+    }
+
+    /// Counters of the over-limit cache (zero if it is off).
+    pub fn cache_stats(&self) -> CacheStats {
+        self.inner
+            .cache
+            .as_ref()
+            .map(OverLimitCache::stats)
+            .unwrap_or_default()
+    }
+
+    async fn invoke(&self, prepared: &Prepared, mode: Mode) -> Result<Vec<i64>, StoreError> {
+        let inner = &*self.inner;
+        let now = match &inner.time {
+            TimeSource::Server => None,
+            TimeSource::Injected(f) => Some(f()),
+        };
+        let invocation = prepared.invocation(&inner.script, now, mode);
+        let call = async {
+            match &inner.conn {
+                Conn::Single(manager) => {
+                    let mut c = manager.clone();
+                    invocation.invoke_async::<Vec<i64>>(&mut c).await
+                }
+                Conn::Cluster(cluster) => {
+                    let c = cluster
+                        .conn
+                        .get_or_try_init(|| cluster.client.get_async_connection())
+                        .await?;
+                    let mut c = c.clone();
+                    invocation.invoke_async::<Vec<i64>>(&mut c).await
+                }
+            }
+        };
+        match tokio::time::timeout(inner.timeout, call).await {
+            Ok(Ok(reply)) if reply.len() == 6 * prepared.len() => Ok(reply),
+            Ok(Ok(reply)) => Err(StoreError::new(
+                StoreErrorKind::Protocol,
+                format!(
+                    "script returned {} values for {} charges",
+                    reply.len(),
+                    prepared.len()
+                ),
+            )),
+            Ok(Err(e)) => Err(classify(e)),
+            Err(_) => Err(StoreError::new(
+                StoreErrorKind::Uncertain,
+                format!(
+                    "no answer from Redis within {:?}; the charge may have been applied",
+                    inner.timeout
+                ),
+            )),
+        }
+    }
+
+    async fn charge_all(&self, charges: &[Charge]) -> Result<Outcome, StoreError> {
+        if charges.iter().any(|c| !c.can_fit()) {
+            // Decided without Redis: nothing is read or written.
+            return Ok(Outcome::new(
+                charges
+                    .iter()
+                    .map(|c| {
+                        if c.can_fit() {
+                            Decision::Unevaluated
+                        } else {
+                            Decision::NeverFits {
+                                cost: c.cost(),
+                                capacity: c.policy().capacity(),
+                            }
+                        }
+                    })
+                    .collect(),
+            ));
+        }
+        let keys: Vec<String> = charges.iter().map(|c| self.redis_key(c)).collect();
+        if let Some(cache) = &self.inner.cache {
+            if let Some(outcome) = cache.refuse(&keys, charges) {
+                return Ok(outcome);
+            }
+        }
+        let groups = if self.inner.split {
+            script::slot_groups(&keys)
+        } else {
+            vec![(0..charges.len()).collect()]
+        };
+        let mut decisions = vec![Decision::Unevaluated; charges.len()];
+        let mut admitted: Vec<(Prepared, Vec<i64>)> = Vec::new();
+        for group in groups {
+            let prepared = Prepared::new(group.iter().map(|&i| (&keys[i], &charges[i])))?;
+            let sent = Instant::now();
+            let reply = match self.invoke(&prepared, Mode::Charge).await {
+                Ok(reply) => reply,
+                Err(e) => {
+                    self.refund(admitted).await;
+                    return Err(e);
+                }
+            };
+            let mut all = true;
+            for (slot, &i) in group.iter().enumerate() {
+                let d = script::decision(&reply[slot * 6..slot * 6 + 6], charges[i].policy());
+                if let (Some(cache), Decision::Denied { retry_after, .. }) = (&self.inner.cache, d)
+                {
+                    cache.remember(&keys[i], charges[i].cost(), sent + retry_after);
+                }
+                all &= d.is_admitted();
+                decisions[i] = d;
+            }
+            if all {
+                admitted.push((prepared, reply));
+            } else {
+                self.refund(admitted).await;
+                return Ok(Outcome::new(decisions));
+            }
+        }
+        Ok(Outcome::new(decisions))
+    }
+
+    /// Gives back admissions of earlier slot groups after a later refusal.
+    async fn refund(&self, admitted: Vec<(Prepared, Vec<i64>)>) {
+        for (prepared, reply) in admitted {
+            let refund = prepared.with_windows(&reply);
+            if let Err(e) = self.invoke(&refund, Mode::Refund).await {
+                // The budget stays spent: conservative, never over-admits.
+                tracing::warn!(error = %e, "refund after a cross-slot refusal failed");
+            }
+        }
+    }
+}
+
+/// Maps a redis-rs error to unavailable (nothing was applied) or uncertain
+/// (it may have been).
+fn classify(e: redis::RedisError) -> StoreError {
+    let kind = if e.is_connection_refusal() {
+        StoreErrorKind::Unavailable
+    } else if e.is_timeout() || e.is_connection_dropped() || e.is_io_error() {
+        StoreErrorKind::Uncertain
+    } else if matches!(e.kind(), redis::ErrorKind::Server(_)) {
+        // The server refused the command (out of memory, busy, ...): the
+        // script's writes all come last, so nothing was applied.
+        StoreErrorKind::Unavailable
+    } else {
+        StoreErrorKind::Uncertain
+    };
+    StoreError::new(kind, "Redis call failed").with_source(e)
+}
+
+impl Store for RedisStore {
+    fn charge<'a>(
+        &'a self,
+        charges: &'a [Charge],
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send + 'a {
+        self.charge_all(charges)
+    }
+}

@@ -1,0 +1,291 @@
+//! The Lua script, the encoding of charges as its arguments, the Redis key
+//! layout, and cluster slots.
+
+use std::time::Duration;
+
+use redis::{Script, ScriptInvocation};
+use tollgate_core::{
+    Algorithm, Charge, Decision, Initial, Nanos, Policy, StoreError, StoreErrorKind,
+};
+
+/// Unix time of the store epoch, 2026-01-01T00:00:00Z. Server time is
+/// counted from here so that seconds stay small.
+pub(crate) const EPOCH_UNIX_SECS: u64 = 1_767_225_600;
+
+/// Integers the script handles must stay below 2^53 to be exact.
+const EXACT: u128 = 1 << 53;
+/// Longest horizon (time to full, or window span) the script accepts: half
+/// an era, so every difference of interest is exact.
+pub(crate) const MAX_HORIZON_NS: u128 = 2_000_000_000_000_000;
+
+pub(crate) fn script() -> Script {
+    Script::new(include_str!("decide.lua"))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mode {
+    Charge,
+    Refund,
+}
+
+/// The seven script arguments of one charge (the last one, the window of a
+/// refund, is filled in later).
+pub(crate) fn params(policy: &Policy, cost: u64) -> Result<[u128; 6], StoreError> {
+    let unsupported = |why: String| {
+        StoreError::new(
+            StoreErrorKind::Unsupported,
+            format!(
+                "policy {:?} cannot be decided exactly in Redis: {why}",
+                policy.name()
+            ),
+        )
+    };
+    let cost = u128::from(cost);
+    match *policy.algorithm() {
+        Algorithm::TokenBucket {
+            capacity,
+            numerator,
+            denominator,
+            initial,
+            ..
+        } => {
+            let (num, den) = (u128::from(numerator), u128::from(denominator));
+            let cap = u128::from(capacity) * den;
+            if cap + num >= EXACT {
+                return Err(unsupported(format!(
+                    "capacity {capacity} in scaled units ({cap}) is not below 2^53"
+                )));
+            }
+            if cap.div_ceil(num) > MAX_HORIZON_NS {
+                return Err(unsupported(format!(
+                    "refilling from empty takes {:?}, over the {:?} limit",
+                    Duration::from_nanos(u64::try_from(cap.div_ceil(num)).unwrap_or(u64::MAX)),
+                    Duration::from_nanos(MAX_HORIZON_NS as u64)
+                )));
+            }
+            let full = u128::from(initial == Initial::Full);
+            Ok([1, cap, num, den, full, cost * den])
+        }
+        Algorithm::FixedWindow { limit, window } => {
+            if u128::from(window) > MAX_HORIZON_NS || u128::from(limit) >= EXACT {
+                return Err(unsupported(format!(
+                    "window {window} ns or limit {limit} out of range"
+                )));
+            }
+            Ok([2, u128::from(limit), u128::from(window), 0, 0, cost])
+        }
+        Algorithm::SlidingWindow { limit, window } => {
+            let (l, w) = (u128::from(limit), u128::from(window));
+            if 2 * w > MAX_HORIZON_NS || 3 * l * w >= EXACT {
+                return Err(unsupported(format!(
+                    "limit x window = {limit} x {window} ns must stay below 2^53 / 3"
+                )));
+            }
+            Ok([3, l, w, 0, 0, cost])
+        }
+    }
+}
+
+/// `PREFIX:{KEY}:POLICY` — the braces make the key's own text its cluster
+/// hash tag; the fingerprint keeps state of different numbers apart.
+pub(crate) fn redis_key(prefix: &str, charge: &Charge) -> String {
+    let text = charge
+        .key()
+        .as_str()
+        .replace('{', "%7B")
+        .replace('}', "%7D");
+    format!("{prefix}:{{{text}}}:{}", fingerprint(charge.policy()))
+}
+
+fn fingerprint(policy: &Policy) -> String {
+    match *policy.algorithm() {
+        Algorithm::TokenBucket {
+            capacity,
+            initial,
+            rate,
+            ..
+        } => format!(
+            "tb.{capacity}.{}.{}.{}",
+            rate.amount(),
+            rate.period().as_nanos(),
+            if initial == Initial::Full { "f" } else { "e" }
+        ),
+        Algorithm::FixedWindow { limit, window } => format!("fw.{limit}.{window}"),
+        Algorithm::SlidingWindow { limit, window } => format!("sw.{limit}.{window}"),
+    }
+}
+
+/// Charges encoded for one script call.
+#[derive(Debug, Clone)]
+pub(crate) struct Prepared {
+    keys: Vec<String>,
+    params: Vec<[u128; 6]>,
+    windows: Vec<String>,
+}
+
+impl Prepared {
+    pub(crate) fn new<'a>(
+        items: impl Iterator<Item = (&'a String, &'a Charge)>,
+    ) -> Result<Self, StoreError> {
+        let mut p = Prepared {
+            keys: Vec::new(),
+            params: Vec::new(),
+            windows: Vec::new(),
+        };
+        for (key, charge) in items {
+            p.keys.push(key.clone());
+            p.params.push(params(charge.policy(), charge.cost())?);
+            p.windows.push("0:0".to_owned());
+        }
+        Ok(p)
+    }
+
+    pub(crate) fn len(&self) -> usize {
+        self.keys.len()
+    }
+
+    /// The same charges, to be refunded against the windows `reply` reported.
+    pub(crate) fn with_windows(mut self, reply: &[i64]) -> Self {
+        for (i, w) in self.windows.iter_mut().enumerate() {
+            *w = format!("{}:{}", reply[i * 6 + 4], reply[i * 6 + 5]);
+        }
+        self
+    }
+
+    pub(crate) fn invocation<'s>(
+        &self,
+        script: &'s Script,
+        now: Option<Nanos>,
+        mode: Mode,
+    ) -> ScriptInvocation<'s> {
+        let mut inv = script.prepare_invoke();
+        for k in &self.keys {
+            inv.key(k);
+        }
+        match now {
+            None => inv.arg("s").arg(0).arg(0),
+            Some(t) => inv.arg("i").arg(t / 1_000_000_000).arg(t % 1_000_000_000),
+        };
+        inv.arg(EPOCH_UNIX_SECS);
+        inv.arg(match mode {
+            Mode::Charge => "charge",
+            Mode::Refund => "refund",
+        });
+        for (p, w) in self.params.iter().zip(&self.windows) {
+            for v in p {
+                inv.arg(v.to_string());
+            }
+            inv.arg(w);
+        }
+        inv
+    }
+}
+
+/// One charge's decision from its six reply values.
+pub(crate) fn decision(values: &[i64], policy: &Policy) -> Decision {
+    let n = |i: usize| u64::try_from(values[i]).unwrap_or(0);
+    let remaining = n(1).min(policy.capacity());
+    let reset = Duration::from_nanos(n(2));
+    if values[0] == 1 {
+        Decision::Admitted { remaining, reset }
+    } else {
+        Decision::Denied {
+            retry_after: Duration::from_nanos(n(3)),
+            remaining,
+            reset,
+        }
+    }
+}
+
+/// Charge indices grouped by cluster slot, groups in slot order.
+pub(crate) fn slot_groups(keys: &[String]) -> Vec<Vec<usize>> {
+    let mut by_slot: Vec<(u16, usize)> =
+        keys.iter().enumerate().map(|(i, k)| (slot(k), i)).collect();
+    by_slot.sort_unstable();
+    let mut groups: Vec<Vec<usize>> = Vec::new();
+    let mut last = None;
+    for (s, i) in by_slot {
+        if last == Some(s) {
+            if let Some(g) = groups.last_mut() {
+                g.push(i);
+            }
+        } else {
+            groups.push(vec![i]);
+            last = Some(s);
+        }
+    }
+    groups
+}
+
+/// The Redis Cluster slot of a key: CRC16 (XMODEM) of its hash tag, mod 16384.
+pub(crate) fn slot(key: &str) -> u16 {
+    let bytes = key.as_bytes();
+    let tagged = bytes.iter().position(|&b| b == b'{').and_then(|open| {
+        let close = bytes[open + 1..].iter().position(|&b| b == b'}')?;
+        (close > 0).then(|| &bytes[open + 1..open + 1 + close])
+    });
+    crc16(tagged.unwrap_or(bytes)) % 16384
+}
+
+fn crc16(data: &[u8]) -> u16 {
+    let mut crc: u16 = 0;
+    for &b in data {
+        crc ^= u16::from(b) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 {
+                (crc << 1) ^ 0x1021
+            } else {
+                crc << 1
+            };
+        }
+    }
+    crc
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tollgate_core::{Key, Rate};
+
+    #[test]
+    fn crc16_and_hash_tags_match_redis() {
+        // The reference value from the Redis Cluster specification.
+        assert_eq!(crc16(b"123456789"), 0x31C3);
+        assert_eq!(slot("{user1000}.following"), slot("{user1000}.followers"));
+        assert_eq!(slot("foo{}{bar}"), crc16(b"foo{}{bar}") % 16384);
+        assert_eq!(slot("foo{{bar}}zap"), crc16(b"{bar") % 16384);
+    }
+
+    #[test]
+    fn keys_escape_braces_and_carry_the_policy() {
+        let p = Policy::token_bucket("export", 3, Rate::per_second(2)).unwrap();
+        let c = Charge::new(Key::new("export").with("a{b}"), p, 1).unwrap();
+        assert_eq!(
+            redis_key("app", &c),
+            "app:{export:a%7Bb%7D}:tb.3.2.1000000000.f"
+        );
+    }
+
+    #[test]
+    fn out_of_range_policies_are_refused_with_the_reason() {
+        let huge = Policy::token_bucket("big", 1 << 30, Rate::per_second(1)).unwrap();
+        let e = params(&huge, 1).unwrap_err();
+        assert_eq!(e.kind(), StoreErrorKind::Unsupported);
+        assert!(e.to_string().contains("2^53"), "{e}");
+        let slow =
+            Policy::token_bucket("slow", 100, Rate::new(1, Duration::from_secs(86_400))).unwrap();
+        assert!(
+            params(&slow, 1)
+                .unwrap_err()
+                .to_string()
+                .contains("refilling from empty takes")
+        );
+        assert!(
+            params(
+                &Policy::token_bucket("ok", 3, Rate::per_second(2)).unwrap(),
+                1
+            )
+            .is_ok()
+        );
+    }
+}

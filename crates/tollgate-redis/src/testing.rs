@@ -1,0 +1,165 @@
+//! A private `redis-server` for tests (feature `testing`): started on a
+//! free loopback port with no persistence, verified to be ours, stopped on
+//! drop.
+//!
+//! Without `redis-server` on `PATH`, [`RedisServer::start`] returns `None`
+//! after printing a loud skip message — except under `CI=true`, where it
+//! panics, so CI can never pass by skipping.
+
+use std::net::TcpListener;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A running private Redis server.
+#[derive(Debug)]
+pub struct RedisServer {
+    child: Option<Child>,
+    port: u16,
+    dir: PathBuf,
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .unwrap_or_else(|e| panic!("no free port: {e}"))
+}
+
+impl RedisServer {
+    /// Starts a server, or returns `None` (loudly) when `redis-server` is
+    /// not installed and `CI` is not `true`.
+    pub fn start() -> Option<Self> {
+        if Command::new("redis-server")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
+            if std::env::var("CI").as_deref() == Ok("true") {
+                panic!("redis-server is not on PATH, and CI=true requires the Redis tests to run");
+            }
+            eprintln!(
+                "\n*** SKIPPED: redis-server is not on PATH; install it (apt-get install redis-server) to run the Redis tests ***\n"
+            );
+            return None;
+        }
+        let port = free_port();
+        let dir =
+            std::env::temp_dir().join(format!("tollgate-redis-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {dir:?}: {e}"));
+        let mut server = RedisServer {
+            child: None,
+            port,
+            dir,
+        };
+        server.launch();
+        Some(server)
+    }
+
+    fn launch(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1"])
+            .args(["--save", "", "--appendonly", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting redis-server: {e}"));
+        let pid = child.id();
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Ok(info) = self.query(&["INFO", "server"]) {
+                let theirs = info
+                    .lines()
+                    .find_map(|l| l.strip_prefix("process_id:"))
+                    .and_then(|p| p.trim().parse::<u32>().ok());
+                assert_eq!(
+                    theirs,
+                    Some(pid),
+                    "port {} is served by another redis-server",
+                    self.port
+                );
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "redis-server did not start within 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The server's port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// `redis://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Runs one command and returns its reply as text (arrays joined by
+    /// newlines, nil as empty).
+    pub fn query(&self, args: &[&str]) -> Result<String, String> {
+        let client = redis::Client::open(self.url()).map_err(|e| e.to_string())?;
+        let mut conn = client
+            .get_connection_with_timeout(Duration::from_secs(2))
+            .map_err(|e| e.to_string())?;
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        let value: redis::Value = cmd.query(&mut conn).map_err(|e| e.to_string())?;
+        Ok(text(&value))
+    }
+
+    /// Kills the server with SIGKILL.
+    pub fn kill(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+
+    /// Starts the server again on the same port (after [`RedisServer::kill`]).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.launch();
+    }
+
+    /// Sends a signal (e.g. `STOP`, `CONT`) to the server.
+    pub fn signal(&self, signal: &str) {
+        if let Some(child) = &self.child {
+            let _ = Command::new("kill")
+                .arg(format!("-{signal}"))
+                .arg(child.id().to_string())
+                .status();
+        }
+    }
+}
+
+fn text(v: &redis::Value) -> String {
+    match v {
+        redis::Value::Nil => String::new(),
+        redis::Value::Int(i) => i.to_string(),
+        redis::Value::BulkString(b) => String::from_utf8_lossy(b).into_owned(),
+        redis::Value::SimpleString(s) => s.clone(),
+        redis::Value::Okay => "OK".to_owned(),
+        redis::Value::Array(items) | redis::Value::Set(items) => {
+            items.iter().map(text).collect::<Vec<_>>().join("\n")
+        }
+        redis::Value::VerbatimString { text, .. } => text.clone(),
+        other => format!("{other:?}"),
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.signal("CONT");
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
