@@ -5,6 +5,7 @@
 //! cargo run --example quickstart                 # serve on 127.0.0.1:3000
 //! cargo run --example quickstart -- --demo       # serve, drive a scripted client, exit
 //! cargo run --example quickstart -- --addr 127.0.0.1:8080 --trust-proxy 10.0.0.0/8
+//! cargo run --example quickstart -- --store redis://127.0.0.1:6379  # share budgets via Redis
 //! ```
 //!
 //! The contract (other checks rely on it):
@@ -28,6 +29,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::num::NonZeroUsize;
 use std::pin::Pin;
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -42,16 +44,17 @@ use http_body::Frame;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket};
 use tollgate::{
-    ClientIpResolver, ConcurrencyLimitLayer, Cost, ForwardedHeader, KeyPart, MemoryStore, Policy,
-    Principal, Rate, RateLimitLayer, Rule,
+    ClientIpResolver, ConcurrencyLimitLayer, Cost, DynStore, ForwardedHeader, KeyPart, MemoryStore,
+    Policy, Principal, Rate, RateLimitLayer, RedisStore, Rule,
 };
 use tower_http::timeout::TimeoutLayer;
 
-const USAGE: &str = "usage: quickstart [--addr HOST:PORT] [--trust-proxy CIDR]... [--demo]";
+const USAGE: &str = "usage: quickstart [--addr HOST:PORT] [--trust-proxy CIDR]... [--store redis://HOST:PORT] [--demo]";
 
 struct Args {
     addr: SocketAddr,
     trusted: Vec<ipnet::IpNet>,
+    store: Option<String>,
     demo: bool,
 }
 
@@ -59,6 +62,7 @@ fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         addr: SocketAddr::from(([127, 0, 0, 1], 3000)),
         trusted: Vec::new(),
+        store: None,
         demo: false,
     };
     let mut it = std::env::args().skip(1);
@@ -77,6 +81,17 @@ fn parse_args() -> Result<Args, String> {
                     .or_else(|_| v.parse::<IpAddr>().map(ipnet::IpNet::from))
                     .map_err(|e| format!("--trust-proxy {v:?}: {e}"))?;
                 args.trusted.push(net);
+            }
+            "--store" => {
+                let v = it
+                    .next()
+                    .ok_or("--store needs a URL, e.g. redis://127.0.0.1:6379")?;
+                if !(v.starts_with("redis://") || v.starts_with("redis+unix://")) {
+                    return Err(format!(
+                        "--store {v:?}: only redis:// URLs are supported (the default is in-memory)"
+                    ));
+                }
+                args.store = Some(v);
             }
             "--demo" => args.demo = true,
             "-h" | "--help" => return Err(USAGE.to_owned()),
@@ -157,13 +172,20 @@ async fn slow(uri: Uri) -> Result<axum::response::Response, (StatusCode, String)
     Ok(axum::response::Response::new(axum::body::Body::new(body)))
 }
 
-fn app(trusted: Vec<ipnet::IpNet>) -> Result<Router, Box<dyn std::error::Error>> {
+fn app(
+    trusted: Vec<ipnet::IpNet>,
+    store: Arc<dyn DynStore>,
+) -> Result<Router, Box<dyn std::error::Error>> {
     let per_ip = Policy::token_bucket("per-ip", 5, Rate::per_second(1))?;
     let export = Policy::token_bucket("export", 3, Rate::per_second(2))?;
     let upload = Policy::token_bucket("upload", 1024, Rate::per_second(256))?
         .with_unit(tollgate::Unit::Other("kib".into()));
 
-    let limits = RateLimitLayer::new(MemoryStore::new())
+    for policy in [&per_ip, &export, &upload] {
+        // A Redis store can refuse numbers it cannot decide exactly: say so now.
+        RedisStore::check_policy(policy)?;
+    }
+    let limits = RateLimitLayer::new(store)
         .client_ip(ClientIpResolver::trusting(
             trusted,
             ForwardedHeader::XForwardedFor,
@@ -212,7 +234,17 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let app = match app(args.trusted) {
+    let store: Arc<dyn DynStore> = match &args.store {
+        None => Arc::new(MemoryStore::new()),
+        Some(url) => match RedisStore::builder(url).and_then(|b| b.build()) {
+            Ok(store) => Arc::new(store),
+            Err(e) => {
+                eprintln!("--store {url}: {e}");
+                return ExitCode::from(2);
+            }
+        },
+    };
+    let app = match app(args.trusted, store) {
         Ok(app) => app,
         Err(e) => {
             eprintln!("bad configuration: {e}");
@@ -239,6 +271,10 @@ async fn main() -> ExitCode {
         }
     };
     println!("tollgate quickstart listening on http://{local}");
+    match &args.store {
+        None => println!("store: in-memory"),
+        Some(url) => println!("store: {url} (fail closed with 503 while it is unreachable)"),
+    }
     let server = tokio::spawn(async move {
         axum::serve(
             listener,

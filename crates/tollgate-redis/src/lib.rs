@@ -404,10 +404,19 @@ fn classify(e: redis::RedisError) -> StoreError {
         StoreErrorKind::Unavailable
     } else if e.is_timeout() || e.is_connection_dropped() || e.is_io_error() {
         StoreErrorKind::Uncertain
-    } else if matches!(e.kind(), redis::ErrorKind::Server(_)) {
-        // The server refused the command (out of memory, busy, ...): the
-        // script's writes all come last, so nothing was applied.
+    } else if matches!(
+        e.kind(),
+        redis::ErrorKind::Server(_) | redis::ErrorKind::Extension
+    ) {
+        // The server refused the command (OOM, BUSY, ...). The script is
+        // declared with `#!lua`, so Redis checks memory before it runs, and
+        // its writes all come last: nothing was applied.
         StoreErrorKind::Unavailable
+    } else if matches!(
+        e.kind(),
+        redis::ErrorKind::Parse | redis::ErrorKind::UnexpectedReturnType
+    ) {
+        StoreErrorKind::Protocol
     } else {
         StoreErrorKind::Uncertain
     };

@@ -20,6 +20,7 @@
 //!   `ConnectInfo<SocketAddr>` (peer address).
 //! - `metrics`: counters and histograms through the `metrics` facade.
 //! - `client`: `Retry-After` parsing and a retry policy ([`client`]).
+//! - `redis`: the Redis store for fleets, re-exported as `tollgate::redis`.
 
 mod body;
 #[cfg(feature = "client")]
@@ -43,6 +44,11 @@ pub use tollgate_core::{
     ManualClock, MemoryStore, Outcome, Policy, Rate, Store, StoreError, StoreErrorKind,
     SystemClock, Unit, Verdict,
 };
+/// The Redis store (feature `redis`): see [`tollgate_redis`].
+#[cfg(feature = "redis")]
+pub use tollgate_redis as redis;
+#[cfg(feature = "redis")]
+pub use tollgate_redis::RedisStore;
 
 /// The README's examples, compiled as doctests so they stay true.
 #[doc = include_str!("../../../README.md")]

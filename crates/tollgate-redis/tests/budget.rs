@@ -1,0 +1,217 @@
+//! Shared budgets on a real Redis: contention across connections, the
+//! cross-slot refund path, TTLs, never-fits and the over-limit cache.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokio::sync::Barrier;
+use tollgate_core::{Charge, Decision, Key, Policy, Rate, Store, StoreErrorKind, Verdict};
+use tollgate_redis::RedisStore;
+use tollgate_redis::testing::RedisServer;
+
+fn store(server: &RedisServer) -> RedisStore {
+    RedisStore::builder(&server.url())
+        .unwrap()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap()
+}
+
+fn charge(key: &str, policy: &Policy, cost: u64) -> Charge {
+    Charge::new(Key::new(policy.name()).with(key), policy.clone(), cost).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn many_tasks_on_several_connections_admit_exactly_the_budget() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    // Slow refill: nothing comes back during a trial.
+    let policy = Policy::token_bucket("contended", 20, Rate::per_hour(100)).unwrap();
+    let stores: Vec<RedisStore> = (0..6).map(|_| store(&server)).collect();
+    for trial in 0..25 {
+        let key = format!("trial-{trial}");
+        let barrier = Arc::new(Barrier::new(60));
+        let mut tasks = Vec::new();
+        for t in 0..60 {
+            let (s, c, b) = (
+                stores[t % stores.len()].clone(),
+                charge(&key, &policy, 1),
+                barrier.clone(),
+            );
+            tasks.push(tokio::spawn(async move {
+                b.wait().await;
+                s.charge(&[c]).await.unwrap().is_admitted()
+            }));
+        }
+        let mut admitted = 0;
+        for t in tasks {
+            admitted += usize::from(t.await.unwrap());
+        }
+        assert_eq!(admitted, 20, "trial {trial}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn cross_slot_charges_with_refunds_never_exceed_any_budget() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    // Per-address limits of 3 and one global limit of 10: keys in different
+    // slots, charged slot by slot with compensating refunds.
+    let per_ip = Policy::token_bucket("per-ip", 3, Rate::per_hour(100)).unwrap();
+    let global = Policy::token_bucket("global", 10, Rate::per_hour(100)).unwrap();
+    let split: Vec<RedisStore> = (0..4)
+        .map(|_| {
+            RedisStore::builder(&server.url())
+                .unwrap()
+                .timeout(Duration::from_secs(2))
+                .split_by_slot(true)
+                .build()
+                .unwrap()
+        })
+        .collect();
+    for trial in 0..10 {
+        let barrier = Arc::new(Barrier::new(48));
+        let mut tasks = Vec::new();
+        for t in 0..48 {
+            let ip = format!("t{trial}-ip{}", t % 6);
+            let charges = vec![
+                charge(&ip, &per_ip, 1),
+                charge(&format!("t{trial}"), &global, 1),
+            ];
+            let (s, b) = (split[t % split.len()].clone(), barrier.clone());
+            tasks.push(tokio::spawn(async move {
+                b.wait().await;
+                (ip, s.charge(&charges).await.unwrap().is_admitted())
+            }));
+        }
+        let mut per_address = std::collections::HashMap::<String, u32>::new();
+        let mut total = 0;
+        for t in tasks {
+            let (ip, ok) = t.await.unwrap();
+            if ok {
+                total += 1;
+                *per_address.entry(ip).or_default() += 1;
+            }
+        }
+        assert!(
+            total <= 10,
+            "trial {trial}: {total} admitted over a global budget of 10"
+        );
+        assert!(
+            per_address.values().all(|n| *n <= 3),
+            "trial {trial}: {per_address:?}"
+        );
+        // Refunds leave no stranded spend: afterwards exactly the unspent
+        // global budget is still there.
+        let left = split[0]
+            .charge(&[charge(&format!("t{trial}"), &global, 1)])
+            .await
+            .unwrap();
+        let remaining_before = 10 - total;
+        assert_eq!(left.is_admitted(), remaining_before > 0, "trial {trial}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_key_has_a_ttl_and_is_gone_after_the_horizon() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let s = store(&server);
+    let tb = Policy::token_bucket("tb", 2, Rate::per_second(10)).unwrap();
+    let fw = Policy::fixed_window("fw", 2, Duration::from_millis(150)).unwrap();
+    let sw = Policy::sliding_window("sw", 2, Duration::from_millis(100)).unwrap();
+    let charges = [
+        charge("k", &tb, 2),
+        charge("k", &fw, 1),
+        charge("k", &sw, 1),
+    ];
+    assert!(s.charge(&charges).await.unwrap().is_admitted());
+    for c in &charges {
+        let key = s.redis_key(c);
+        let ttl: i64 = server.query(&["PTTL", &key]).unwrap().parse().unwrap();
+        assert!(ttl > 0 && ttl <= 400, "{key}: PTTL {ttl}");
+    }
+    // No key without a TTL anywhere.
+    for key in server.query(&["KEYS", "tollgate:*"]).unwrap().lines() {
+        let ttl: i64 = server.query(&["PTTL", key]).unwrap().parse().unwrap();
+        assert!(ttl > 0, "{key} has no TTL ({ttl})");
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for c in &charges {
+        assert_eq!(server.query(&["EXISTS", &s.redis_key(c)]).unwrap(), "0");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn never_fits_touches_no_redis_state_and_needs_no_redis() {
+    let Some(mut server) = RedisServer::start() else {
+        return;
+    };
+    let s = store(&server);
+    let p = Policy::token_bucket("upload", 1024, Rate::per_second(256)).unwrap();
+    let small = charge(
+        "bob",
+        &Policy::token_bucket("per-ip", 5, Rate::per_second(1)).unwrap(),
+        1,
+    );
+    let outcome = s
+        .charge(&[small.clone(), charge("bob", &p, 2048)])
+        .await
+        .unwrap();
+    assert_eq!(outcome.verdict(), Verdict::NeverFits);
+    assert_eq!(outcome.limits()[0], Decision::Unevaluated);
+    assert_eq!(server.query(&["DBSIZE"]).unwrap(), "0");
+    server.kill();
+    let outcome = s.charge(&[charge("bob", &p, 2048)]).await.unwrap();
+    assert_eq!(outcome.verdict(), Verdict::NeverFits);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unsupported_policies_are_refused_with_a_reason() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let s = store(&server);
+    let p = Policy::token_bucket("huge", 1 << 30, Rate::per_second(1)).unwrap();
+    let e = s.charge(&[charge("k", &p, 1)]).await.unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Unsupported);
+    assert!(RedisStore::check_policy(&p).is_err());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn over_limit_cache_refuses_locally_and_never_admits_more() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let p = Policy::token_bucket("hot", 5, Rate::per_second(2)).unwrap();
+    let cached = RedisStore::builder(&server.url())
+        .unwrap()
+        .timeout(Duration::from_secs(2))
+        .over_limit_cache(1000)
+        .build()
+        .unwrap();
+    let started = Instant::now();
+    let mut admitted = 0u32;
+    while started.elapsed() < Duration::from_millis(1500) {
+        if cached
+            .charge(&[charge("k", &p, 1)])
+            .await
+            .unwrap()
+            .is_admitted()
+        {
+            admitted += 1;
+        }
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    // Never more than B + r·t.
+    assert!(
+        f64::from(admitted) <= 5.0 + 2.0 * elapsed + 1e-9,
+        "{admitted} in {elapsed}s"
+    );
+    assert!(admitted >= 5);
+    let stats = cached.cache_stats();
+    assert!(stats.hits > 100, "denials were served locally: {stats:?}");
+}
