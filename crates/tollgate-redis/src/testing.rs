@@ -17,6 +17,7 @@ pub struct RedisServer {
     child: Option<Child>,
     port: u16,
     dir: PathBuf,
+    extra: Vec<String>,
 }
 
 fn free_port() -> u16 {
@@ -30,6 +31,11 @@ impl RedisServer {
     /// Starts a server, or returns `None` (loudly) when `redis-server` is
     /// not installed and `CI` is not `true`.
     pub fn start() -> Option<Self> {
+        Self::start_with(&[])
+    }
+
+    /// Like [`RedisServer::start`], with extra `redis-server` arguments.
+    pub fn start_with(extra: &[&str]) -> Option<Self> {
         if Command::new("redis-server")
             .arg("--version")
             .output()
@@ -51,6 +57,7 @@ impl RedisServer {
             child: None,
             port,
             dir,
+            extra: extra.iter().map(|s| (*s).to_owned()).collect(),
         };
         server.launch();
         Some(server)
@@ -62,6 +69,7 @@ impl RedisServer {
             .args(["--save", "", "--appendonly", "no"])
             .arg("--dir")
             .arg(&self.dir)
+            .args(&self.extra)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -161,5 +169,56 @@ impl Drop for RedisServer {
         self.signal("CONT");
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A private three-node Redis Cluster (no replicas) on free loopback ports.
+#[derive(Debug)]
+pub struct RedisCluster {
+    nodes: Vec<RedisServer>,
+}
+
+impl RedisCluster {
+    /// Starts three cluster-enabled servers and joins them, or returns
+    /// `None` (loudly) as [`RedisServer::start`] does.
+    pub fn start() -> Option<Self> {
+        let mut nodes = Vec::new();
+        for _ in 0..3 {
+            let node = RedisServer::start_with(&["--cluster-enabled", "yes"])?;
+            nodes.push(node);
+        }
+        let addrs: Vec<String> = nodes
+            .iter()
+            .map(|n| format!("127.0.0.1:{}", n.port))
+            .collect();
+        let status = Command::new("redis-cli")
+            .args(["--cluster", "create"])
+            .args(&addrs)
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .unwrap_or_else(|e| panic!("running redis-cli --cluster create: {e}"));
+        assert!(status.success(), "redis-cli --cluster create failed");
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for node in &nodes {
+            loop {
+                let info = node.query(&["CLUSTER", "INFO"]).unwrap_or_default();
+                if info.contains("cluster_state:ok") {
+                    break;
+                }
+                assert!(
+                    Instant::now() < deadline,
+                    "cluster did not become ok: {info}"
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        Some(Self { nodes })
+    }
+
+    /// `redis://127.0.0.1:PORT` of every node.
+    pub fn urls(&self) -> Vec<String> {
+        self.nodes.iter().map(RedisServer::url).collect()
     }
 }
