@@ -375,3 +375,30 @@ async fn retries_no_earlier_than_retry_after_and_stops_at_the_deadline() {
         "no further wait was planned"
     );
 }
+
+#[tokio::test]
+async fn an_empty_retry_budget_stops_retries() {
+    use tower::retry::Policy;
+    use tower::retry::budget::TpsBudget;
+    // No reserve and no share of requests for retries: nothing to withdraw.
+    let budget = Arc::new(TpsBudget::new(Duration::from_secs(10), 0, 0.0));
+    let mut policy = RetryPolicy::new(RetryConfig::new())
+        .with_jitter(NoJitter)
+        .with_budget(budget);
+    let mut req = http::Request::get("http://x/").body(()).unwrap();
+    let mut first = policy.clone();
+    let _ = Policy::<_, http::Response<()>, ()>::clone_request(&mut first, &req);
+    let mut throttled: Result<http::Response<()>, ()> =
+        Ok(http::Response::builder().status(429).body(()).unwrap());
+    assert!(
+        Policy::retry(&mut first, &mut req, &mut throttled).is_none(),
+        "budget is empty"
+    );
+    // With a budget that allows retries, the same response is retried.
+    let generous = Arc::new(TpsBudget::new(Duration::from_secs(10), 10, 1.0));
+    policy = RetryPolicy::new(RetryConfig::new())
+        .with_jitter(NoJitter)
+        .with_budget(generous);
+    let _ = Policy::<_, http::Response<()>, ()>::clone_request(&mut policy, &req);
+    assert!(Policy::retry(&mut policy, &mut req, &mut throttled).is_some());
+}

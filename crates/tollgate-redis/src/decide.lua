@@ -85,7 +85,7 @@ end
 local function ttl(e, o)
   local d = diff(e, o, NE, NO)
   if before(e, o, NE, NO) then d = 0 end
-  return math.max(1, cdiv(d, 1000000) + 1)
+  return math.max(1, cdiv(d, 1000000))
 end
 
 local replies = {}
