@@ -236,6 +236,9 @@ impl MemoryStore {
         if charges.iter().any(|c| !c.can_fit()) {
             return Ok(self.peek(charges, now));
         }
+        if let [charge] = charges {
+            return self.charge_one(charge, now);
+        }
         let digests: Vec<u128> = charges.iter().map(|c| inner.digest(c)).collect();
         let mut order: Vec<usize> = digests.iter().map(|d| inner.shard_of(*d)).collect();
         order.sort_unstable();
@@ -290,6 +293,29 @@ impl MemoryStore {
             }
         }
         Ok(outcome)
+    }
+
+    /// The common case, one charge: one shard lock and no scratch vectors.
+    fn charge_one(&self, charge: &Charge, now: Nanos) -> Result<Outcome, StoreError> {
+        let inner = &*self.inner;
+        let digest = inner.digest(charge);
+        let mut shard = inner.lock(inner.shard_of(digest));
+        inner.maybe_sweep(&mut shard, now);
+        let state = shard.map.get(&digest).map(|e| e.state);
+        let step = algorithm::decide(charge.policy(), state, now, charge.cost());
+        if let Some(next) = step.next {
+            if state.is_none() && inner.per_shard.is_some_and(|cap| shard.map.len() >= cap) {
+                inner.make_room(&mut shard, now)?;
+            }
+            shard.map.insert(
+                digest,
+                Entry {
+                    state: next,
+                    idle_at: step.idle_at,
+                },
+            );
+        }
+        Ok(Outcome::new(vec![step.decision]))
     }
 
     /// Decisions for `charges` at `now` without writing anything.
