@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# RedisStore against redis-benchmark running the same Lua script, and the
+# script's Redis CPU per decision against a plain GCRA script, in one run.
+#
+#   bash benches/redis.sh        # SECONDS_PER_RUN=5 by default
+set -euo pipefail
+cd "$(dirname "$0")/.."
+D=${SECONDS_PER_RUN:-5}
+if ! command -v redis-server > /dev/null || ! command -v redis-benchmark > /dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools > /dev/null
+fi
+cargo build --quiet --release --example redis_bench
+BENCH="${CARGO_TARGET_DIR:-target}/release/examples/redis_bench"
+PORT=38200
+DIR=$(mktemp -d)
+taskset -c 0 redis-server --port $PORT --bind 127.0.0.1 --save '' --appendonly no --dir "$DIR" > /dev/null &
+RPID=$!
+trap 'kill $RPID 2> /dev/null; rm -rf "$DIR"' EXIT
+for _ in $(seq 50); do redis-cli -p $PORT ping > /dev/null 2>&1 && break; sleep 0.1; done
+cli() { redis-cli -p $PORT "$@"; }
+SHA=$(cli SCRIPT LOAD "$(cat crates/tollgate-redis/src/decide.lua)")
+GSHA=$(cli SCRIPT LOAD "$(cat benches/gcra.lua)")
+usec_per_call() { cli INFO commandstats | tr -d '\r' | awk -F'[=,]' '/^cmdstat_evalsha:/ {print $6}'; }
+# The exact arguments RedisStore sends for a 1e6-per-second bucket of 1e6.
+OURS=(EVALSHA "$SHA" 1 "tollgate:{bench:__rand_int__}:tb.1000000.1000000.1000000000.f" s 0 0 1767225600 charge 1 1000000000 1 1000 1 1000 0:0)
+GCRA=(EVALSHA "$GSHA" 1 "gcra:{bench:__rand_int__}" 1 1000000000000 1)
+
+echo "| concurrency | RedisStore decisions/s | p50 us | p99 us | redis-benchmark same script req/s | ratio | Redis us/call (RedisStore) |"
+echo "|---|---|---|---|---|---|---|"
+for c in 1 32 128; do
+    cli CONFIG RESETSTAT > /dev/null
+    read -r rps p50 p99 _ _ < <(taskset -c 1 "$BENCH" --redis "redis://127.0.0.1:$PORT" --concurrency $c --seconds "$D" --mode allow)
+    ours_cpu=$(usec_per_call)
+    n=$(python3 -c "print(max(20000, int($rps * $D)))")
+    rb=$(taskset -c 1 redis-benchmark -p $PORT -c $c -n "$n" -r 10000 --csv "${OURS[@]}" | tail -1 | cut -d, -f2 | tr -d '"')
+    echo "| $c | $rps | $p50 | $p99 | $rb | $(python3 -c "print(f'{$rps / $rb:.2f}')") | $ours_cpu |"
+done
+
+cli CONFIG RESETSTAT > /dev/null
+taskset -c 1 redis-benchmark -p $PORT -c 32 -n 200000 -r 10000 --csv "${OURS[@]}" > /dev/null
+ours_cpu=$(usec_per_call)
+cli CONFIG RESETSTAT > /dev/null
+taskset -c 1 redis-benchmark -p $PORT -c 32 -n 200000 -r 10000 --csv "${GCRA[@]}" > /dev/null
+gcra_cpu=$(usec_per_call)
+echo
+echo "Redis CPU per decision (INFO commandstats usec_per_call, redis-benchmark -c 32): tollgate script $ours_cpu us, plain GCRA script $gcra_cpu us, ratio $(python3 -c "print(f'{$ours_cpu / $gcra_cpu:.2f}')") (target <= 1)"
+
+read -r plain _ _ _ _ < <(taskset -c 1 "$BENCH" --redis "redis://127.0.0.1:$PORT" --concurrency 32 --seconds "$D" --mode deny)
+read -r cached _ _ _ hits < <(taskset -c 1 "$BENCH" --redis "redis://127.0.0.1:$PORT" --concurrency 32 --seconds "$D" --mode deny --cache)
+echo "deny-heavy (one exhausted key, 32 tasks): without cache $plain decisions/s, with over-limit cache $cached decisions/s ($hits served locally), ratio $(python3 -c "print(f'{$cached / $plain:.1f}')") (target >= 2)"

@@ -1,0 +1,112 @@
+//! An axum hello-world for the HTTP overhead benchmark (benches/http.sh):
+//! bare, behind tollgate (in-memory), or behind tower_governor, with a quota
+//! that admits everything or refuses everything.
+//!
+//! ```text
+//! cargo run --release --example bench_server -- --mode tollgate --addr 127.0.0.1:8080 [--refuse]
+//! ```
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+
+use axum::Router;
+use axum::routing::get;
+use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer, Rule};
+use tower_governor::GovernorLayer;
+use tower_governor::governor::GovernorConfigBuilder;
+
+fn main() -> ExitCode {
+    let mut mode = String::from("bare");
+    let mut addr: SocketAddr = SocketAddr::from(([127, 0, 0, 1], 8080));
+    let mut refuse = false;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--mode" => mode = args.next().unwrap_or_default(),
+            "--addr" => match args.next().map(|v| v.parse()) {
+                Some(Ok(v)) => addr = v,
+                _ => {
+                    eprintln!("--addr needs HOST:PORT");
+                    return ExitCode::from(2);
+                }
+            },
+            "--refuse" => refuse = true,
+            _ => {
+                eprintln!(
+                    "usage: bench_server --mode bare|tollgate|governor [--addr A] [--refuse]"
+                );
+                return ExitCode::from(2);
+            }
+        }
+    }
+    let hello = Router::new().route("/", get(|| async { "hello" }));
+    // Admit everything: a billion per second with a billion of burst; or
+    // refuse everything after the first request: 1 per hour.
+    let app = match mode.as_str() {
+        "bare" => hello,
+        "tollgate" => {
+            let policy = if refuse {
+                Policy::token_bucket("bench", 1, Rate::per_hour(1))
+            } else {
+                Policy::token_bucket("bench", 1_000_000_000, Rate::per_second(1_000_000_000))
+            };
+            let Ok(policy) = policy else {
+                return ExitCode::FAILURE;
+            };
+            hello.layer(
+                RateLimitLayer::new(MemoryStore::new())
+                    .headers_on_admitted(false)
+                    .rule(Rule::per_client_ip(policy)),
+            )
+        }
+        "governor" => {
+            let mut builder = GovernorConfigBuilder::default();
+            if refuse {
+                builder.per_second(3600).burst_size(1);
+            } else {
+                builder.per_nanosecond(1).burst_size(1_000_000_000);
+            }
+            let Some(config) = builder.finish() else {
+                eprintln!("invalid tower_governor config");
+                return ExitCode::FAILURE;
+            };
+            hello.layer(GovernorLayer::new(config))
+        }
+        other => {
+            eprintln!("unknown mode {other:?}");
+            return ExitCode::from(2);
+        }
+    };
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    rt.block_on(async move {
+        let listener = match tokio::net::TcpListener::bind(addr).await {
+            Ok(l) => l,
+            Err(e) => {
+                eprintln!("bind {addr}: {e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        println!("bench_server {mode} listening on http://{addr}");
+        match axum::serve(
+            listener,
+            app.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .await
+        {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("serve: {e}");
+                ExitCode::FAILURE
+            }
+        }
+    })
+}
