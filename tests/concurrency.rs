@@ -4,7 +4,6 @@
 mod common;
 
 use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::num::NonZeroUsize;
 use std::pin::Pin;
 use std::sync::{Arc, Mutex};
@@ -14,30 +13,15 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::routing::get;
 use bytes::Bytes;
-use common::{ip, open, param, quickstart, send, sf_list};
+use common::{ip, open, param, quickstart, send, serve, sf_list};
 use http::StatusCode;
 use http_body::Frame;
 use tokio::io::AsyncReadExt;
-use tokio::net::TcpListener;
 use tokio::sync::mpsc;
 use tollgate::{ConcurrencyLimitLayer, KeyPart, MemoryStore, Policy, Rate, RateLimitLayer, Rule};
 
 fn n(v: usize) -> NonZeroUsize {
     NonZeroUsize::new(v).unwrap()
-}
-
-async fn serve(app: Router) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .await
-        .unwrap();
-    });
-    addr
 }
 
 const ALICE: (&str, &str) = ("Authorization", "Bearer alice-key-1");

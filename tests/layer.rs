@@ -5,32 +5,17 @@
 mod common;
 
 use std::convert::Infallible;
-use std::net::SocketAddr;
 use std::sync::Arc;
 
 use axum::Router;
 use axum::routing::{get, post};
-use common::{ip, send};
+use common::{ip, send, serve};
 use http::StatusCode;
 use tokio::net::TcpListener;
 use tollgate::{
     CapPolicy, ClientIpResolver, Cost, DynStore, KeyPart, MemoryStore, MissingPrincipal,
     OnStoreError, Policy, Principal, Rate, RateLimitLayer, Rule,
 };
-
-async fn serve(app: Router) -> SocketAddr {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move {
-        axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .await
-        .unwrap();
-    });
-    addr
-}
 
 fn bucket(name: &str, capacity: u64) -> Policy {
     Policy::token_bucket(name, capacity, Rate::per_hour(1)).unwrap()

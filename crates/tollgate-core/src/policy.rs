@@ -279,16 +279,8 @@ impl Policy {
         limit: u64,
         window: Duration,
     ) -> Result<Self, InvalidPolicy> {
-        let name = name.into();
-        validate_name(&name)?;
-        if limit == 0 {
-            return Err(InvalidPolicy::new(&name, "limit must be positive, got 0"));
-        }
-        let window = nanos(&name, "window", window)?;
-        Ok(Self {
-            name,
-            unit: Unit::Requests,
-            algorithm: Algorithm::FixedWindow { limit, window },
+        Self::windowed(name.into(), limit, window, |limit, window| {
+            Algorithm::FixedWindow { limit, window }
         })
     }
 
@@ -299,7 +291,17 @@ impl Policy {
         limit: u64,
         window: Duration,
     ) -> Result<Self, InvalidPolicy> {
-        let name = name.into();
+        Self::windowed(name.into(), limit, window, |limit, window| {
+            Algorithm::SlidingWindow { limit, window }
+        })
+    }
+
+    fn windowed(
+        name: Arc<str>,
+        limit: u64,
+        window: Duration,
+        algorithm: impl FnOnce(u64, u64) -> Algorithm,
+    ) -> Result<Self, InvalidPolicy> {
         validate_name(&name)?;
         if limit == 0 {
             return Err(InvalidPolicy::new(&name, "limit must be positive, got 0"));
@@ -308,7 +310,7 @@ impl Policy {
         Ok(Self {
             name,
             unit: Unit::Requests,
-            algorithm: Algorithm::SlidingWindow { limit, window },
+            algorithm: algorithm(limit, window),
         })
     }
 
