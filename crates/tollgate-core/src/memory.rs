@@ -382,7 +382,7 @@ fn unspent(charges: &[Charge], before: &[Option<State>], outcome: Outcome, now: 
 
 impl Inner {
     fn digest(&self, charge: &Charge) -> u128 {
-        let item = (charge.policy(), charge.key().as_str());
+        let item = (charge.policy().identity(), charge.key().as_str());
         (u128::from(self.seeds.0.hash_one(item)) << 64) | u128::from(self.seeds.1.hash_one(item))
     }
 

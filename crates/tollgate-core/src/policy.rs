@@ -135,6 +135,9 @@ pub struct Policy {
     name: Arc<str>,
     unit: Unit,
     algorithm: Algorithm,
+    /// A hash of the three fields above, kept in step with them by every
+    /// constructor and setter, so stores need not rehash them per decision.
+    identity: u64,
 }
 
 /// Why a policy was refused at construction.
@@ -259,17 +262,17 @@ impl Policy {
                 ),
             ));
         }
-        Ok(Self {
+        Ok(Self::assemble(
             name,
-            unit: Unit::Requests,
-            algorithm: Algorithm::TokenBucket {
+            Unit::Requests,
+            Algorithm::TokenBucket {
                 capacity,
                 numerator,
                 denominator,
                 initial: Initial::Full,
                 rate,
             },
-        })
+        ))
     }
 
     /// A fixed window of length `window` anchored at the first admitted
@@ -307,28 +310,47 @@ impl Policy {
             return Err(InvalidPolicy::new(&name, "limit must be positive, got 0"));
         }
         let window = nanos(&name, "window", window)?;
-        Ok(Self {
+        Ok(Self::assemble(
             name,
-            unit: Unit::Requests,
-            algorithm: algorithm(limit, window),
-        })
+            Unit::Requests,
+            algorithm(limit, window),
+        ))
+    }
+
+    fn assemble(name: Arc<str>, unit: Unit, algorithm: Algorithm) -> Self {
+        use std::hash::{DefaultHasher, Hash, Hasher};
+        let mut h = DefaultHasher::new();
+        (&*name, &unit, &algorithm).hash(&mut h);
+        Self {
+            identity: h.finish(),
+            name,
+            unit,
+            algorithm,
+        }
     }
 
     /// The same policy counting in `unit`.
     #[must_use]
-    pub fn with_unit(mut self, unit: Unit) -> Self {
-        self.unit = unit;
-        self
+    pub fn with_unit(self, unit: Unit) -> Self {
+        Self::assemble(self.name, unit, self.algorithm)
     }
 
     /// The same token bucket with the given initial credit; other algorithms
     /// are returned unchanged.
     #[must_use]
-    pub fn with_initial(mut self, initial: Initial) -> Self {
-        if let Algorithm::TokenBucket { initial: i, .. } = &mut self.algorithm {
+    pub fn with_initial(self, initial: Initial) -> Self {
+        let mut algorithm = self.algorithm;
+        if let Algorithm::TokenBucket { initial: i, .. } = &mut algorithm {
             *i = initial;
         }
-        self
+        Self::assemble(self.name, self.unit, algorithm)
+    }
+
+    /// A 64-bit hash of the policy's name, unit and numbers, the same for
+    /// equal policies within one build. Stores use it to keep the state of
+    /// different policies apart without rehashing them per decision.
+    pub fn identity(&self) -> u64 {
+        self.identity
     }
 
     /// The policy's name.
