@@ -129,7 +129,15 @@ impl Decision {
 /// available and time to full without this charge).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
-    limits: Vec<Decision>,
+    limits: Limits,
+}
+
+/// One decision inline (the common single-limit case needs no allocation),
+/// or several.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Limits {
+    One(Decision),
+    Many(Vec<Decision>),
 }
 
 /// The overall verdict of an [`Outcome`].
@@ -151,12 +159,27 @@ pub enum Verdict {
 impl Outcome {
     /// An outcome from per-charge decisions, in charge order.
     pub fn new(limits: Vec<Decision>) -> Self {
-        Self { limits }
+        match limits.as_slice() {
+            [one] => Self::one(*one),
+            _ => Self {
+                limits: Limits::Many(limits),
+            },
+        }
+    }
+
+    /// An outcome of a single charge.
+    pub fn one(decision: Decision) -> Self {
+        Self {
+            limits: Limits::One(decision),
+        }
     }
 
     /// Per-charge decisions, in the order the charges were given.
     pub fn limits(&self) -> &[Decision] {
-        &self.limits
+        match &self.limits {
+            Limits::One(d) => std::slice::from_ref(d),
+            Limits::Many(v) => v,
+        }
     }
 
     /// The overall verdict: never-fits beats denied beats admitted. An
@@ -164,7 +187,7 @@ impl Outcome {
     /// is reported as denied with no wait, which a store never returns.
     pub fn verdict(&self) -> Verdict {
         let mut wait: Option<Duration> = None;
-        for d in &self.limits {
+        for d in self.limits() {
             match *d {
                 Decision::NeverFits { .. } => return Verdict::NeverFits,
                 Decision::Denied { retry_after, .. } => {
@@ -175,7 +198,7 @@ impl Outcome {
         }
         match wait {
             Some(retry_after) => Verdict::Denied { retry_after },
-            None if self.limits.contains(&Decision::Unevaluated) => Verdict::Denied {
+            None if self.limits().contains(&Decision::Unevaluated) => Verdict::Denied {
                 retry_after: Duration::ZERO,
             },
             None => Verdict::Admitted,
@@ -197,7 +220,8 @@ impl Outcome {
             Decision::Admitted { remaining, .. } => (0, Duration::ZERO, u64::MAX - remaining),
             Decision::Unevaluated => (0, Duration::ZERO, 0),
         };
-        (0..self.limits.len()).max_by_key(|&i| rank(&self.limits[i]))
+        let limits = self.limits();
+        (0..limits.len()).max_by_key(|&i| rank(&limits[i]))
     }
 }
 

@@ -315,7 +315,7 @@ impl MemoryStore {
                 },
             );
         }
-        Ok(Outcome::new(vec![step.decision]))
+        Ok(Outcome::one(step.decision))
     }
 
     /// Decisions for `charges` at `now` without writing anything.
