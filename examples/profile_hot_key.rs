@@ -12,7 +12,8 @@ use std::hint::black_box;
 use tollgate::{Charge, Key, MemoryStore, Policy, Rate};
 
 fn main() {
-    let Ok(policy) = Policy::token_bucket("bench", 1_000_000_000, Rate::per_second(1_000_000_000)) else {
+    let Ok(policy) = Policy::token_bucket("bench", 1_000_000_000, Rate::per_second(1_000_000_000))
+    else {
         return;
     };
     let store = MemoryStore::new();

@@ -11,18 +11,18 @@
 
 use std::time::Duration;
 
-use tollgate_core::{Charge, Decision, Outcome, StoreError};
+use tollgate_core::{Charge, Decision, Outcome, StoreError, Verdict};
 
 pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome) {
-    let admitted = outcome.is_admitted();
+    let verdict = outcome.verdict();
     for (charge, decision) in charges.iter().zip(outcome.limits()) {
         let name = charge.policy().name();
-        match decision {
-            Decision::NeverFits { .. } => {
+        match (verdict, decision) {
+            (Verdict::NeverFits, Decision::NeverFits { .. }) => {
                 tracing::debug!(policy = name, cost = charge.cost(), "cost can never fit");
                 count("tollgate_never_fits_total", name, 1);
             }
-            Decision::Denied { retry_after, .. } => {
+            (Verdict::Denied { .. }, Decision::Denied { retry_after, .. }) => {
                 tracing::debug!(
                     policy = name,
                     cost = charge.cost(),
@@ -31,10 +31,12 @@ pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome) {
                 );
                 count("tollgate_denied_cost_total", name, charge.cost());
             }
-            Decision::Admitted { .. } if admitted => {
+            (Verdict::Admitted, _) => {
                 count("tollgate_admitted_cost_total", name, charge.cost());
             }
-            Decision::Admitted { .. } | Decision::Unevaluated => {}
+            // Limits of a refused call that did not refuse it spent nothing
+            // and refused nothing.
+            _ => {}
         }
     }
 }

@@ -1,0 +1,115 @@
+//! Metrics are emitted per policy name (never per raw key) for admitted and
+//! denied cost, never-fits and store errors.
+#![cfg(feature = "metrics")]
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+
+use http::{Request, Response, StatusCode};
+use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+use tollgate::{
+    CapPolicy, Cost, KeyPart, MemoryStore, PeerAddr, Policy, Rate, RateLimitLayer, Rule,
+};
+use tower::{Layer, Service, ServiceExt};
+
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    let mut f = std::pin::pin!(f);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    loop {
+        if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) {
+            return v;
+        }
+    }
+}
+
+#[test]
+fn counters_are_labelled_by_policy_name_only() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    metrics::with_local_recorder(&recorder, || {
+        let inner = tower::service_fn(|_req: Request<String>| async {
+            Ok::<_, Infallible>(Response::new(http_body_util::Full::new(
+                bytes::Bytes::from("ok"),
+            )))
+        });
+        let per_ip = Policy::token_bucket("m-ip", 2, Rate::per_hour(1)).unwrap();
+        let bytes = Policy::token_bucket("m-bytes", 10, Rate::per_hour(1)).unwrap();
+        let store = MemoryStore::builder()
+            .max_keys(2, CapPolicy::RefuseNewKeys)
+            .shards(1)
+            .build();
+        let layer = RateLimitLayer::new(store)
+            .rule(Rule::per_client_ip(per_ip))
+            .rule(
+                Rule::new(bytes)
+                    .on_route("/upload")
+                    .keyed_by([KeyPart::ClientIp])
+                    .with_cost(Cost::content_bytes()),
+            );
+        let mut svc = layer.layer(inner);
+        let call = |svc: &mut _, path: &str, peer: &str, len: Option<usize>| {
+            let mut req = Request::builder().uri(path);
+            if let Some(len) = len {
+                req = req.header("content-length", len);
+            }
+            let mut req = req.body(String::new()).unwrap();
+            req.extensions_mut()
+                .insert(PeerAddr(peer.parse::<SocketAddr>().unwrap()));
+            let svc: &mut tollgate::RateLimit<_, MemoryStore> = svc;
+            block_on(async { svc.ready().await.unwrap().call(req).await.unwrap().status() })
+        };
+        assert_eq!(call(&mut svc, "/", "198.51.100.1:1", None), StatusCode::OK);
+        assert_eq!(call(&mut svc, "/", "198.51.100.1:1", None), StatusCode::OK);
+        assert_eq!(
+            call(&mut svc, "/", "198.51.100.1:1", None),
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        assert_eq!(
+            call(&mut svc, "/upload", "198.51.100.1:1", Some(11)),
+            StatusCode::PAYLOAD_TOO_LARGE
+        );
+        // The key cap (2, one used) refuses the third new key: a store error.
+        assert_eq!(call(&mut svc, "/", "198.51.100.2:1", None), StatusCode::OK);
+        assert_eq!(
+            call(&mut svc, "/", "198.51.100.3:1", None),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+    });
+    let mut seen = std::collections::HashMap::new();
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        let labels: Vec<String> = key
+            .key()
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        for l in &labels {
+            assert!(
+                !l.contains("198.51.100"),
+                "raw key material in a label: {l}"
+            );
+        }
+        if let DebugValue::Counter(n) = value {
+            seen.insert(format!("{}{{{}}}", key.key().name(), labels.join(",")), n);
+        }
+    }
+    assert_eq!(
+        seen.get("tollgate_admitted_cost_total{policy=m-ip}"),
+        Some(&3),
+        "{seen:?}"
+    );
+    assert_eq!(
+        seen.get("tollgate_denied_cost_total{policy=m-ip}"),
+        Some(&1),
+        "{seen:?}"
+    );
+    assert_eq!(
+        seen.get("tollgate_never_fits_total{policy=m-bytes}"),
+        Some(&1),
+        "{seen:?}"
+    );
+    assert_eq!(
+        seen.get("tollgate_store_errors_total{kind=CapacityExhausted,outcome=fail_closed}"),
+        Some(&1),
+        "{seen:?}"
+    );
+}
