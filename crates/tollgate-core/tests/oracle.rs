@@ -202,3 +202,54 @@ proptest! {
         }
     }
 }
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// Clock faults: jumps of up to ten days either way never mint credit
+    /// beyond the envelope; decisions still match the oracle, whose time is
+    /// clamped to the last admission.
+    #[test]
+    fn large_clock_jumps_never_mint_credit(
+        (cap, amount, period) in policy_strategy(),
+        jumps in proptest::collection::vec((-864_000_000_000_000i64..864_000_000_000_000, 1u64..20), 1..40),
+    ) {
+        let policy = Policy::token_bucket("p", cap, Rate::new(amount, Duration::from_nanos(period))).unwrap();
+        let start: i64 = 2_592_000_000_000_000; // 30 days
+        let clock = ManualClock::new(start as u64);
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let mut oracle: Option<Oracle> = None;
+        let mut now = start;
+        let mut admitted: Vec<(Q, u64)> = Vec::new();
+        for (jump, cost) in jumps {
+            now = (now + jump).clamp(0, 2 * start);
+            clock.set(now as u64);
+            let t = Q::from_integer(now.into());
+            let got = store.charge_now(&[charge(&policy, 0, cost)]).unwrap().limits()[0];
+            if cost > cap {
+                prop_assert!(matches!(got, Decision::NeverFits { .. }), "got {:?}", got);
+                continue;
+            }
+            let o = oracle.get_or_insert_with(|| {
+                let mut o = Oracle::new(cap, amount, period);
+                o.updated = t;
+                o
+            });
+            let fits = o.clone().take(t, cost).is_ok();
+            prop_assert_eq!(got.is_admitted(), fits);
+            if fits {
+                o.take(t, cost).unwrap();
+                admitted.push((o.updated, cost));
+            }
+        }
+        // On the effective (clamped) time line the envelope holds.
+        let (b, r) = (Q::from_integer(cap.into()), Q::new(amount.into(), period.into()));
+        for i in 0..admitted.len() {
+            let mut sum = 0i128;
+            for end in &admitted[i..] {
+                sum += i128::from(end.1);
+                prop_assert!(Q::from_integer(sum) <= b + r * (end.0 - admitted[i].0));
+            }
+        }
+    }
+}

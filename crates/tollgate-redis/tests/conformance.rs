@@ -28,3 +28,54 @@ async fn redis_store_reproduces_every_case() {
         }
     }
 }
+
+/// Clock faults: the same trace with jumps of up to ten days either way
+/// gives the same decisions on Redis (injected time) as in memory (manual
+/// clock), so neither mints credit the other would not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_clock_jumps_agree_with_the_memory_store() {
+    use std::time::Duration;
+    use tollgate_core::{Charge, Key, MemoryStore, Policy, Rate, Store};
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let clock = ManualClock::new(0);
+    let reading = clock.clone();
+    let redis = RedisStore::builder(&server.url())
+        .unwrap()
+        .injected_time(move || tollgate_core::Clock::now(&reading))
+        .build()
+        .unwrap();
+    let memory = MemoryStore::builder().clock(clock.clone()).build();
+    let policies = [
+        Policy::token_bucket("tb", 7, Rate::new(3, Duration::from_secs(7))).unwrap(),
+        Policy::fixed_window("fw", 5, Duration::from_secs(3600)).unwrap(),
+        Policy::sliding_window("sw", 5, Duration::from_secs(60)).unwrap(),
+    ];
+    // A deterministic xorshift trace: jumps up to ±10 days, costs 1..=8.
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let day = 86_400_000_000_000i64;
+    let mut now: i64 = 20 * day;
+    for step in 0..400 {
+        let r = next();
+        let jump = match r % 4 {
+            0 => (r >> 8) as i64 % (10 * day) - 5 * day,
+            1 => (r >> 8) as i64 % 10_000_000_000,
+            _ => (r >> 8) as i64 % 500_000_000,
+        };
+        now = (now + jump).clamp(0, 40 * day);
+        clock.set(now as u64);
+        let p = &policies[(r as usize >> 3) % policies.len()];
+        let cost = 1 + (r >> 40) % 8;
+        let c = [Charge::new(Key::new(p.name()).with("k"), p.clone(), cost).unwrap()];
+        let a = memory.charge(&c).await.unwrap().verdict();
+        let b = redis.charge(&c).await.unwrap().verdict();
+        assert_eq!(a, b, "step {step}: t={now} policy {} cost {cost}", p.name());
+    }
+}
