@@ -418,7 +418,9 @@ impl Inner {
     }
 
     fn make_room(&self, shard: &mut Shard, now: Nanos) -> Result<(), StoreError> {
-        self.sweep_shard(shard, now);
+        // At most one sweep per interval even here: under a flood of new
+        // keys a sweep per request would make every refusal O(shard size).
+        self.maybe_sweep(shard, now);
         let cap = self.per_shard.unwrap_or(usize::MAX);
         if shard.map.len() < cap {
             return Ok(());
@@ -507,6 +509,26 @@ mod tests {
         );
         assert_eq!(store.stats().refused_new_keys, 1);
         assert_eq!(store.stats().keys, 3);
+    }
+
+    #[test]
+    fn idle_keys_make_room_under_the_cap() {
+        let clock = ManualClock::new(0);
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .shards(1)
+            .max_keys(2, CapPolicy::RefuseNewKeys)
+            .build();
+        let p = Policy::token_bucket("p", 2, Rate::per_second(1)).unwrap();
+        for k in ["a", "b"] {
+            assert!(store.charge_now(&[charge(k, &p, 1)]).unwrap().is_admitted());
+        }
+        assert!(store.charge_now(&[charge("c", &p, 1)]).is_err());
+        // Once a and b have refilled (and the sweep interval passed), a new
+        // key fits again.
+        clock.advance(Duration::from_secs(2));
+        assert!(store.charge_now(&[charge("c", &p, 1)]).unwrap().is_admitted());
+        assert_eq!(store.stats().keys, 1);
     }
 
     #[test]

@@ -215,3 +215,39 @@ async fn over_limit_cache_refuses_locally_and_never_admits_more() {
     let stats = cached.cache_stats();
     assert!(stats.hits > 100, "denials were served locally: {stats:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_flood_of_fresh_keys_leaves_no_key_without_a_ttl() {
+    let Some(server) = RedisServer::start() else { return };
+    let s = store(&server);
+    let p = Policy::token_bucket("flood", 5, Rate::per_second(1)).unwrap();
+    const KEYS: usize = 100_000;
+    const TASKS: usize = 64;
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|t| {
+            let (s, p) = (s.clone(), p.clone());
+            tokio::spawn(async move {
+                for i in (t..KEYS).step_by(TASKS) {
+                    let ip = format!("10.{}.{}.{}", i >> 16, (i >> 8) & 255, i & 255);
+                    assert!(s.charge(&[charge(&ip, &p, 1)]).await.unwrap().is_admitted());
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    // Every key the flood created has a TTL.
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_connection().unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS").arg("tollgate:*").query(&mut conn).unwrap();
+    assert_eq!(keys.len(), KEYS);
+    for chunk in keys.chunks(1000) {
+        let mut pipe = redis::pipe();
+        for k in chunk {
+            pipe.cmd("PTTL").arg(k);
+        }
+        let ttls: Vec<i64> = pipe.query(&mut conn).unwrap();
+        assert!(ttls.iter().all(|t| *t > 0), "a flooded key has no TTL");
+    }
+}
