@@ -527,7 +527,12 @@ mod tests {
         // Once a and b have refilled (and the sweep interval passed), a new
         // key fits again.
         clock.advance(Duration::from_secs(2));
-        assert!(store.charge_now(&[charge("c", &p, 1)]).unwrap().is_admitted());
+        assert!(
+            store
+                .charge_now(&[charge("c", &p, 1)])
+                .unwrap()
+                .is_admitted()
+        );
         assert_eq!(store.stats().keys, 1);
     }
 

@@ -218,7 +218,9 @@ async fn over_limit_cache_refuses_locally_and_never_admits_more() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_flood_of_fresh_keys_leaves_no_key_without_a_ttl() {
-    let Some(server) = RedisServer::start() else { return };
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
     let s = store(&server);
     // A slow refill keeps the keys alive long enough to inspect them all.
     let p = Policy::token_bucket("flood", 5, Rate::per_hour(5)).unwrap();
@@ -241,7 +243,10 @@ async fn a_flood_of_fresh_keys_leaves_no_key_without_a_ttl() {
     // Every key the flood created has a TTL.
     let client = redis::Client::open(server.url()).unwrap();
     let mut conn = client.get_connection().unwrap();
-    let keys: Vec<String> = redis::cmd("KEYS").arg("tollgate:*").query(&mut conn).unwrap();
+    let keys: Vec<String> = redis::cmd("KEYS")
+        .arg("tollgate:*")
+        .query(&mut conn)
+        .unwrap();
     assert_eq!(keys.len(), KEYS);
     for chunk in keys.chunks(1000) {
         let mut pipe = redis::pipe();

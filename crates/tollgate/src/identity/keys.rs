@@ -146,3 +146,41 @@ impl<'a> RequestIdentity<'a> {
         Ok(Some(key))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        /// The account key depends on nothing but the verified principal:
+        /// any headers, query string, peer or path leave it unchanged.
+        #[test]
+        fn account_key_depends_only_on_the_principal(
+            headers in proptest::collection::vec(("[a-z-]{1,12}", "[ -~]{0,40}"), 0..8),
+            query in "[a-z=&0-9]{0,30}",
+            peer in any::<[u8; 4]>(),
+        ) {
+            let mut req = http::Request::builder()
+                .uri(format!("/export?{query}"))
+                .body(())
+                .unwrap();
+            for (name, value) in &headers {
+                if let (Ok(n), Ok(v)) = (
+                    http::HeaderName::from_bytes(name.as_bytes()),
+                    http::HeaderValue::from_str(value),
+                ) {
+                    req.headers_mut().append(n, v);
+                }
+            }
+            req.extensions_mut().insert(Principal::new("north", "alice"));
+            req.extensions_mut().insert(crate::PeerAddr((peer, 1).into()));
+            let (parts, ()) = req.into_parts();
+            let resolver = ClientIpResolver::trusting(["0.0.0.0/0".parse().unwrap()], crate::ForwardedHeader::XForwardedFor);
+            let key = RequestIdentity::new(&parts, &resolver)
+                .key("acct", &[KeyPart::Account], MissingPrincipal::Reject)
+                .unwrap();
+            prop_assert_eq!(key, Some(Key::new("acct").with("north").with("alice")));
+        }
+    }
+}
