@@ -4,7 +4,11 @@
 //! ```text
 //! cargo run --release --example flood -- 10000000 1000000 refuse
 //! cargo run --release --example flood -- 10000000 1000000 evict
+//! cargo run --release --example flood -- 10000000 redis://127.0.0.1:6379
 //! ```
+//!
+//! With a Redis URL instead of a cap, the flood goes through a RedisStore
+//! (128 concurrent tasks) and every key is then checked for a TTL.
 //!
 //! Prints RSS, tracked keys, what the cap policy did, and, for eviction,
 //! the extra allowance it created (admissions of keys seen before, whose
@@ -26,8 +30,91 @@ fn rss_mb() -> u64 {
         / 1_000_000
 }
 
+/// Floods a RedisStore and counts keys without a TTL afterwards.
+fn redis_flood(n: u32, url: &str) -> ExitCode {
+    use tollgate::{RedisStore, Store};
+    let Ok(rt) = tokio::runtime::Runtime::new() else {
+        return ExitCode::FAILURE;
+    };
+    rt.block_on(async {
+        let store = match RedisStore::builder(url).and_then(|b| b.timeout(std::time::Duration::from_secs(5)).build()) {
+            Ok(s) => s,
+            Err(e) => {
+                eprintln!("{e}");
+                return ExitCode::FAILURE;
+            }
+        };
+        let Ok(per_ip) = Policy::token_bucket("per-ip", 1, Rate::per_hour(1)) else { return ExitCode::FAILURE };
+        let started = std::time::Instant::now();
+        let tasks: Vec<_> = (0..128u32)
+            .map(|t| {
+                let (store, per_ip) = (store.clone(), per_ip.clone());
+                tokio::spawn(async move {
+                    let (mut ok, mut err) = (0u64, 0u64);
+                    for i in (t..n).step_by(128) {
+                        let ip = IpAddr::V4(Ipv4Addr::from(0x0100_0000u32.wrapping_add(i)));
+                        let Ok(c) = Charge::new(Key::new("per-ip").with(ip.to_string()), per_ip.clone(), 1) else { continue };
+                        match store.charge(&[c]).await {
+                            Ok(o) if o.is_admitted() => ok += 1,
+                            Ok(_) => {}
+                            Err(_) => err += 1,
+                        }
+                    }
+                    (ok, err)
+                })
+            })
+            .collect();
+        let (mut admitted, mut errors) = (0, 0);
+        for t in tasks {
+            if let Ok((a, e)) = t.await {
+                admitted += a;
+                errors += e;
+            }
+        }
+        let flood_secs = started.elapsed().as_secs();
+        let Ok(client) = redis::Client::open(url) else { return ExitCode::FAILURE };
+        let Ok(mut conn) = client.get_connection() else { return ExitCode::FAILURE };
+        let (mut cursor, mut keys, mut without_ttl) = (0u64, 0u64, 0u64);
+        loop {
+            let Ok((next, batch)): Result<(u64, Vec<String>), _> =
+                redis::cmd("SCAN").arg(cursor).arg("MATCH").arg("tollgate:*").arg("COUNT").arg(5000).query(&mut conn)
+            else {
+                return ExitCode::FAILURE;
+            };
+            let mut pipe = redis::pipe();
+            for k in &batch {
+                pipe.cmd("PTTL").arg(k);
+            }
+            let ttls: Vec<i64> = pipe.query(&mut conn).unwrap_or_default();
+            keys += batch.len() as u64;
+            without_ttl += ttls.iter().filter(|t| **t < 0).count() as u64;
+            cursor = next;
+            if cursor == 0 {
+                break;
+            }
+        }
+        let memory: String = redis::cmd("INFO").arg("memory").query(&mut conn).unwrap_or_default();
+        let used = memory.lines().find_map(|l| l.strip_prefix("used_memory_human:")).unwrap_or("?").trim().to_owned();
+        println!(
+            "redis flood: addresses={n} in {flood_secs}s admitted={admitted} store_errors={errors} keys={keys} keys_without_ttl={without_ttl} redis_used_memory={used}"
+        );
+        if without_ttl == 0 { ExitCode::SUCCESS } else { ExitCode::FAILURE }
+    })
+}
+
 fn main() -> ExitCode {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [n, url] = args.as_slice()
+        && url.starts_with("redis://")
+    {
+        return match n.parse() {
+            Ok(n) => redis_flood(n, url),
+            Err(e) => {
+                eprintln!("bad address count {n:?}: {e}");
+                ExitCode::from(2)
+            }
+        };
+    }
     let (n, cap, policy) = match args.as_slice() {
         [n, cap, p] => match (n.parse::<u32>(), cap.parse::<usize>(), p.as_str()) {
             (Ok(n), Ok(cap), "refuse") => (n, cap, CapPolicy::RefuseNewKeys),
