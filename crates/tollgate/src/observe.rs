@@ -9,22 +9,20 @@
 //!   outcome applied (`fail_closed`, `fail_open`, `fallback`);
 //! - `tollgate_store_seconds`: store decision latency histogram.
 
-use std::time::Duration;
-
 use tollgate_core::{Charge, Decision, Outcome, StoreError, Verdict};
 
 pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome) {
     let verdict = outcome.verdict();
     for (charge, decision) in charges.iter().zip(outcome.limits()) {
-        let name = charge.policy().name();
+        let name = charge.policy().name_arc();
         match (verdict, decision) {
             (Verdict::NeverFits, Decision::NeverFits { .. }) => {
-                tracing::debug!(policy = name, cost = charge.cost(), "cost can never fit");
+                tracing::debug!(policy = &**name, cost = charge.cost(), "cost can never fit");
                 count("tollgate_never_fits_total", name, 1);
             }
             (Verdict::Denied { .. }, Decision::Denied { retry_after, .. }) => {
                 tracing::debug!(
-                    policy = name,
+                    policy = &**name,
                     cost = charge.cost(),
                     ?retry_after,
                     "rate limited"
@@ -52,14 +50,26 @@ pub(crate) fn store_error(error: &StoreError, applied: &'static str) {
     .increment(1);
 }
 
-pub(crate) fn store_latency(elapsed: Duration) {
+/// A start time for the store-latency histogram; no clock read without the
+/// `metrics` feature.
+pub(crate) fn start() -> Option<std::time::Instant> {
     #[cfg(feature = "metrics")]
-    metrics::histogram!("tollgate_store_seconds").record(elapsed.as_secs_f64());
-    let _ = elapsed;
+    return Some(std::time::Instant::now());
+    #[cfg(not(feature = "metrics"))]
+    None
 }
 
-fn count(metric: &'static str, policy: &str, by: u64) {
+pub(crate) fn store_latency(started: Option<std::time::Instant>) {
     #[cfg(feature = "metrics")]
-    metrics::counter!(metric, "policy" => policy.to_owned()).increment(by);
+    if let Some(started) = started {
+        metrics::histogram!("tollgate_store_seconds").record(started.elapsed().as_secs_f64());
+    }
+    let _ = started;
+}
+
+fn count(metric: &'static str, policy: &std::sync::Arc<str>, by: u64) {
+    // The label shares the policy's name: no allocation per request.
+    #[cfg(feature = "metrics")]
+    metrics::counter!(metric, "policy" => policy.clone()).increment(by);
     let _ = (metric, policy, by);
 }

@@ -1,7 +1,6 @@
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
-use std::time::Instant;
 
 use http::request::Parts;
 use http::{HeaderValue, Request, Response, StatusCode};
@@ -121,9 +120,9 @@ pub(crate) async fn decide<St: Store>(
     charges: Vec<Charge>,
     statuses: Vec<StatusCode>,
 ) -> Result<Fields, Answer> {
-    let started = Instant::now();
+    let started = observe::start();
     let result = config.store.charge(&charges).await;
-    observe::store_latency(started.elapsed());
+    observe::store_latency(started);
     let outcome: Outcome = match result {
         Ok(outcome) => outcome,
         Err(error) => match &config.on_store_error {
