@@ -6,7 +6,7 @@
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Integer nanoseconds since a clock's own origin.
 pub type Nanos = u64;
@@ -21,18 +21,24 @@ pub trait Clock: Send + Sync + 'static {
     fn now(&self) -> Nanos;
 }
 
-/// The process's monotonic clock ([`Instant`]), with its origin at construction.
-#[derive(Debug, Clone, Copy)]
+/// The process's monotonic clock, with its origin at construction.
+///
+/// It reads the CPU's time-stamp counter through `quanta` where that is
+/// reliable (a few nanoseconds), and falls back to the operating system's
+/// monotonic clock otherwise. Should a reading ever step back, the
+/// algorithms clamp it: no credit is minted.
+#[derive(Debug, Clone)]
 pub struct SystemClock {
-    origin: Instant,
+    clock: quanta::Clock,
+    origin: quanta::Instant,
 }
 
 impl SystemClock {
     /// A clock whose origin is now.
     pub fn new() -> Self {
-        Self {
-            origin: Instant::now(),
-        }
+        let clock = quanta::Clock::new();
+        let origin = clock.now();
+        Self { clock, origin }
     }
 }
 
@@ -45,7 +51,8 @@ impl Default for SystemClock {
 impl Clock for SystemClock {
     fn now(&self) -> Nanos {
         // u64 nanoseconds last 584 years of process uptime; saturate beyond.
-        u64::try_from(self.origin.elapsed().as_nanos()).unwrap_or(u64::MAX)
+        let elapsed = self.clock.now().saturating_duration_since(self.origin);
+        u64::try_from(elapsed.as_nanos()).unwrap_or(u64::MAX)
     }
 }
 

@@ -113,7 +113,7 @@ impl MemoryStoreBuilder {
                     .collect(),
                 mask: self.shards - 1,
                 clock: self.clock,
-                seeds: (RandomState::new(), RandomState::new()),
+                seeds: (RandomState::new(), hashbrown::DefaultHashBuilder::default()),
                 per_shard,
                 cap_policy: self.cap_policy,
                 sweep_every: u64::try_from(self.sweep_interval.as_nanos()).unwrap_or(u64::MAX),
@@ -155,7 +155,10 @@ struct Inner {
     shards: Box<[Mutex<Shard>]>,
     mask: usize,
     clock: Arc<dyn Clock>,
-    seeds: (RandomState, RandomState),
+    /// SipHash-1-3 (keyed, strong) for the upper 64 bits, which pick the
+    /// shard; foldhash (keyed, fast) for the lower 64 bits, which place the
+    /// entry in its map.
+    seeds: (RandomState, hashbrown::DefaultHashBuilder),
     per_shard: Option<usize>,
     cap_policy: CapPolicy,
     sweep_every: u64,
