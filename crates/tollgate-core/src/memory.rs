@@ -4,11 +4,13 @@
 //! shards its charges live in (in index order, so multi-shard charges cannot
 //! deadlock), evaluates every charge, and writes only if all were admitted.
 //!
-//! A map entry is keyed by a 128-bit keyed digest (two independently seeded
-//! SipHash-1-3 values) of the policy and the key's text, not by the text
-//! itself: memory per key is fixed whatever the key's length. The seeds are
-//! random per store, so a caller cannot aim for a collision; an accidental
-//! one among ten million keys has probability below 10⁻²⁴.
+//! A map entry is keyed by a 128-bit keyed digest of the policy and the
+//! key's text, not by the text itself: memory per key is fixed whatever the
+//! key's length. The upper half is keyed SipHash-1-3 (strong: a caller who
+//! cannot see it cannot aim for a collision), the lower half keyed foldhash
+//! (fast: it places the entry in its map). The seeds are random per store;
+//! an accidental collision among ten million keys has probability below
+//! 10⁻²⁴.
 //!
 //! Idle entries (refilled to full, or past their window) are dropped by an
 //! amortised sweep: the first access to a shard after its sweep interval
