@@ -122,15 +122,19 @@ pub fn describe(policy: &Policy, state: Option<State>, now: Nanos) -> Decision {
             capacity,
             numerator,
             denominator,
+            initial,
             ..
         } => {
-            let (num, den) = (u128::from(numerator), u128::from(denominator));
-            let cap = u128::from(capacity) * den;
-            let t = now.max(s.at);
-            let credit = cap.min(u128::from(s.level) + u128::from(t - s.at) * num);
+            let p = TokenBucket {
+                capacity,
+                numerator,
+                denominator,
+                initial,
+            };
+            let (credit, t) = p.refilled(u128::from(s.level), s.at, now);
             Decision::Admitted {
-                remaining: sat(credit / den),
-                reset: ns(u128::from(t - now) + (cap - credit).div_ceil(num)),
+                remaining: sat(credit / u128::from(denominator)),
+                reset: ns(u128::from(t - now) + p.time_to_full(credit)),
             }
         }
         Algorithm::FixedWindow { limit, window } => {
@@ -172,11 +176,17 @@ pub fn idle_at(policy: &Policy, state: Option<State>, now: Nanos) -> Nanos {
             capacity,
             numerator,
             denominator,
+            initial,
             ..
         } => {
-            let cap = u128::from(capacity) * u128::from(denominator);
-            let missing = cap.saturating_sub(u128::from(s.level));
-            sat(u128::from(s.at) + missing.div_ceil(u128::from(numerator)))
+            let p = TokenBucket {
+                capacity,
+                numerator,
+                denominator,
+                initial,
+            };
+            let level = u128::from(s.level).min(p.cap());
+            sat(u128::from(s.at) + p.time_to_full(level))
         }
         Algorithm::FixedWindow { window, .. } => s.at.saturating_add(window),
         Algorithm::SlidingWindow { window, .. } => {
@@ -194,23 +204,41 @@ struct TokenBucket {
     initial: Initial,
 }
 
+impl TokenBucket {
+    /// Capacity in scaled units.
+    fn cap(&self) -> u128 {
+        u128::from(self.capacity) * u128::from(self.denominator)
+    }
+
+    /// The credit `credit` (held at `at`) refilled up to `now`, and the time
+    /// it is valid at. A clock behind `at` refills nothing and moves
+    /// nothing back: the time stays `at`.
+    fn refilled(&self, credit: u128, at: Nanos, now: Nanos) -> (u128, Nanos) {
+        let t = now.max(at);
+        let refill = u128::from(t - at) * u128::from(self.numerator);
+        (self.cap().min(credit + refill), t)
+    }
+
+    /// Nanoseconds from holding `credit` until the bucket is full.
+    fn time_to_full(&self, credit: u128) -> u128 {
+        (self.cap() - credit).div_ceil(u128::from(self.numerator))
+    }
+}
+
 fn token_bucket(p: TokenBucket, state: Option<State>, now: Nanos, cost: u64) -> Step {
     let num = u128::from(p.numerator);
     let den = u128::from(p.denominator);
-    let cap = u128::from(p.capacity) * den;
     let (credit, at) = match state {
         Some(s) => (u128::from(s.level), s.at),
         None => match p.initial {
-            Initial::Full => (cap, now),
+            Initial::Full => (p.cap(), now),
             Initial::Empty => (0, now),
         },
     };
-    // A clock behind the state's own time refills nothing and moves nothing back.
-    let t = now.max(at);
+    let (credit, t) = p.refilled(credit, at, now);
     let lead = u128::from(t - now);
-    let credit = cap.min(credit + u128::from(t - at) * num);
     let need = u128::from(cost) * den;
-    let time_to_full = |c: u128| (cap - c).div_ceil(num);
+    let time_to_full = |c: u128| p.time_to_full(c);
     if credit >= need {
         let left = credit - need;
         let full_in = time_to_full(left);

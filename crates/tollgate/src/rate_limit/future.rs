@@ -105,7 +105,9 @@ where
                         (Err(answer), _) => State::Refused {
                             response: Some(answer.into_response(*grpc)),
                         },
-                        (Ok(_), None) => unreachable_state(),
+                        (Ok(_), None) => State::Refused {
+                            response: Some(polled_after_completion()),
+                        },
                     };
                     this.state.set(next);
                 }
@@ -127,15 +129,5 @@ where
                 }
             }
         }
-    }
-}
-
-#[cold]
-fn unreachable_state<S, ReqB>() -> State<S, ReqB>
-where
-    S: Service<Request<ReqB>>,
-{
-    State::Refused {
-        response: Some(polled_after_completion()),
     }
 }

@@ -4,7 +4,7 @@ use std::task::{Context, Poll};
 
 use http::request::Parts;
 use http::{HeaderValue, Request, Response, StatusCode};
-use tollgate_core::{Charge, DynStore, Outcome, Store, Verdict};
+use tollgate_core::{Charge, Outcome, Store, Verdict};
 use tower_service::Service;
 
 use super::layer::{Config, OnStoreError};
@@ -203,7 +203,3 @@ where
         }
     }
 }
-
-/// Keeps `DynStore` in the public signature's vocabulary for docs.
-#[allow(dead_code)]
-fn _assert_dyn(_: &dyn DynStore) {}
