@@ -17,10 +17,22 @@ pub struct CacheStats {
     pub remembered: u64,
 }
 
+/// What Redis said when it refused a cost on a key.
+#[derive(Clone, Copy)]
+struct Remembered {
+    /// The cost fits no earlier than this.
+    until: Instant,
+    /// The smallest cost refused (larger costs wait at least as long).
+    cost: u64,
+    /// Units available then: a lower bound later, since credit only grows.
+    remaining: u64,
+    /// When the budget would be full.
+    full_at: Instant,
+}
+
 pub(crate) struct OverLimitCache {
     max: usize,
-    /// Redis key -> (refused until, smallest cost refused).
-    entries: Mutex<HashMap<String, (Instant, u64)>>,
+    entries: Mutex<HashMap<String, Remembered>>,
     hits: AtomicU64,
     remembered: AtomicU64,
 }
@@ -35,24 +47,38 @@ impl OverLimitCache {
         }
     }
 
-    /// Records that `cost` on `key` does not fit before `until`, measured
-    /// from before the request was sent, so the local deadline is never
-    /// later than the server's.
-    pub(crate) fn remember(&self, key: &str, cost: u64, until: Instant) {
+    /// Records Redis's refusal of `cost` on `key`. Times are measured from
+    /// before the request was sent, so the local deadlines are never later
+    /// than the server's.
+    pub(crate) fn remember(&self, key: &str, cost: u64, sent: Instant, refusal: Decision) {
+        let Decision::Denied {
+            retry_after,
+            remaining,
+            reset,
+        } = refusal
+        else {
+            return;
+        };
+        let seen = Remembered {
+            until: sent + retry_after,
+            cost,
+            remaining,
+            full_at: sent + reset,
+        };
         let mut entries = self
             .entries
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if entries.len() >= self.max && !entries.contains_key(key) {
             let now = Instant::now();
-            entries.retain(|_, (t, _)| *t > now);
+            entries.retain(|_, r| r.until > now);
             if entries.len() >= self.max {
                 return;
             }
         }
-        let entry = entries.entry(key.to_owned()).or_insert((until, cost));
-        if cost <= entry.1 {
-            *entry = (until, cost);
+        let entry = entries.entry(key.to_owned()).or_insert(seen);
+        if cost <= entry.cost {
+            *entry = seen;
         }
         self.remembered.fetch_add(1, Ordering::Relaxed);
     }
@@ -65,21 +91,21 @@ impl OverLimitCache {
             .entries
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let (i, wait) = keys
+        let (i, seen) = keys
             .iter()
             .zip(charges)
             .enumerate()
             .find_map(|(i, (k, c))| {
-                let (until, cost) = entries.get(k)?;
-                (*until > now && c.cost() >= *cost).then(|| (i, *until - now))
+                let seen = *entries.get(k)?;
+                (seen.until > now && c.cost() >= seen.cost).then_some((i, seen))
             })?;
         drop(entries);
         self.hits.fetch_add(1, Ordering::Relaxed);
         let mut decisions = vec![Decision::Unevaluated; charges.len()];
         decisions[i] = Decision::Denied {
-            retry_after: wait,
-            remaining: 0,
-            reset: wait,
+            retry_after: seen.until - now,
+            remaining: seen.remaining,
+            reset: seen.full_at.saturating_duration_since(now),
         };
         Some(Outcome::new(decisions))
     }

@@ -368,9 +368,8 @@ impl RedisStore {
             let mut all = true;
             for (slot, &i) in group.iter().enumerate() {
                 let d = script::decision(&reply[slot * 6..slot * 6 + 6], charges[i].policy());
-                if let (Some(cache), Decision::Denied { retry_after, .. }) = (&self.inner.cache, d)
-                {
-                    cache.remember(&keys[i], charges[i].cost(), sent + retry_after);
+                if let Some(cache) = &self.inner.cache {
+                    cache.remember(&keys[i], charges[i].cost(), sent, d);
                 }
                 all &= d.is_admitted();
                 decisions[i] = d;

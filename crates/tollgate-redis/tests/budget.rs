@@ -214,6 +214,44 @@ async fn over_limit_cache_refuses_locally_and_never_admits_more() {
     assert!(admitted >= 5);
     let stats = cached.cache_stats();
     assert!(stats.hits > 100, "denials were served locally: {stats:?}");
+
+    // A cached refusal repeats what Redis said, never promising an earlier time.
+    assert!(
+        cached
+            .charge(&[charge("k2", &p, 5)])
+            .await
+            .unwrap()
+            .is_admitted()
+    );
+    let from_redis = cached
+        .charge(&[charge("k2", &p, 1)])
+        .await
+        .unwrap()
+        .limits()[0];
+    let hits = cached.cache_stats().hits;
+    let from_cache = cached
+        .charge(&[charge("k2", &p, 1)])
+        .await
+        .unwrap()
+        .limits()[0];
+    assert_eq!(cached.cache_stats().hits, hits + 1);
+    let (
+        Decision::Denied {
+            retry_after: a,
+            remaining: ra,
+            ..
+        },
+        Decision::Denied {
+            retry_after: b,
+            remaining: rb,
+            ..
+        },
+    ) = (from_redis, from_cache)
+    else {
+        panic!("{from_redis:?} / {from_cache:?}");
+    };
+    assert!(b <= a && b > Duration::ZERO, "{a:?} then {b:?}");
+    assert_eq!((ra, rb), (0, 0));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
