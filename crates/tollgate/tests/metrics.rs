@@ -12,20 +12,13 @@ use tollgate::{
 };
 use tower::{Layer, Service, ServiceExt};
 
-fn block_on<F: std::future::Future>(f: F) -> F::Output {
-    let mut f = std::pin::pin!(f);
-    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-    loop {
-        if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) {
-            return v;
-        }
-    }
-}
-
 #[test]
 fn counters_are_labelled_by_policy_name_only() {
     let recorder = DebuggingRecorder::new();
     let snapshotter = recorder.snapshotter();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
     metrics::with_local_recorder(&recorder, || {
         let inner = tower::service_fn(|_req: Request<String>| async {
             Ok::<_, Infallible>(Response::new(http_body_util::Full::new(
@@ -56,7 +49,7 @@ fn counters_are_labelled_by_policy_name_only() {
             req.extensions_mut()
                 .insert(PeerAddr(peer.parse::<SocketAddr>().unwrap()));
             let svc: &mut tollgate::RateLimit<_, MemoryStore> = svc;
-            block_on(async { svc.ready().await.unwrap().call(req).await.unwrap().status() })
+            rt.block_on(async { svc.ready().await.unwrap().call(req).await.unwrap().status() })
         };
         assert_eq!(call(&mut svc, "/", "198.51.100.1:1", None), StatusCode::OK);
         assert_eq!(call(&mut svc, "/", "198.51.100.1:1", None), StatusCode::OK);
