@@ -53,6 +53,25 @@ fn sat(n: u128) -> u64 {
     u64::try_from(n).unwrap_or(u64::MAX)
 }
 
+/// `a / b`, with one 64-bit machine division when `a` fits in 64 bits (the
+/// common case) instead of a call to the 128-bit division routine.
+#[inline]
+fn div(a: u128, b: u64) -> u128 {
+    match u64::try_from(a) {
+        Ok(a) => u128::from(a / b),
+        Err(_) => a / u128::from(b),
+    }
+}
+
+/// `a / b` rounded up, as [`div`].
+#[inline]
+fn div_ceil(a: u128, b: u64) -> u128 {
+    match u64::try_from(a) {
+        Ok(a) => u128::from(a.div_ceil(b)),
+        Err(_) => a.div_ceil(u128::from(b)),
+    }
+}
+
 /// Decides `cost` against `policy` given the key's stored `state` (`None`
 /// if the key has none) at time `now`.
 ///
@@ -133,7 +152,7 @@ pub fn describe(policy: &Policy, state: Option<State>, now: Nanos) -> Decision {
             };
             let (credit, t) = p.refilled(u128::from(s.level), s.at, now);
             Decision::Admitted {
-                remaining: sat(credit / u128::from(denominator)),
+                remaining: sat(div(credit, denominator)),
                 reset: ns(u128::from(t - now) + p.time_to_full(credit)),
             }
         }
@@ -221,12 +240,11 @@ impl TokenBucket {
 
     /// Nanoseconds from holding `credit` until the bucket is full.
     fn time_to_full(&self, credit: u128) -> u128 {
-        (self.cap() - credit).div_ceil(u128::from(self.numerator))
+        div_ceil(self.cap() - credit, self.numerator)
     }
 }
 
 fn token_bucket(p: TokenBucket, state: Option<State>, now: Nanos, cost: u64) -> Step {
-    let num = u128::from(p.numerator);
     let den = u128::from(p.denominator);
     let (credit, at) = match state {
         Some(s) => (u128::from(s.level), s.at),
@@ -244,7 +262,7 @@ fn token_bucket(p: TokenBucket, state: Option<State>, now: Nanos, cost: u64) -> 
         let full_in = time_to_full(left);
         Step {
             decision: Decision::Admitted {
-                remaining: sat(left / den),
+                remaining: sat(div(left, p.denominator)),
                 reset: ns(lead + full_in),
             },
             next: Some(State {
@@ -257,8 +275,8 @@ fn token_bucket(p: TokenBucket, state: Option<State>, now: Nanos, cost: u64) -> 
     } else {
         Step {
             decision: Decision::Denied {
-                retry_after: ns(lead + (need - credit).div_ceil(num)),
-                remaining: sat(credit / den),
+                retry_after: ns(lead + div_ceil(need - credit, p.numerator)),
+                remaining: sat(div(credit, p.denominator)),
                 reset: ns(lead + time_to_full(credit)),
             },
             next: match (state, p.initial) {

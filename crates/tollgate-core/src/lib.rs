@@ -44,6 +44,7 @@ pub mod algorithm;
 mod clock;
 pub mod conformance;
 mod decision;
+mod digest;
 mod key;
 mod memory;
 mod policy;

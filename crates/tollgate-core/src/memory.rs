@@ -6,17 +6,17 @@
 //!
 //! A map entry is keyed by a 128-bit keyed digest of the policy and the
 //! key's text, not by the text itself: memory per key is fixed whatever the
-//! key's length. The upper half is keyed SipHash-1-3 (strong: a caller who
-//! cannot see it cannot aim for a collision), the lower half keyed foldhash
-//! (fast: it places the entry in its map). The seeds are random per store;
-//! an accidental collision among ten million keys has probability below
-//! 10⁻²⁴.
+//! key's length. The digest is SipHash-1-3 with 128-bit output, in one pass
+//! (a caller who cannot see the secret key cannot aim for a collision): the
+//! upper half picks the shard, the lower half places the entry in its map.
+//! The key is random per store; an accidental collision among ten million
+//! keys has probability below 10⁻²⁴.
 //!
 //! Idle entries (refilled to full, or past their window) are dropped by an
 //! amortised sweep: the first access to a shard after its sweep interval
 //! removes that shard's idle entries. No background task is needed.
 
-use std::hash::{BuildHasher, Hasher, RandomState};
+use std::hash::{BuildHasher, Hasher};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -24,6 +24,7 @@ use std::time::Duration;
 use hashbrown::HashMap;
 
 use crate::algorithm::{self, State, Step};
+use crate::digest::DigestKey;
 use crate::{
     Charge, Clock, Decision, Nanos, Outcome, Store, StoreError, StoreErrorKind, SystemClock,
 };
@@ -115,7 +116,7 @@ impl MemoryStoreBuilder {
                     .collect(),
                 mask: self.shards - 1,
                 clock: self.clock,
-                seeds: (RandomState::new(), hashbrown::DefaultHashBuilder::default()),
+                digest_key: DigestKey::random(),
                 per_shard,
                 cap_policy: self.cap_policy,
                 sweep_every: u64::try_from(self.sweep_interval.as_nanos()).unwrap_or(u64::MAX),
@@ -157,10 +158,9 @@ struct Inner {
     shards: Box<[Mutex<Shard>]>,
     mask: usize,
     clock: Arc<dyn Clock>,
-    /// SipHash-1-3 (keyed, strong) for the upper 64 bits, which pick the
-    /// shard; foldhash (keyed, fast) for the lower 64 bits, which place the
-    /// entry in its map.
-    seeds: (RandomState, hashbrown::DefaultHashBuilder),
+    /// The secret key of the SipHash-1-3-128 digest: its upper 64 bits pick
+    /// the shard, its lower 64 bits place the entry in its map.
+    digest_key: DigestKey,
     per_shard: Option<usize>,
     cap_policy: CapPolicy,
     sweep_every: u64,
@@ -306,10 +306,20 @@ impl MemoryStore {
         let digest = inner.digest(charge);
         let mut shard = inner.lock(inner.shard_of(digest));
         inner.maybe_sweep(&mut shard, now);
-        let state = shard.map.get(&digest).map(|e| e.state);
-        let step = algorithm::decide(charge.policy(), state, now, charge.cost());
+        // A tracked key is decided and written in place: one probe.
+        if let Some(entry) = shard.map.get_mut(&digest) {
+            let step = algorithm::decide(charge.policy(), Some(entry.state), now, charge.cost());
+            if let Some(next) = step.next {
+                *entry = Entry {
+                    state: next,
+                    idle_at: step.idle_at,
+                };
+            }
+            return Ok(Outcome::one(step.decision));
+        }
+        let step = algorithm::decide(charge.policy(), None, now, charge.cost());
         if let Some(next) = step.next {
-            if state.is_none() && inner.per_shard.is_some_and(|cap| shard.map.len() >= cap) {
+            if inner.per_shard.is_some_and(|cap| shard.map.len() >= cap) {
                 inner.make_room(&mut shard, now)?;
             }
             shard.map.insert(
@@ -387,8 +397,8 @@ fn unspent(charges: &[Charge], before: &[Option<State>], outcome: Outcome, now: 
 
 impl Inner {
     fn digest(&self, charge: &Charge) -> u128 {
-        let item = (charge.policy().identity(), charge.key().as_str());
-        (u128::from(self.seeds.0.hash_one(item)) << 64) | u128::from(self.seeds.1.hash_one(item))
+        self.digest_key
+            .digest(charge.policy().identity(), charge.key().as_str().as_bytes())
     }
 
     fn shard_of(&self, digest: u128) -> usize {
