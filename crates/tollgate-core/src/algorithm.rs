@@ -2,7 +2,8 @@
 //!
 //! Storage only has to make the read-modify-write of [`decide`] atomic; the
 //! time comes from whoever calls it. All arithmetic is in integers (`u64`
-//! state, `u128` intermediates), so every boundary is exact.
+//! state; `u128` intermediates where a product can exceed 64 bits), so every
+//! boundary is exact.
 //!
 //! A clock reading earlier than the one a state was written at is treated as
 //! that state's own time: no credit is minted and the state never moves back.
@@ -51,25 +52,6 @@ fn ns(n: u128) -> Duration {
 
 fn sat(n: u128) -> u64 {
     u64::try_from(n).unwrap_or(u64::MAX)
-}
-
-/// `a / b`, with one 64-bit machine division when `a` fits in 64 bits (the
-/// common case) instead of a call to the 128-bit division routine.
-#[inline]
-fn div(a: u128, b: u64) -> u128 {
-    match u64::try_from(a) {
-        Ok(a) => u128::from(a / b),
-        Err(_) => a / u128::from(b),
-    }
-}
-
-/// `a / b` rounded up, as [`div`].
-#[inline]
-fn div_ceil(a: u128, b: u64) -> u128 {
-    match u64::try_from(a) {
-        Ok(a) => u128::from(a.div_ceil(b)),
-        Err(_) => a.div_ceil(u128::from(b)),
-    }
 }
 
 /// Decides `cost` against `policy` given the key's stored `state` (`None`
@@ -150,10 +132,10 @@ pub fn describe(policy: &Policy, state: Option<State>, now: Nanos) -> Decision {
                 denominator,
                 initial,
             };
-            let (credit, t) = p.refilled(u128::from(s.level), s.at, now);
+            let (credit, t) = p.refilled(s.level, s.at, now);
             Decision::Admitted {
-                remaining: sat(div(credit, denominator)),
-                reset: ns(u128::from(t - now) + p.time_to_full(credit)),
+                remaining: p.tokens(credit),
+                reset: Duration::from_nanos((t - now).saturating_add(p.time_to_full(credit))),
             }
         }
         Algorithm::FixedWindow { limit, window } => {
@@ -204,8 +186,8 @@ pub fn idle_at(policy: &Policy, state: Option<State>, now: Nanos) -> Nanos {
                 denominator,
                 initial,
             };
-            let level = u128::from(s.level).min(p.cap());
-            sat(u128::from(s.at) + p.time_to_full(level))
+            let level = s.level.min(p.cap());
+            s.at.saturating_add(p.time_to_full(level))
         }
         Algorithm::FixedWindow { window, .. } => s.at.saturating_add(window),
         Algorithm::SlidingWindow { window, .. } => {
@@ -224,60 +206,84 @@ struct TokenBucket {
 }
 
 impl TokenBucket {
-    /// Capacity in scaled units.
-    fn cap(&self) -> u128 {
-        u128::from(self.capacity) * u128::from(self.denominator)
+    /// Capacity in scaled units. [`Policy::token_bucket`] refuses policies
+    /// whose scaled capacity does not fit in 64 bits, so every credit does.
+    fn cap(&self) -> u64 {
+        self.capacity.saturating_mul(self.denominator)
     }
 
     /// The credit `credit` (held at `at`) refilled up to `now`, and the time
     /// it is valid at. A clock behind `at` refills nothing and moves
-    /// nothing back: the time stays `at`.
-    fn refilled(&self, credit: u128, at: Nanos, now: Nanos) -> (u128, Nanos) {
+    /// nothing back: the time stays `at`. Saturation is exact here: any
+    /// saturated sum is above the capacity it is capped to.
+    fn refilled(&self, credit: u64, at: Nanos, now: Nanos) -> (u64, Nanos) {
         let t = now.max(at);
-        let refill = u128::from(t - at) * u128::from(self.numerator);
-        (self.cap().min(credit + refill), t)
+        let refill = (t - at).saturating_mul(self.numerator);
+        (credit.saturating_add(refill).min(self.cap()), t)
     }
 
-    /// Nanoseconds from holding `credit` until the bucket is full.
-    fn time_to_full(&self, credit: u128) -> u128 {
-        div_ceil(self.cap() - credit, self.numerator)
+    /// Nanoseconds from holding `credit` (at most the capacity) until the
+    /// bucket is full.
+    fn time_to_full(&self, credit: u64) -> u64 {
+        per(self.cap() - credit, self.numerator)
+    }
+
+    /// Whole tokens in `credit`.
+    fn tokens(&self, credit: u64) -> u64 {
+        if self.denominator == 1 {
+            credit
+        } else {
+            credit / self.denominator
+        }
+    }
+}
+
+/// `units / numerator` nanoseconds, rounded up: the time to refill `units`.
+/// Rates that divide a nanosecond evenly (most) have a numerator of 1.
+fn per(units: u64, numerator: u64) -> u64 {
+    if numerator == 1 {
+        units
+    } else {
+        units.div_ceil(numerator)
     }
 }
 
 fn token_bucket(p: TokenBucket, state: Option<State>, now: Nanos, cost: u64) -> Step {
-    let den = u128::from(p.denominator);
     let (credit, at) = match state {
-        Some(s) => (u128::from(s.level), s.at),
+        Some(s) => (s.level, s.at),
         None => match p.initial {
             Initial::Full => (p.cap(), now),
             Initial::Empty => (0, now),
         },
     };
     let (credit, t) = p.refilled(credit, at, now);
-    let lead = u128::from(t - now);
-    let need = u128::from(cost) * den;
-    let time_to_full = |c: u128| p.time_to_full(c);
+    let lead = t - now;
+    // `decide` refused costs above the capacity, so this fits.
+    let need = cost.saturating_mul(p.denominator);
     if credit >= need {
         let left = credit - need;
-        let full_in = time_to_full(left);
+        let full_in = p.time_to_full(left);
         Step {
             decision: Decision::Admitted {
-                remaining: sat(div(left, p.denominator)),
-                reset: ns(lead + full_in),
+                remaining: p.tokens(left),
+                reset: Duration::from_nanos(lead.saturating_add(full_in)),
             },
             next: Some(State {
-                level: sat(left),
+                level: left,
                 prior: 0,
                 at: t,
             }),
-            idle_at: sat(u128::from(t) + full_in),
+            idle_at: t.saturating_add(full_in),
         }
     } else {
+        let full_in = p.time_to_full(credit);
         Step {
             decision: Decision::Denied {
-                retry_after: ns(lead + div_ceil(need - credit, p.numerator)),
-                remaining: sat(div(credit, p.denominator)),
-                reset: ns(lead + time_to_full(credit)),
+                retry_after: Duration::from_nanos(
+                    lead.saturating_add(per(need - credit, p.numerator)),
+                ),
+                remaining: p.tokens(credit),
+                reset: Duration::from_nanos(lead.saturating_add(full_in)),
             },
             next: match (state, p.initial) {
                 (None, Initial::Empty) => Some(State {
@@ -287,7 +293,7 @@ fn token_bucket(p: TokenBucket, state: Option<State>, now: Nanos, cost: u64) -> 
                 }),
                 _ => None,
             },
-            idle_at: sat(u128::from(t) + time_to_full(credit)),
+            idle_at: t.saturating_add(full_in),
         }
     }
 }

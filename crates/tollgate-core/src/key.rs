@@ -30,6 +30,14 @@ fn needs_escape(b: u8) -> bool {
 
 fn push_escaped(out: &mut String, component: &[u8]) {
     const HEX: &[u8; 16] = b"0123456789ABCDEF";
+    // Most components (names, ids, IPv4 addresses) need no escaping: copy
+    // them whole.
+    if !component.iter().any(|&b| needs_escape(b)) {
+        if let Ok(text) = std::str::from_utf8(component) {
+            out.push_str(text);
+            return;
+        }
+    }
     for &b in component {
         if needs_escape(b) {
             out.push('%');
@@ -44,7 +52,9 @@ fn push_escaped(out: &mut String, component: &[u8]) {
 impl Key {
     /// A key with a single component.
     pub fn new(first: impl AsRef<[u8]>) -> Self {
-        let mut encoded = String::with_capacity(first.as_ref().len() + 16);
+        // Room for a few more components (an address, an account) without
+        // growing.
+        let mut encoded = String::with_capacity(first.as_ref().len() + 48);
         push_escaped(&mut encoded, first.as_ref());
         Self { encoded }
     }
@@ -60,6 +70,17 @@ impl Key {
     pub fn push(&mut self, component: impl AsRef<[u8]>) {
         self.encoded.push(':');
         push_escaped(&mut self.encoded, component.as_ref());
+    }
+
+    /// Appends a text component: [`Key::push`], without re-checking that
+    /// the text is UTF-8 when it needs no escaping.
+    pub fn push_str(&mut self, component: &str) {
+        self.encoded.push(':');
+        if component.bytes().any(needs_escape) {
+            push_escaped(&mut self.encoded, component.as_bytes());
+        } else {
+            self.encoded.push_str(component);
+        }
     }
 
     /// The injective text form.
@@ -187,6 +208,16 @@ mod tests {
             prop_assert_eq!(ka == kb, a == b);
             prop_assert_eq!(ka.components(), a.clone());
             prop_assert_eq!(Key::parse(ka.as_str()).unwrap(), ka);
+        }
+
+        #[test]
+        fn push_str_is_push(first in ".{0,8}", parts in proptest::collection::vec(".{0,12}", 0..4)) {
+            let (mut by_bytes, mut by_str) = (Key::new(&first), Key::new(&first));
+            for p in &parts {
+                by_bytes.push(p);
+                by_str.push_str(p);
+            }
+            prop_assert_eq!(by_str, by_bytes);
         }
 
         #[test]

@@ -473,6 +473,11 @@ impl Store for MemoryStore {
     ) -> impl Future<Output = Result<Outcome, StoreError>> + Send + 'a {
         std::future::ready(self.charge_now(charges))
     }
+
+    /// Always `Some`: the in-process store never waits on I/O.
+    fn try_charge_now(&self, charges: &[Charge]) -> Option<Result<Outcome, StoreError>> {
+        Some(self.charge_now(charges))
+    }
 }
 
 #[cfg(test)]

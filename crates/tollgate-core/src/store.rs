@@ -29,6 +29,18 @@ pub trait Store: Send + Sync + 'static {
         &'a self,
         charges: &'a [Charge],
     ) -> impl Future<Output = Result<Outcome, StoreError>> + Send + 'a;
+
+    /// Decides `charges` at once when that needs no I/O: `Some` with exactly
+    /// what [`Store::charge`] would have answered (and with the same effect
+    /// on the budgets), `None` when the caller must await [`Store::charge`]
+    /// instead. A `None` has no effect on any budget.
+    ///
+    /// In-process stores answer `Some` so that callers (the HTTP layer)
+    /// need not allocate a future per request; the default answers `None`.
+    fn try_charge_now(&self, charges: &[Charge]) -> Option<Result<Outcome, StoreError>> {
+        let _ = charges;
+        None
+    }
 }
 
 /// The object-safe form of [`Store`], implemented for every `Store`.
@@ -38,6 +50,9 @@ pub trait DynStore: Send + Sync + 'static {
         &'a self,
         charges: &'a [Charge],
     ) -> StoreFuture<'a, Result<Outcome, StoreError>>;
+
+    /// [`Store::try_charge_now`].
+    fn try_charge_now_dyn(&self, charges: &[Charge]) -> Option<Result<Outcome, StoreError>>;
 }
 
 impl<S: Store> DynStore for S {
@@ -46,6 +61,10 @@ impl<S: Store> DynStore for S {
         charges: &'a [Charge],
     ) -> StoreFuture<'a, Result<Outcome, StoreError>> {
         Box::pin(self.charge(charges))
+    }
+
+    fn try_charge_now_dyn(&self, charges: &[Charge]) -> Option<Result<Outcome, StoreError>> {
+        self.try_charge_now(charges)
     }
 }
 
@@ -56,6 +75,10 @@ impl Store for Arc<dyn DynStore> {
     ) -> impl Future<Output = Result<Outcome, StoreError>> + Send + 'a {
         (**self).charge_boxed(charges)
     }
+
+    fn try_charge_now(&self, charges: &[Charge]) -> Option<Result<Outcome, StoreError>> {
+        (**self).try_charge_now_dyn(charges)
+    }
 }
 
 impl<S: Store> Store for Arc<S> {
@@ -64,6 +87,10 @@ impl<S: Store> Store for Arc<S> {
         charges: &'a [Charge],
     ) -> impl Future<Output = Result<Outcome, StoreError>> + Send + 'a {
         (**self).charge(charges)
+    }
+
+    fn try_charge_now(&self, charges: &[Charge]) -> Option<Result<Outcome, StoreError>> {
+        (**self).try_charge_now(charges)
     }
 }
 

@@ -323,31 +323,40 @@ impl RedisStore {
         }
     }
 
-    async fn charge_all(&self, charges: &[Charge]) -> Result<Outcome, StoreError> {
+    /// The answer that needs no round trip, if there is one: a charge that
+    /// can never fit (nothing is read or written), or a refusal the
+    /// over-limit cache still holds. Also gives back the Redis keys.
+    fn local_answer(&self, charges: &[Charge]) -> (Option<Outcome>, Vec<String>) {
         if charges.iter().any(|c| !c.can_fit()) {
-            // Decided without Redis: nothing is read or written.
-            return Ok(Outcome::new(
-                charges
-                    .iter()
-                    .map(|c| {
-                        if c.can_fit() {
-                            Decision::Unevaluated
-                        } else {
-                            Decision::NeverFits {
-                                cost: c.cost(),
-                                capacity: c.policy().capacity(),
-                            }
+            let decisions = charges
+                .iter()
+                .map(|c| {
+                    if c.can_fit() {
+                        Decision::Unevaluated
+                    } else {
+                        Decision::NeverFits {
+                            cost: c.cost(),
+                            capacity: c.policy().capacity(),
                         }
-                    })
-                    .collect(),
-            ));
+                    }
+                })
+                .collect();
+            return (Some(Outcome::new(decisions)), Vec::new());
         }
         let keys: Vec<String> = charges.iter().map(|c| self.redis_key(c)).collect();
-        if let Some(cache) = &self.inner.cache {
-            if let Some(outcome) = cache.refuse(&keys, charges) {
-                return Ok(outcome);
-            }
-        }
+        let cached = self
+            .inner
+            .cache
+            .as_ref()
+            .and_then(|cache| cache.refuse(&keys, charges));
+        (cached, keys)
+    }
+
+    async fn charge_all(&self, charges: &[Charge]) -> Result<Outcome, StoreError> {
+        let keys = match self.local_answer(charges) {
+            (Some(outcome), _) => return Ok(outcome),
+            (None, keys) => keys,
+        };
         let groups = if self.inner.split {
             script::slot_groups(&keys)
         } else {
@@ -428,5 +437,12 @@ impl Store for RedisStore {
         charges: &'a [Charge],
     ) -> impl Future<Output = Result<Outcome, StoreError>> + Send + 'a {
         self.charge_all(charges)
+    }
+
+    /// `Some` for what needs no round trip (a charge that can never fit, a
+    /// refusal the over-limit cache holds), so the HTTP layer answers those
+    /// without allocating a future; `None` (nothing touched) otherwise.
+    fn try_charge_now(&self, charges: &[Charge]) -> Option<Result<Outcome, StoreError>> {
+        self.local_answer(charges).0.map(Ok)
     }
 }

@@ -235,6 +235,16 @@ async fn over_limit_cache_refuses_locally_and_never_admits_more() {
         .unwrap()
         .limits()[0];
     assert_eq!(cached.cache_stats().hits, hits + 1);
+    // The cached refusal is also answered synchronously; an uncached key
+    // and a charge that could fit need Redis.
+    let now = cached.try_charge_now(&[charge("k2", &p, 1)]);
+    assert!(matches!(&now, Some(Ok(o)) if !o.is_admitted()), "{now:?}");
+    assert_eq!(cached.cache_stats().hits, hits + 2);
+    assert!(cached.try_charge_now(&[charge("k3", &p, 1)]).is_none());
+    assert!(matches!(
+        cached.try_charge_now(&[charge("k3", &p, 6)]),
+        Some(Ok(o)) if o.verdict() == Verdict::NeverFits
+    ));
     let (
         Decision::Denied {
             retry_after: a,

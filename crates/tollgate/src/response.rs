@@ -39,8 +39,8 @@ pub(crate) fn ratelimit_fields(
     charges: &[Charge],
     outcome: &Outcome,
 ) -> Option<(HeaderValue, HeaderValue)> {
-    let mut policy = String::new();
-    let mut current = String::new();
+    let mut policy = String::with_capacity(64);
+    let mut current = String::with_capacity(64);
     for (charge, decision) in charges.iter().zip(outcome.limits()) {
         let p = charge.policy();
         if !policy.is_empty() {
@@ -83,16 +83,26 @@ pub(crate) fn ratelimit_fields(
 
 fn json_string(out: &mut String, s: &str) {
     out.push('"');
-    for c in s.chars() {
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if (c as u32) < 0x20 => {
-                let _ = write!(out, "\\u{:04x}", c as u32);
+    let mut rest = s;
+    // Copy runs that need no escaping whole. Every byte that does is ASCII,
+    // so splitting there always falls on a character boundary.
+    while let Some(i) = rest
+        .bytes()
+        .position(|b| b == b'"' || b == b'\\' || b < 0x20)
+    {
+        let (run, tail) = rest.split_at(i);
+        out.push_str(run);
+        let b = tail.as_bytes()[0];
+        match b {
+            b'"' => out.push_str("\\\""),
+            b'\\' => out.push_str("\\\\"),
+            _ => {
+                let _ = write!(out, "\\u{b:04x}");
             }
-            c => out.push(c),
         }
+        rest = &tail[1..];
     }
+    out.push_str(rest);
     out.push('"');
 }
 
@@ -217,7 +227,7 @@ impl Answer {
     }
 
     pub(crate) fn into_response(self, grpc: bool) -> Response<Full<Bytes>> {
-        let mut headers = HeaderMap::new();
+        let mut headers = HeaderMap::with_capacity(8);
         headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
         if let Some(fields) = self.fields {
             let (policy, current) = *fields;
@@ -240,10 +250,14 @@ impl Answer {
                 HeaderValue::from_static("application/problem+json"),
             );
             let status = self.refusal.status();
-            let mut json = String::from("{\"type\":");
-            json_string(&mut json, self.refusal.problem_type());
-            json.push_str(",\"title\":");
-            json_string(&mut json, status.canonical_reason().unwrap_or("Error"));
+            let mut json = String::with_capacity(256);
+            // Problem types and reason phrases are fixed ASCII without
+            // quotes or backslashes: they need no escaping.
+            json.push_str("{\"type\":\"");
+            json.push_str(self.refusal.problem_type());
+            json.push_str("\",\"title\":\"");
+            json.push_str(status.canonical_reason().unwrap_or("Error"));
+            json.push('"');
             let _ = write!(json, ",\"status\":{}", status.as_u16());
             json.push_str(",\"detail\":");
             json_string(&mut json, &self.detail);
@@ -298,6 +312,18 @@ mod tests {
         assert_eq!(ceil_secs(Duration::from_millis(1000)), 1);
         assert_eq!(ceil_secs(Duration::from_millis(1001)), 2);
         assert_eq!(ceil_secs(Duration::ZERO), 0);
+    }
+
+    proptest::proptest! {
+        /// Any text, quoted by `json_string`, is a JSON string that decodes
+        /// back to the same text.
+        #[test]
+        fn json_string_round_trips(text in "\\PC*|[\"\\\\\u{0}-\u{1f}a-z]{0,20}") {
+            let mut out = String::from("x");
+            json_string(&mut out, &text);
+            let decoded: String = serde_json::from_str(&out[1..]).unwrap();
+            proptest::prop_assert_eq!(decoded, text);
+        }
     }
 
     #[test]

@@ -70,6 +70,73 @@ impl fmt::Display for ClientIp {
     }
 }
 
+impl ClientIp {
+    /// The [`Display`](fmt::Display) text, written into a buffer on the
+    /// stack: keys are built per request, and this keeps the address from
+    /// costing an allocation (and, for IPv4, the formatting machinery).
+    pub(crate) fn text(&self) -> IpText {
+        let mut out = IpText {
+            buf: [0; IpText::CAPACITY],
+            len: 0,
+        };
+        match self.addr {
+            IpAddr::V4(v4) if self.prefix == 32 => {
+                for (i, octet) in v4.octets().into_iter().enumerate() {
+                    if i > 0 {
+                        out.push(b'.');
+                    }
+                    if octet >= 100 {
+                        out.push(b'0' + octet / 100);
+                    }
+                    if octet >= 10 {
+                        out.push(b'0' + octet / 10 % 10);
+                    }
+                    out.push(b'0' + octet % 10);
+                }
+            }
+            _ => {
+                // The longest form, an IPv4-mapped IPv6 address with a
+                // prefix, is 49 bytes: it always fits.
+                let _ = fmt::Write::write_fmt(&mut out, format_args!("{self}"));
+            }
+        }
+        out
+    }
+}
+
+/// A [`ClientIp`]'s text on the stack; see [`ClientIp::text`].
+pub(crate) struct IpText {
+    buf: [u8; IpText::CAPACITY],
+    len: usize,
+}
+
+impl IpText {
+    const CAPACITY: usize = 64;
+
+    fn push(&mut self, b: u8) {
+        if let Some(slot) = self.buf.get_mut(self.len) {
+            *slot = b;
+            self.len += 1;
+        }
+    }
+}
+
+impl fmt::Write for IpText {
+    fn write_str(&mut self, s: &str) -> fmt::Result {
+        let end = self.len + s.len();
+        let slot = self.buf.get_mut(self.len..end).ok_or(fmt::Error)?;
+        slot.copy_from_slice(s.as_bytes());
+        self.len = end;
+        Ok(())
+    }
+}
+
+impl AsRef<[u8]> for IpText {
+    fn as_ref(&self) -> &[u8] {
+        &self.buf[..self.len]
+    }
+}
+
 /// Why no client address could be resolved.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
@@ -346,6 +413,53 @@ fn single(
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    proptest! {
+        /// The stack text is the Display text, for every address and prefix.
+        #[test]
+        fn stack_text_matches_display(
+            v4 in any::<[u8; 4]>(),
+            v6 in any::<[u16; 8]>(),
+            p4 in 0u8..=32,
+            p6 in 0u8..=128,
+            zeros in 0usize..8,
+        ) {
+            let mut v6 = v6;
+            // Runs of zero groups exercise the compressed form.
+            for g in v6.iter_mut().skip(zeros / 2).take(zeros) {
+                *g = 0;
+            }
+            let cases = [
+                ClientIp { addr: IpAddr::from(v4), prefix: 32 },
+                ClientIp { addr: IpAddr::from(v4), prefix: p4 },
+                ClientIp { addr: IpAddr::from(v6), prefix: 128 },
+                ClientIp { addr: IpAddr::from(v6), prefix: p6 },
+                ClientIp { addr: IpAddr::from(Ipv4Addr::from(v4).to_ipv6_mapped()), prefix: 128 },
+            ];
+            for ip in cases {
+                let (text, display) = (ip.text(), ip.to_string());
+                prop_assert_eq!(text.as_ref(), display.as_bytes());
+            }
+        }
+    }
+
+    #[test]
+    fn longest_address_text_fits() {
+        let ip = ClientIp {
+            addr: "ffff:ffff:ffff:ffff:ffff:ffff:255.255.255.255"
+                .parse()
+                .unwrap(),
+            prefix: 127,
+        };
+        let text = ip.text();
+        assert_eq!(text.as_ref(), ip.to_string().as_bytes());
+        let ip = ClientIp {
+            addr: "255.255.255.255".parse().unwrap(),
+            prefix: 32,
+        };
+        let text = ip.text();
+        assert_eq!(text.as_ref(), b"255.255.255.255");
+    }
 
     fn headers(name: &str, values: &[&str]) -> HeaderMap {
         let mut h = HeaderMap::new();

@@ -14,6 +14,14 @@ use crate::response::{Answer, RATELIMIT, RATELIMIT_POLICY, polled_after_completi
 
 type Decision = Pin<Box<dyn Future<Output = Result<Fields, Answer>> + Send>>;
 
+/// The store's pending decision, with what to do once it is known.
+struct Deciding<S, ReqB> {
+    decision: Decision,
+    // The inner service and request, taken when the store admits.
+    pending: Option<(S, Request<ReqB>)>,
+    grpc: bool,
+}
+
 pin_project! {
     /// Response future of [`RateLimit`](super::RateLimit): first the store's
     /// decision, then either the inner service's response or a refusal.
@@ -32,11 +40,11 @@ pin_project! {
     where
         S: Service<Request<ReqB>>,
     {
+        // Boxed: only stores that wait on I/O get here (an in-process store
+        // decides inside `call`), and the request it holds would otherwise
+        // make every response future, on every path, that much larger.
         Deciding {
-            decision: Decision,
-            // The inner service and request, taken when the store admits.
-            pending: Option<(S, Request<ReqB>)>,
-            grpc: bool,
+            deciding: Box<Deciding<S, ReqB>>,
         },
         Calling {
             #[pin]
@@ -56,9 +64,11 @@ where
     pub(crate) fn deciding(decision: Decision, inner: S, req: Request<ReqB>, grpc: bool) -> Self {
         Self {
             state: State::Deciding {
-                decision,
-                pending: Some((inner, req)),
-                grpc,
+                deciding: Box::new(Deciding {
+                    decision,
+                    pending: Some((inner, req)),
+                    grpc,
+                }),
             },
         }
     }
@@ -91,19 +101,15 @@ where
         let mut this = self.project();
         loop {
             match this.state.as_mut().project() {
-                StateProj::Deciding {
-                    decision,
-                    pending,
-                    grpc,
-                } => {
-                    let result = ready!(decision.as_mut().poll(cx));
-                    let next = match (result, pending.take()) {
+                StateProj::Deciding { deciding } => {
+                    let result = ready!(deciding.decision.as_mut().poll(cx));
+                    let next = match (result, deciding.pending.take()) {
                         (Ok(fields), Some((mut inner, req))) => State::Calling {
                             future: inner.call(req),
                             fields,
                         },
                         (Err(answer), _) => State::Refused {
-                            response: Some(answer.into_response(*grpc)),
+                            response: Some(answer.into_response(deciding.grpc)),
                         },
                         (Ok(_), None) => State::Refused {
                             response: Some(polled_after_completion()),

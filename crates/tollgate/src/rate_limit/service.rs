@@ -4,7 +4,8 @@ use std::task::{Context, Poll};
 
 use http::request::Parts;
 use http::{HeaderValue, Request, Response, StatusCode};
-use tollgate_core::{Charge, Outcome, Store, Verdict};
+use smallvec::SmallVec;
+use tollgate_core::{Charge, Outcome, Store, StoreError, Verdict};
 use tower_service::Service;
 
 use super::layer::{Config, OnStoreError};
@@ -63,20 +64,30 @@ impl<S, St> RateLimit<S, St> {
 /// The `RateLimit-Policy` and `RateLimit` values to add to a response.
 pub(crate) type Fields = Option<(HeaderValue, HeaderValue)>;
 
+/// The charges of one request; most requests have one or two rules, kept
+/// inline without an allocation.
+pub(crate) type Charges = SmallVec<[Charge; 2]>;
+
+/// The never-fits status of each charge's rule, in the same order.
+pub(crate) type Statuses = SmallVec<[StatusCode; 2]>;
+
 /// What the head of a request asks of the store.
+// Built and taken apart once per request, on the stack: boxing the large
+// variant would cost the allocation the inline charges are there to save.
+#[allow(clippy::large_enum_variant)]
 pub(crate) enum Plan {
     /// No rule applies.
     Pass,
     /// Refused before asking the store.
     Refuse(Answer),
     /// These charges, with the never-fits status of each charge's rule.
-    Charge(Vec<Charge>, Vec<StatusCode>),
+    Charge(Charges, Statuses),
 }
 
 pub(crate) fn plan(rules: &[Rule], resolver: &crate::ClientIpResolver, parts: &Parts) -> Plan {
     let mut who = RequestIdentity::new(parts, resolver);
-    let mut charges = Vec::new();
-    let mut statuses = Vec::new();
+    let mut charges = Charges::new();
+    let mut statuses = Statuses::new();
     for rule in rules.iter().filter(|r| r.applies_to(parts)) {
         let key = match who.key(rule.policy.name(), &rule.key, rule.missing_principal) {
             Ok(Some(key)) => key,
@@ -113,16 +124,49 @@ pub(crate) fn plan(rules: &[Rule], resolver: &crate::ClientIpResolver, parts: &P
     }
 }
 
-/// Charges the store and turns the outcome into admit (with fields) or a
-/// refusal.
+/// What [`decide_now`] could settle without waiting.
+pub(crate) enum Now {
+    /// Admitted (with fields) or refused.
+    Decided(Result<Fields, Answer>),
+    /// [`decide`] must finish: the store needs I/O (`None`), or it failed
+    /// and the configured outcome may need the fallback store.
+    Later(Option<StoreError>),
+}
+
+/// Decides at once when the store can ([`Store::try_charge_now`]).
+pub(crate) fn decide_now<St: Store>(
+    config: &Config<St>,
+    charges: &[Charge],
+    statuses: &[StatusCode],
+) -> Now {
+    let started = observe::start();
+    match config.store.try_charge_now(charges) {
+        Some(Ok(outcome)) => {
+            observe::store_latency(started);
+            Now::Decided(conclude(config, charges, statuses, outcome))
+        }
+        Some(Err(error)) => Now::Later(Some(error)),
+        None => Now::Later(None),
+    }
+}
+
+/// Charges the store (unless `failed` says it already failed) and turns the
+/// outcome into admit (with fields) or a refusal.
 pub(crate) async fn decide<St: Store>(
     config: Arc<Config<St>>,
-    charges: Vec<Charge>,
-    statuses: Vec<StatusCode>,
+    charges: Charges,
+    statuses: Statuses,
+    failed: Option<StoreError>,
 ) -> Result<Fields, Answer> {
-    let started = observe::start();
-    let result = config.store.charge(&charges).await;
-    observe::store_latency(started);
+    let result = match failed {
+        Some(error) => Err(error),
+        None => {
+            let started = observe::start();
+            let result = config.store.charge(&charges).await;
+            observe::store_latency(started);
+            result
+        }
+    };
     let outcome: Outcome = match result {
         Ok(outcome) => outcome,
         Err(error) => match &config.on_store_error {
@@ -152,10 +196,20 @@ pub(crate) async fn decide<St: Store>(
             }
         },
     };
-    observe::outcome(&charges, &outcome);
+    conclude(&config, &charges, &statuses, outcome)
+}
+
+/// Admit (with fields, if configured) or the refusal for `outcome`.
+fn conclude<St>(
+    config: &Config<St>,
+    charges: &[Charge],
+    statuses: &[StatusCode],
+    outcome: Outcome,
+) -> Result<Fields, Answer> {
+    observe::outcome(charges, &outcome);
     match outcome.verdict() {
         Verdict::Admitted => Ok(if config.headers_on_admitted {
-            ratelimit_fields(&charges, &outcome)
+            ratelimit_fields(charges, &outcome)
         } else {
             None
         }),
@@ -165,7 +219,7 @@ pub(crate) async fn decide<St: Store>(
                 .get(idx)
                 .copied()
                 .unwrap_or(StatusCode::BAD_REQUEST);
-            Err(Answer::from_outcome(&charges, &outcome, status))
+            Err(Answer::from_outcome(charges, &outcome, status))
         }
     }
 }
@@ -197,8 +251,24 @@ where
             Plan::Pass => ResponseFuture::calling(inner, Request::from_parts(parts, body), None),
             Plan::Refuse(answer) => ResponseFuture::refused(answer.into_response(grpc)),
             Plan::Charge(charges, statuses) => {
-                let decision = Box::pin(decide(self.config.clone(), charges, statuses));
-                ResponseFuture::deciding(decision, inner, Request::from_parts(parts, body), grpc)
+                match decide_now(&self.config, &charges, &statuses) {
+                    Now::Decided(Ok(fields)) => {
+                        ResponseFuture::calling(inner, Request::from_parts(parts, body), fields)
+                    }
+                    Now::Decided(Err(answer)) => {
+                        ResponseFuture::refused(answer.into_response(grpc))
+                    }
+                    Now::Later(failed) => {
+                        let decision =
+                            Box::pin(decide(self.config.clone(), charges, statuses, failed));
+                        ResponseFuture::deciding(
+                            decision,
+                            inner,
+                            Request::from_parts(parts, body),
+                            grpc,
+                        )
+                    }
+                }
             }
         }
     }

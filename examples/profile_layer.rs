@@ -1,0 +1,99 @@
+//! A fixed in-process workload for instruction-level profiles of the HTTP
+//! layer (BENCHMARKS.md): 100 000 requests through an axum hello-world,
+//! bare, behind tollgate (in-memory, admits everything) or behind
+//! tower_governor (the equivalent quota), with no sockets involved, so the
+//! instructions each layer adds per request can be counted exactly. With
+//! `refuse` as second argument, both limiters refuse everything after the
+//! first request.
+//!
+//! ```text
+//! cargo build --release --example profile_layer
+//! valgrind --tool=callgrind target/release/examples/profile_layer bare
+//! valgrind --tool=callgrind target/release/examples/profile_layer tollgate
+//! valgrind --tool=callgrind target/release/examples/profile_layer governor
+//! valgrind --tool=callgrind target/release/examples/profile_layer tollgate refuse
+//! ```
+
+use std::net::SocketAddr;
+use std::process::ExitCode;
+
+use axum::Router;
+use axum::body::Body;
+use axum::extract::ConnectInfo;
+use axum::routing::get;
+use http::Request;
+use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer, Rule};
+use tower::ServiceExt;
+use tower_governor::GovernorLayer;
+use tower_governor::governor::GovernorConfigBuilder;
+
+const REQUESTS: u32 = 100_000;
+
+fn main() -> ExitCode {
+    let mode = std::env::args().nth(1).unwrap_or_else(|| "tollgate".into());
+    let refuse = std::env::args().nth(2).as_deref() == Some("refuse");
+    let hello = Router::new().route("/", get(|| async { "hello" }));
+    let app = match mode.as_str() {
+        "bare" => hello,
+        "tollgate" => {
+            let policy = if refuse {
+                Policy::token_bucket("bench", 1, Rate::per_hour(1))
+            } else {
+                Policy::token_bucket("bench", 1_000_000_000, Rate::per_second(1_000_000_000))
+            };
+            let Ok(policy) = policy else {
+                return ExitCode::FAILURE;
+            };
+            hello.layer(
+                RateLimitLayer::new(MemoryStore::new())
+                    .headers_on_admitted(false)
+                    .rule(Rule::per_client_ip(policy)),
+            )
+        }
+        "governor" => {
+            let mut builder = GovernorConfigBuilder::default();
+            if refuse {
+                builder.per_second(3600).burst_size(1);
+            } else {
+                builder.per_nanosecond(1).burst_size(1_000_000_000);
+            }
+            let Some(config) = builder.finish() else {
+                return ExitCode::FAILURE;
+            };
+            hello.layer(GovernorLayer::new(config))
+        }
+        other => {
+            eprintln!("usage: profile_layer bare|tollgate|governor (got {other:?})");
+            return ExitCode::from(2);
+        }
+    };
+    let Ok(rt) = tokio::runtime::Builder::new_current_thread().build() else {
+        return ExitCode::FAILURE;
+    };
+    let peer = SocketAddr::from(([127, 0, 0, 1], 40_000));
+    let mut ok = 0u32;
+    rt.block_on(async {
+        for _ in 0..REQUESTS {
+            let Ok(req) = Request::builder()
+                .uri("/")
+                .extension(ConnectInfo(peer))
+                .body(Body::empty())
+            else {
+                continue;
+            };
+            let Ok(res) = app.clone().oneshot(req).await;
+            ok += u32::from(res.status().is_success());
+        }
+    });
+    println!("{mode}: {ok} of {REQUESTS} admitted");
+    let expected = if refuse && mode != "bare" {
+        1
+    } else {
+        REQUESTS
+    };
+    if ok == expected {
+        ExitCode::SUCCESS
+    } else {
+        ExitCode::FAILURE
+    }
+}

@@ -1,0 +1,121 @@
+//! Scaling with tracked keys (BENCHMARKS.md, table 2): nanoseconds per
+//! decision, round robin over N tracked keys, tollgate's `MemoryStore`
+//! against governor's keyed limiter (DashMap state, IpAddr keys) in the same
+//! process, alternating passes, medians. Outside criterion because ten
+//! million prepared keys do not fit criterion's sampling in one run.
+//!
+//! ```text
+//! cargo run --release --example scaling -- [--keys 1000,100000,1000000,10000000] [--passes 5]
+//! ```
+//!
+//! As in `benches/decision.rs`, tollgate is handed ready `Charge`s and
+//! governor ready keys: the stores' decisions are measured, not key
+//! building.
+
+use std::hint::black_box;
+use std::net::{IpAddr, Ipv4Addr};
+use std::num::NonZeroU32;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use governor::{Quota, RateLimiter};
+use tollgate::{Charge, Key, MemoryStore, Policy, Rate};
+
+const BIG: u32 = 1_000_000_000;
+/// Decisions per pass: at least this many, and at least one per key.
+const MIN_DECISIONS: usize = 2_000_000;
+
+fn ip(i: u32) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::from(0x0a00_0000 + i))
+}
+
+fn median(mut v: Vec<u128>) -> u128 {
+    v.sort_unstable();
+    v[v.len() / 2]
+}
+
+fn main() -> ExitCode {
+    let mut sizes = vec![1_000u32, 100_000, 1_000_000, 10_000_000];
+    let mut passes = 5usize;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        let value = args.next().unwrap_or_default();
+        match a.as_str() {
+            "--keys" => match value.split(',').map(str::parse).collect() {
+                Ok(v) => sizes = v,
+                Err(e) => {
+                    eprintln!("--keys takes a comma-separated list of counts: {e}");
+                    return ExitCode::from(2);
+                }
+            },
+            "--passes" => match value.parse() {
+                Ok(p) if p > 0 => passes = p,
+                _ => {
+                    eprintln!("--passes takes a positive count");
+                    return ExitCode::from(2);
+                }
+            },
+            _ => {
+                eprintln!("usage: scaling [--keys N,N,...] [--passes P]");
+                return ExitCode::from(2);
+            }
+        }
+    }
+    // A billion of burst refilled at one per hour: admits everything for
+    // the whole run, and no key refills to full, so none goes idle and is
+    // swept between its visits (governor never sweeps).
+    let (Ok(policy), Some(big), Some(one)) = (
+        Policy::token_bucket("bench", u64::from(BIG), Rate::per_hour(1)),
+        NonZeroU32::new(BIG),
+        NonZeroU32::new(1),
+    ) else {
+        return ExitCode::FAILURE;
+    };
+    println!("| tracked keys | tollgate ns/decision | governor ns/decision | ratio |");
+    println!("|---|---|---|---|");
+    for n in sizes {
+        let charges: Vec<[Charge; 1]> = (0..n)
+            .filter_map(|i| {
+                Charge::new(Key::new("bench").with(ip(i).to_string()), policy.clone(), 1).ok()
+            })
+            .map(|c| [c])
+            .collect();
+        let store = MemoryStore::new();
+        for c in &charges {
+            black_box(store.charge_now(c).is_ok());
+        }
+        let gov = RateLimiter::keyed(Quota::per_hour(one).allow_burst(big));
+        for i in 0..n {
+            black_box(gov.check_key(&ip(i)).is_ok());
+        }
+        let decisions = MIN_DECISIONS.max(charges.len());
+        let (mut ours, mut theirs) = (Vec::new(), Vec::new());
+        for _ in 0..passes {
+            let start = Instant::now();
+            for c in charges.iter().cycle().take(decisions) {
+                black_box(store.charge_now(c).is_ok());
+            }
+            ours.push(start.elapsed().as_nanos() * 100 / decisions as u128);
+            let start = Instant::now();
+            for i in (0..n).cycle().take(decisions) {
+                black_box(gov.check_key(&ip(i)).is_ok());
+            }
+            theirs.push(start.elapsed().as_nanos() * 100 / decisions as u128);
+        }
+        let (t, g) = (median(ours), median(theirs));
+        println!(
+            "| {n} | {}.{:02} | {}.{:02} | {}.{:02} |",
+            t / 100,
+            t % 100,
+            g / 100,
+            g % 100,
+            t * 100 / g.max(1) / 100,
+            t * 100 / g.max(1) % 100
+        );
+        if store.stats().keys != u64::from(n) {
+            eprintln!("expected {n} tracked keys, found {}", store.stats().keys);
+            return ExitCode::FAILURE;
+        }
+    }
+    ExitCode::SUCCESS
+}
