@@ -28,14 +28,21 @@ fn open_policy() -> Policy {
 }
 
 /// Admits everything for the whole run without any key refilling to full:
-/// a billion of burst at one per hour. Round-robin keys use it, so that no
+/// a billion of burst refilled at one per 10 s. Round-robin keys use it, so that no
 /// key goes idle (and is swept) between two visits: governor never sweeps.
 fn steady_policy() -> Policy {
-    Policy::token_bucket("bench", u64::from(BIG), Rate::per_hour(1)).unwrap()
+    Policy::token_bucket(
+        "bench",
+        u64::from(BIG),
+        Rate::new(1, Duration::from_secs(10)),
+    )
+    .unwrap()
 }
 
 fn steady_quota() -> Quota {
-    Quota::per_hour(NonZeroU32::new(1).unwrap()).allow_burst(NonZeroU32::new(BIG).unwrap())
+    Quota::with_period(Duration::from_secs(10))
+        .unwrap()
+        .allow_burst(NonZeroU32::new(BIG).unwrap())
 }
 
 fn closed_policy() -> Policy {

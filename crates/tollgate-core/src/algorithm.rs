@@ -169,6 +169,35 @@ pub fn describe(policy: &Policy, state: Option<State>, now: Nanos) -> Decision {
     }
 }
 
+/// For the algorithms whose state is one count and one time (token bucket,
+/// fixed window, both with `prior` 0): the time recovered from the count and
+/// the state's [`idle_at`]. A store may then keep (count, idle deadline)
+/// instead of (count, time, idle deadline). `None` for the sliding window.
+///
+/// Exact only when the deadline did not saturate; a store must check that
+/// the recovered time is the one it was given before relying on it.
+pub fn time_from_idle(policy: &Policy, level: u64, idle_at: Nanos) -> Option<Nanos> {
+    match *policy.algorithm() {
+        Algorithm::TokenBucket {
+            capacity,
+            numerator,
+            denominator,
+            initial,
+            ..
+        } => {
+            let p = TokenBucket {
+                capacity,
+                numerator,
+                denominator,
+                initial,
+            };
+            idle_at.checked_sub(p.time_to_full(level.min(p.cap())))
+        }
+        Algorithm::FixedWindow { window, .. } => idle_at.checked_sub(window),
+        Algorithm::SlidingWindow { .. } => None,
+    }
+}
+
 /// When `state` stops mattering, without charging anything.
 pub fn idle_at(policy: &Policy, state: Option<State>, now: Nanos) -> Nanos {
     let Some(s) = state else { return now };

@@ -26,7 +26,7 @@ use hashbrown::HashMap;
 use crate::algorithm::{self, State, Step};
 use crate::digest::DigestKey;
 use crate::{
-    Charge, Clock, Decision, Nanos, Outcome, Store, StoreError, StoreErrorKind, SystemClock,
+    Charge, Clock, Decision, Nanos, Outcome, Policy, Store, StoreError, StoreErrorKind, SystemClock,
 };
 
 /// What [`MemoryStore`] does when a shard is at its share of the key cap and
@@ -171,7 +171,13 @@ struct Inner {
 
 #[derive(Default)]
 struct Shard {
-    map: HashMap<u128, Entry, DigestHasher>,
+    /// Token buckets and fixed windows, as (count, idle deadline): their
+    /// state's time follows from the two and the policy
+    /// ([`algorithm::time_from_idle`]). A 32-byte slot.
+    compact: HashMap<u128, Compact, DigestHasher>,
+    /// Everything else (sliding windows, and the rare state whose deadline
+    /// saturated): the whole state and its idle deadline. A 48-byte slot.
+    wide: HashMap<u128, Entry, DigestHasher>,
     next_sweep: Nanos,
 }
 
@@ -179,6 +185,70 @@ struct Shard {
 struct Entry {
     state: State,
     idle_at: Nanos,
+}
+
+#[derive(Clone, Copy)]
+struct Compact {
+    level: u64,
+    idle_at: Nanos,
+}
+
+impl Compact {
+    /// The compact form of `state`, if it gives `state` back exactly.
+    fn pack(policy: &Policy, state: State, idle_at: Nanos) -> Option<Self> {
+        let at = algorithm::time_from_idle(policy, state.level, idle_at);
+        (state.prior == 0 && at == Some(state.at)).then_some(Self {
+            level: state.level,
+            idle_at,
+        })
+    }
+
+    /// The state packed (with the same policy: it is part of the digest).
+    fn unpack(self, policy: &Policy) -> State {
+        State {
+            level: self.level,
+            prior: 0,
+            // `pack` checked that the time is recoverable. Were it not, the
+            // deadline is the conservative reading: nothing refills before it.
+            at: algorithm::time_from_idle(policy, self.level, self.idle_at).unwrap_or(self.idle_at),
+        }
+    }
+}
+
+impl Shard {
+    fn len(&self) -> usize {
+        self.compact.len() + self.wide.len()
+    }
+
+    fn contains(&self, digest: &u128) -> bool {
+        self.compact.contains_key(digest) || self.wide.contains_key(digest)
+    }
+
+    fn state(&self, digest: &u128, policy: &Policy) -> Option<State> {
+        match self.compact.get(digest) {
+            Some(c) => Some(c.unpack(policy)),
+            None => self.wide.get(digest).map(|e| e.state),
+        }
+    }
+
+    /// Writes `state`, compactly when it packs exactly; a key is only ever
+    /// in one of the two maps.
+    fn put(&mut self, digest: u128, policy: &Policy, state: State, idle_at: Nanos) {
+        match Compact::pack(policy, state, idle_at) {
+            Some(c) => {
+                self.compact.insert(digest, c);
+                if !self.wide.is_empty() {
+                    self.wide.remove(&digest);
+                }
+            }
+            None => {
+                self.wide.insert(digest, Entry { state, idle_at });
+                if !self.compact.is_empty() {
+                    self.compact.remove(&digest);
+                }
+            }
+        }
+    }
 }
 
 /// The map key is already a keyed digest: hashing it again would be waste.
@@ -254,47 +324,43 @@ impl MemoryStore {
         }
         let guard_of = |d: u128| order.binary_search(&inner.shard_of(d)).unwrap_or(0);
 
-        let mut steps: Vec<(u128, Step)> = Vec::with_capacity(charges.len());
+        let mut steps: Vec<(u128, Step, &Policy)> = Vec::with_capacity(charges.len());
         let mut before: Vec<Option<State>> = Vec::with_capacity(charges.len());
         for (charge, &digest) in charges.iter().zip(&digests) {
+            let policy = charge.policy();
             // A repeated key in one call sees the earlier charge's effect.
             let state = steps
                 .iter()
                 .rev()
-                .find(|(d, s)| *d == digest && s.next.is_some())
-                .and_then(|(_, s)| s.next)
-                .or_else(|| guards[guard_of(digest)].map.get(&digest).map(|e| e.state));
+                .find(|(d, s, _)| *d == digest && s.next.is_some())
+                .and_then(|(_, s, _)| s.next)
+                .or_else(|| guards[guard_of(digest)].state(&digest, policy));
             before.push(state);
             steps.push((
                 digest,
-                algorithm::decide(charge.policy(), state, now, charge.cost()),
+                algorithm::decide(policy, state, now, charge.cost()),
+                policy,
             ));
         }
-        let mut outcome = Outcome::new(steps.iter().map(|(_, s)| s.decision).collect());
+        let mut outcome = Outcome::new(steps.iter().map(|(_, s, _)| s.decision).collect());
         let admitted = outcome.is_admitted();
         if !admitted {
             outcome = unspent(charges, &before, outcome, now);
         }
         // Admissions are written only together; a refusal's state (the
         // creation of an initially-empty bucket) is written regardless.
-        steps.retain(|(_, s)| s.next.is_some() && (admitted || !s.decision.is_admitted()));
+        steps.retain(|(_, s, _)| s.next.is_some() && (admitted || !s.decision.is_admitted()));
         if let Some(cap) = inner.per_shard {
-            for (digest, _) in &steps {
+            for (digest, _, _) in &steps {
                 let shard = &mut guards[guard_of(*digest)];
-                if !shard.map.contains_key(digest) && shard.map.len() >= cap {
+                if !shard.contains(digest) && shard.len() >= cap {
                     inner.make_room(shard, now)?;
                 }
             }
         }
-        for (digest, step) in steps {
+        for (digest, step, policy) in steps {
             if let Some(state) = step.next {
-                guards[guard_of(digest)].map.insert(
-                    digest,
-                    Entry {
-                        state,
-                        idle_at: step.idle_at,
-                    },
-                );
+                guards[guard_of(digest)].put(digest, policy, state, step.idle_at);
             }
         }
         Ok(outcome)
@@ -304,31 +370,27 @@ impl MemoryStore {
     fn charge_one(&self, charge: &Charge, now: Nanos) -> Result<Outcome, StoreError> {
         let inner = &*self.inner;
         let digest = inner.digest(charge);
+        let (policy, cost) = (charge.policy(), charge.cost());
         let mut shard = inner.lock(inner.shard_of(digest));
         inner.maybe_sweep(&mut shard, now);
         // A tracked key is decided and written in place: one probe.
-        if let Some(entry) = shard.map.get_mut(&digest) {
-            let step = algorithm::decide(charge.policy(), Some(entry.state), now, charge.cost());
+        if let Some(slot) = shard.compact.get_mut(&digest) {
+            let step = algorithm::decide(policy, Some(slot.unpack(policy)), now, cost);
             if let Some(next) = step.next {
-                *entry = Entry {
-                    state: next,
-                    idle_at: step.idle_at,
-                };
+                match Compact::pack(policy, next, step.idle_at) {
+                    Some(packed) => *slot = packed,
+                    None => shard.put(digest, policy, next, step.idle_at),
+                }
             }
             return Ok(Outcome::one(step.decision));
         }
-        let step = algorithm::decide(charge.policy(), None, now, charge.cost());
+        let state = shard.wide.get(&digest).map(|e| e.state);
+        let step = algorithm::decide(policy, state, now, cost);
         if let Some(next) = step.next {
-            if inner.per_shard.is_some_and(|cap| shard.map.len() >= cap) {
+            if state.is_none() && inner.per_shard.is_some_and(|cap| shard.len() >= cap) {
                 inner.make_room(&mut shard, now)?;
             }
-            shard.map.insert(
-                digest,
-                Entry {
-                    state: next,
-                    idle_at: step.idle_at,
-                },
-            );
+            shard.put(digest, policy, next, step.idle_at);
         }
         Ok(Outcome::one(step.decision))
     }
@@ -342,9 +404,7 @@ impl MemoryStore {
                 let digest = inner.digest(c);
                 inner
                     .lock(inner.shard_of(digest))
-                    .map
-                    .get(&digest)
-                    .map(|e| e.state)
+                    .state(&digest, c.policy())
             })
             .collect();
         let decisions = charges
@@ -360,7 +420,7 @@ impl MemoryStore {
         let inner = &*self.inner;
         MemoryStoreStats {
             keys: (0..inner.shards.len())
-                .map(|i| inner.lock(i).map.len() as u64)
+                .map(|i| inner.lock(i).len() as u64)
                 .sum(),
             refused_new_keys: inner.refused_new_keys.load(Ordering::Relaxed),
             evicted: inner.evicted.load(Ordering::Relaxed),
@@ -420,14 +480,18 @@ impl Inner {
     }
 
     fn sweep_shard(&self, shard: &mut Shard, now: Nanos) {
-        let before = shard.map.len();
-        shard.map.retain(|_, e| e.idle_at > now);
-        let removed = before - shard.map.len();
+        let before = shard.len();
+        shard.compact.retain(|_, c| c.idle_at > now);
+        shard.wide.retain(|_, e| e.idle_at > now);
+        let removed = before - shard.len();
         if removed > 0 {
             self.swept.fetch_add(removed as u64, Ordering::Relaxed);
         }
-        if shard.map.capacity() > 64 && shard.map.capacity() > 4 * shard.map.len() {
-            shard.map.shrink_to_fit();
+        if shard.compact.capacity() > 64 && shard.compact.capacity() > 4 * shard.compact.len() {
+            shard.compact.shrink_to_fit();
+        }
+        if shard.wide.capacity() > 64 && shard.wide.capacity() > 4 * shard.wide.len() {
+            shard.wide.shrink_to_fit();
         }
         shard.next_sweep = now.saturating_add(self.sweep_every);
     }
@@ -437,7 +501,7 @@ impl Inner {
         // keys a sweep per request would make every refusal O(shard size).
         self.maybe_sweep(shard, now);
         let cap = self.per_shard.unwrap_or(usize::MAX);
-        if shard.map.len() < cap {
+        if shard.len() < cap {
             return Ok(());
         }
         match self.cap_policy {
@@ -450,14 +514,16 @@ impl Inner {
             }
             CapPolicy::EvictNearestIdle => {
                 const SAMPLE: usize = 8;
-                let victim = shard
-                    .map
-                    .iter()
+                let compact = shard.compact.iter().map(|(d, c)| (*d, c.idle_at));
+                let wide = shard.wide.iter().map(|(d, e)| (*d, e.idle_at));
+                let victim = compact
+                    .chain(wide)
                     .take(SAMPLE)
-                    .min_by_key(|(_, e)| e.idle_at)
-                    .map(|(d, _)| *d);
+                    .min_by_key(|(_, idle_at)| *idle_at)
+                    .map(|(d, _)| d);
                 if let Some(d) = victim {
-                    shard.map.remove(&d);
+                    shard.compact.remove(&d);
+                    shard.wide.remove(&d);
                     self.evicted.fetch_add(1, Ordering::Relaxed);
                 }
                 Ok(())
@@ -579,6 +645,86 @@ mod tests {
             .charge_now(&[charge("a", &p, 1), charge("b", &p, 4)])
             .unwrap();
         assert_eq!(o.verdict(), Verdict::NeverFits);
+        assert_eq!(store.stats().keys, 0);
+    }
+
+    /// A token bucket whose idle deadline saturates cannot be kept compact:
+    /// it moves to the wide map and stays exact, and back when it can.
+    #[test]
+    fn saturated_deadlines_stay_exact_in_the_wide_map() {
+        let clock = ManualClock::new(2_000_000_000_000_000_000);
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let p = Policy::token_bucket("huge", 1_800_000_000, Rate::new(1, Duration::from_secs(10)))
+            .unwrap();
+        let spent = store.charge_now(&[charge("k", &p, 1_700_000_000)]).unwrap();
+        assert!(spent.is_admitted());
+        let inner = &*store.inner;
+        let shard = |d| inner.lock(inner.shard_of(d));
+        let digest = inner.digest(&charge("k", &p, 1));
+        assert!(shard(digest).wide.contains_key(&digest));
+        assert!(!shard(digest).compact.contains_key(&digest));
+        let rest = store.charge_now(&[charge("k", &p, 100_000_000)]).unwrap();
+        assert_eq!(rest.limits()[0].remaining(), 0);
+        assert!(rest.is_admitted());
+        assert!(
+            !store
+                .charge_now(&[charge("k", &p, 1)])
+                .unwrap()
+                .is_admitted()
+        );
+        assert_eq!(store.stats().keys, 1);
+        // Ten seconds refill one token: admitted again, exactly once.
+        clock.advance(Duration::from_secs(10));
+        assert!(
+            store
+                .charge_now(&[charge("k", &p, 1)])
+                .unwrap()
+                .is_admitted()
+        );
+        assert!(
+            !store
+                .charge_now(&[charge("k", &p, 1)])
+                .unwrap()
+                .is_admitted()
+        );
+        assert_eq!(store.stats().keys, 1);
+    }
+
+    /// Token buckets and fixed windows are kept in 32-byte slots, sliding
+    /// windows in 48-byte ones; one store holds both, each key once.
+    #[test]
+    fn compact_and_wide_entries_live_side_by_side() {
+        let clock = ManualClock::new(0);
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .shards(1)
+            .build();
+        let bucket = Policy::token_bucket("b", 2, Rate::per_second(1)).unwrap();
+        let fixed = Policy::fixed_window("f", 2, Duration::from_secs(1)).unwrap();
+        let sliding = Policy::sliding_window("s", 2, Duration::from_secs(1)).unwrap();
+        for p in [&bucket, &fixed, &sliding] {
+            for _ in 0..2 {
+                assert!(
+                    store
+                        .charge_now(&[charge("k", p, 1)])
+                        .unwrap()
+                        .is_admitted()
+                );
+            }
+            assert!(
+                !store
+                    .charge_now(&[charge("k", p, 1)])
+                    .unwrap()
+                    .is_admitted()
+            );
+        }
+        {
+            let shard = store.inner.lock(0);
+            assert_eq!((shard.compact.len(), shard.wide.len()), (2, 1));
+        }
+        assert_eq!(store.stats().keys, 3);
+        clock.advance(Duration::from_secs(3));
+        store.sweep();
         assert_eq!(store.stats().keys, 0);
     }
 
