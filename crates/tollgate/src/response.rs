@@ -7,6 +7,7 @@
 //! 200 trailers-only response with `grpc-status`.
 
 use std::fmt::Write as _;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -47,15 +48,16 @@ pub(crate) fn ratelimit_fields(
             policy.push_str(", ");
         }
         // Names are restricted to [A-Za-z0-9._-], so they need no escaping.
-        let _ = write!(
-            policy,
-            "\"{}\";q={};w={}",
-            p.name(),
-            p.capacity(),
-            ceil_secs(p.window()).max(1)
-        );
+        policy.push('"');
+        policy.push_str(p.name());
+        policy.push_str("\";q=");
+        push_int(&mut policy, p.capacity());
+        policy.push_str(";w=");
+        push_int(&mut policy, ceil_secs(p.window()).max(1));
         if *p.unit() != Unit::Requests {
-            let _ = write!(policy, ";qu=\"{}\"", p.unit().as_str());
+            policy.push_str(";qu=\"");
+            policy.push_str(p.unit().as_str());
+            policy.push('"');
         }
         // A cost that can never fit, or a limit not evaluated, says nothing
         // about the budget's state.
@@ -63,26 +65,40 @@ pub(crate) fn ratelimit_fields(
             if !current.is_empty() {
                 current.push_str(", ");
             }
-            let _ = write!(
-                current,
-                "\"{}\";r={};t={}",
-                p.name(),
-                decision.remaining(),
-                ceil_secs(decision.reset())
-            );
+            current.push('"');
+            current.push_str(p.name());
+            current.push_str("\";r=");
+            push_int(&mut current, decision.remaining());
+            current.push_str(";t=");
+            push_int(&mut current, ceil_secs(decision.reset()));
         }
     }
     if policy.is_empty() || current.is_empty() {
         return None;
     }
+    // The strings become the header values without a copy.
     Some((
-        HeaderValue::from_str(&policy).ok()?,
-        HeaderValue::from_str(&current).ok()?,
+        HeaderValue::from_maybe_shared(Bytes::from(policy)).ok()?,
+        HeaderValue::from_maybe_shared(Bytes::from(current)).ok()?,
     ))
+}
+
+/// Appends `n` in decimal.
+fn push_int(out: &mut String, n: u64) {
+    out.push_str(itoa::Buffer::new().format(n));
 }
 
 fn json_string(out: &mut String, s: &str) {
     out.push('"');
+    // No early exit, so the check compiles to a vectorised loop.
+    let special = s.bytes().fold(false, |any, b| {
+        any | (b == b'"') | (b == b'\\') | (b < 0x20)
+    });
+    if !special {
+        out.push_str(s);
+        out.push('"');
+        return;
+    }
     let mut rest = s;
     // Copy runs that need no escaping whole. Every byte that does is ASCII,
     // so splitting there always falls on a character boundary.
@@ -169,7 +185,7 @@ impl Refusal {
 pub(crate) struct Answer {
     pub(crate) refusal: Refusal,
     pub(crate) detail: String,
-    pub(crate) policy: Option<String>,
+    pub(crate) policy: Option<Arc<str>>,
     pub(crate) retry_after: Option<Duration>,
     pub(crate) fields: Option<Box<(HeaderValue, HeaderValue)>>,
 }
@@ -192,7 +208,7 @@ impl Answer {
         never_fits_status: StatusCode,
     ) -> Self {
         let idx = outcome.most_restrictive().unwrap_or(0);
-        let policy = charges.get(idx).map(|c| c.policy().name().to_owned());
+        let policy = charges.get(idx).map(|c| c.policy().name_arc().clone());
         let fields = ratelimit_fields(charges, outcome).map(Box::new);
         match outcome.limits().get(idx) {
             Some(Decision::NeverFits { cost, capacity }) => Self {
@@ -211,13 +227,16 @@ impl Answer {
                     tollgate_core::Verdict::Denied { retry_after } => retry_after,
                     _ => Duration::ZERO,
                 };
+                // Policy names are [A-Za-z0-9._-]: no quoting needed.
+                let mut detail = String::with_capacity(64);
+                detail.push_str("rate limit of policy ");
+                detail.push_str(policy.as_deref().unwrap_or(""));
+                detail.push_str(" exceeded; retry after ");
+                push_int(&mut detail, ceil_secs(wait).max(1));
+                detail.push_str(" s");
                 Self {
                     refusal: Refusal::RateLimited,
-                    detail: format!(
-                        "rate limit of policy {:?} exceeded; retry after {} s",
-                        policy.as_deref().unwrap_or(""),
-                        ceil_secs(wait).max(1)
-                    ),
+                    detail,
                     policy,
                     retry_after: Some(wait),
                     fields,
@@ -258,7 +277,8 @@ impl Answer {
             json.push_str("\",\"title\":\"");
             json.push_str(status.canonical_reason().unwrap_or("Error"));
             json.push('"');
-            let _ = write!(json, ",\"status\":{}", status.as_u16());
+            json.push_str(",\"status\":");
+            push_int(&mut json, u64::from(status.as_u16()));
             json.push_str(",\"detail\":");
             json_string(&mut json, &self.detail);
             if let Some(p) = &self.policy {
@@ -266,7 +286,8 @@ impl Answer {
                 json_string(&mut json, p);
             }
             if let Some(wait) = self.retry_after {
-                let _ = write!(json, ",\"retry_after\":{}", ceil_secs(wait).max(1));
+                json.push_str(",\"retry_after\":");
+                push_int(&mut json, ceil_secs(wait).max(1));
             }
             json.push('}');
             (status, Bytes::from(json))

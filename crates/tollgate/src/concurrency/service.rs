@@ -70,7 +70,7 @@ pub(crate) fn refusal(config: &Config, full: Full) -> Answer {
                     &*l.name
                 ),
             );
-            answer.policy = Some(l.name.to_string());
+            answer.policy = Some(l.name.clone());
             let policy = format!("\"{}\";q={max};qu=\"concurrent-requests\"", l.name);
             let current = format!("\"{}\";r=0", l.name);
             answer.fields = HeaderValue::from_str(&policy)
@@ -84,7 +84,7 @@ pub(crate) fn refusal(config: &Config, full: Full) -> Answer {
                 Refusal::Overloaded,
                 "the service is at capacity; try again later",
             );
-            answer.policy = Some(l.name.to_string());
+            answer.policy = Some(l.name.clone());
             answer
         }
     }
