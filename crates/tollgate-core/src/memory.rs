@@ -458,7 +458,7 @@ fn unspent(charges: &[Charge], before: &[Option<State>], outcome: Outcome, now: 
 impl Inner {
     fn digest(&self, charge: &Charge) -> u128 {
         self.digest_key
-            .digest(charge.policy().identity(), charge.key().as_str().as_bytes())
+            .digest(charge.policy().identity(), charge.key().as_bytes())
     }
 
     fn shard_of(&self, digest: u128) -> usize {

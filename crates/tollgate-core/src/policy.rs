@@ -128,16 +128,32 @@ pub enum Algorithm {
 
 /// A named budget: an algorithm, its numbers and its unit.
 ///
-/// Cheap to clone. Construct with [`Policy::token_bucket`],
+/// Cheap to clone (one shared pointer: a [`crate::Charge`] carries one per
+/// request). Construct with [`Policy::token_bucket`],
 /// [`Policy::fixed_window`] or [`Policy::sliding_window`].
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Policy {
+    inner: Arc<PolicyInner>,
+}
+
+#[derive(PartialEq, Eq, Hash)]
+struct PolicyInner {
     name: Arc<str>,
     unit: Unit,
     algorithm: Algorithm,
     /// A hash of the three fields above, kept in step with them by every
     /// constructor and setter, so stores need not rehash them per decision.
     identity: u64,
+}
+
+impl fmt::Debug for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Policy")
+            .field("name", &self.inner.name)
+            .field("unit", &self.inner.unit)
+            .field("algorithm", &self.inner.algorithm)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Why a policy was refused at construction.
@@ -322,61 +338,63 @@ impl Policy {
         let mut h = DefaultHasher::new();
         (&*name, &unit, &algorithm).hash(&mut h);
         Self {
-            identity: h.finish(),
-            name,
-            unit,
-            algorithm,
+            inner: Arc::new(PolicyInner {
+                identity: h.finish(),
+                name,
+                unit,
+                algorithm,
+            }),
         }
     }
 
     /// The same policy counting in `unit`.
     #[must_use]
     pub fn with_unit(self, unit: Unit) -> Self {
-        Self::assemble(self.name, unit, self.algorithm)
+        Self::assemble(self.inner.name.clone(), unit, self.inner.algorithm)
     }
 
     /// The same token bucket with the given initial credit; other algorithms
     /// are returned unchanged.
     #[must_use]
     pub fn with_initial(self, initial: Initial) -> Self {
-        let mut algorithm = self.algorithm;
+        let mut algorithm = self.inner.algorithm;
         if let Algorithm::TokenBucket { initial: i, .. } = &mut algorithm {
             *i = initial;
         }
-        Self::assemble(self.name, self.unit, algorithm)
+        Self::assemble(self.inner.name.clone(), self.inner.unit.clone(), algorithm)
     }
 
     /// A 64-bit hash of the policy's name, unit and numbers, the same for
     /// equal policies within one build. Stores use it to keep the state of
     /// different policies apart without rehashing them per decision.
     pub fn identity(&self) -> u64 {
-        self.identity
+        self.inner.identity
     }
 
     /// The policy's name.
     pub fn name(&self) -> &str {
-        &self.name
+        &self.inner.name
     }
 
     /// The policy's name, shared.
     pub fn name_arc(&self) -> &Arc<str> {
-        &self.name
+        &self.inner.name
     }
 
     /// The unit of cost.
     pub fn unit(&self) -> &Unit {
-        &self.unit
+        &self.inner.unit
     }
 
     /// The algorithm and its exact parameters.
     pub fn algorithm(&self) -> &Algorithm {
-        &self.algorithm
+        &self.inner.algorithm
     }
 
     /// The largest cost a single charge can ever have: `B` for a token bucket,
     /// the limit for windows.
     pub fn capacity(&self) -> u64 {
-        match self.algorithm {
+        match self.inner.algorithm {
             Algorithm::TokenBucket { capacity, .. } => capacity,
             Algorithm::FixedWindow { limit, .. } | Algorithm::SlidingWindow { limit, .. } => limit,
         }
@@ -387,7 +405,7 @@ impl Policy {
     /// (rounded up to a whole second by the header writer), the window for
     /// window algorithms.
     pub fn window(&self) -> Duration {
-        match self.algorithm {
+        match self.inner.algorithm {
             Algorithm::TokenBucket {
                 capacity,
                 numerator,
@@ -408,27 +426,25 @@ impl Policy {
 
 impl fmt::Display for Policy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match &self.algorithm {
+        let (name, unit) = (&self.inner.name, self.inner.unit.as_str());
+        match &self.inner.algorithm {
             Algorithm::TokenBucket { capacity, rate, .. } => write!(
                 f,
                 "{}: token bucket, capacity {capacity} {}, refill {} per {:?}",
-                self.name,
-                self.unit.as_str(),
-                rate.amount,
-                rate.period
+                name, unit, rate.amount, rate.period
             ),
             Algorithm::FixedWindow { limit, window } => write!(
                 f,
                 "{}: fixed window, {limit} {} per {:?} from the first admission",
-                self.name,
-                self.unit.as_str(),
+                name,
+                unit,
                 Duration::from_nanos(*window)
             ),
             Algorithm::SlidingWindow { limit, window } => write!(
                 f,
                 "{}: sliding window, {limit} {} per {:?}",
-                self.name,
-                self.unit.as_str(),
+                name,
+                unit,
                 Duration::from_nanos(*window)
             ),
         }

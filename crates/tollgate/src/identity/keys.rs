@@ -126,21 +126,21 @@ impl<'a> RequestIdentity<'a> {
                 },
                 KeyPart::Tenant => key.push(principal.map_or("", |p| p.tenant())),
                 KeyPart::Account => {
-                    key.push_str(principal.map_or("", |p| p.tenant()));
-                    key.push_str(principal.map_or("", |p| p.account()));
+                    key.push(principal.map_or("", |p| p.tenant()));
+                    key.push(principal.map_or("", |p| p.account()));
                 }
                 KeyPart::Credential => {
-                    key.push_str(principal.map_or("", |p| p.tenant()));
-                    key.push_str(principal.map_or("", |p| p.account()));
-                    key.push_str(principal.and_then(|p| p.credential()).unwrap_or(""));
+                    key.push(principal.map_or("", |p| p.tenant()));
+                    key.push(principal.map_or("", |p| p.account()));
+                    key.push(principal.and_then(|p| p.credential()).unwrap_or(""));
                 }
                 KeyPart::Operation => {
                     let op = self
                         .operation
                         .get_or_insert_with(|| Operation::of(self.parts));
-                    key.push_str(op.as_str());
+                    key.push(op.as_str());
                 }
-                KeyPart::Literal(s) => key.push_str(s),
+                KeyPart::Literal(s) => key.push(s.as_bytes()),
             }
         }
         Ok(Some(key))
