@@ -101,6 +101,11 @@ fn single_thread(c: &mut Criterion) {
     g.bench_function("governor_ip/hot_deny", |b| {
         b.iter(|| black_box(gov.check_key(&ip(0)).is_ok()))
     });
+    let gov_u64 = RateLimiter::<u64, _, _>::keyed(closed_quota());
+    let _ = gov_u64.check_key(&0);
+    g.bench_function("governor_u64/hot_deny", |b| {
+        b.iter(|| black_box(gov_u64.check_key(&0).is_ok()))
+    });
 
     // Round robin over many tracked keys.
     for n in [1_000u32, 100_000, 1_000_000] {
@@ -128,6 +133,22 @@ fn single_thread(c: &mut Criterion) {
                 b.iter(|| {
                     j = (j + 1) % n;
                     black_box(gov.check_key(&ip(j)).is_ok())
+                })
+            },
+        );
+        drop(gov);
+        let gov_u64 = RateLimiter::<u64, _, _>::keyed(steady_quota());
+        for k in 0..u64::from(n) {
+            let _ = gov_u64.check_key(&k);
+        }
+        let mut j = 0u64;
+        g.bench_with_input(
+            BenchmarkId::new("governor_u64/round_robin", n),
+            &n,
+            |b, _| {
+                b.iter(|| {
+                    j = (j + 1) % u64::from(n);
+                    black_box(gov_u64.check_key(&j).is_ok())
                 })
             },
         );
@@ -224,6 +245,21 @@ fn two_threads(c: &mut Criterion) {
         black_box(gov.check_key(&ip(t as u32)).is_ok());
     });
     g.bench_function("governor_ip/disjoint_keys", |b| {
+        b.iter_custom(|n| run(disjoint.clone(), n))
+    });
+
+    let gov = Arc::new(RateLimiter::<u64, _, _>::keyed(open_quota()));
+    let g1 = gov.clone();
+    let same: Arc<dyn Fn(usize) + Send + Sync> = Arc::new(move |_| {
+        black_box(g1.check_key(&0).is_ok());
+    });
+    g.bench_function("governor_u64/one_key", |b| {
+        b.iter_custom(|n| run(same.clone(), n))
+    });
+    let disjoint: Arc<dyn Fn(usize) + Send + Sync> = Arc::new(move |t| {
+        black_box(gov.check_key(&(t as u64)).is_ok());
+    });
+    g.bench_function("governor_u64/disjoint_keys", |b| {
         b.iter_custom(|n| run(disjoint.clone(), n))
     });
     g.finish();
