@@ -120,7 +120,24 @@ fn fingerprint(policy: &Policy) -> String {
 pub(crate) struct Prepared {
     keys: Vec<String>,
     params: Vec<[u128; 6]>,
-    windows: Vec<String>,
+    /// Per charge, the window (era, offset) a refund gives back to.
+    windows: Vec<(i64, i64)>,
+}
+
+/// One charge's script argument: its six parameters and the refund window
+/// as eight little-endian doubles. Every value is an integer below 2^53
+/// ([`params`] refuses policies otherwise), so the doubles are exact.
+#[allow(clippy::cast_precision_loss)]
+fn packed(params: &[u128; 6], window: (i64, i64)) -> [u8; 64] {
+    let mut out = [0u8; 64];
+    let values = params
+        .iter()
+        .map(|&v| v as f64)
+        .chain([window.0 as f64, window.1 as f64]);
+    for (slot, v) in out.chunks_exact_mut(8).zip(values) {
+        slot.copy_from_slice(&v.to_le_bytes());
+    }
+    out
 }
 
 impl Prepared {
@@ -135,7 +152,7 @@ impl Prepared {
         for (key, charge) in items {
             p.keys.push(key.clone());
             p.params.push(params(charge.policy(), charge.cost())?);
-            p.windows.push("0:0".to_owned());
+            p.windows.push((0, 0));
         }
         Ok(p)
     }
@@ -147,7 +164,7 @@ impl Prepared {
     /// The same charges, to be refunded against the windows `reply` reported.
     pub(crate) fn with_windows(mut self, reply: &[i64]) -> Self {
         for (i, w) in self.windows.iter_mut().enumerate() {
-            *w = format!("{}:{}", reply[i * 6 + 4], reply[i * 6 + 5]);
+            *w = (reply[i * 6 + 4], reply[i * 6 + 5]);
         }
         self
     }
@@ -172,10 +189,7 @@ impl Prepared {
             Mode::Refund => "refund",
         });
         for (p, w) in self.params.iter().zip(&self.windows) {
-            for v in p {
-                inv.arg(v.to_string());
-            }
-            inv.arg(w);
+            inv.arg(&packed(p, *w)[..]);
         }
         inv
     }

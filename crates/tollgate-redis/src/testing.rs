@@ -124,6 +124,18 @@ impl RedisServer {
         Ok(text(&value))
     }
 
+    /// The raw value stored at `key`, if any.
+    pub fn get_bytes(&self, key: &str) -> Result<Option<Vec<u8>>, String> {
+        let client = redis::Client::open(self.url()).map_err(|e| e.to_string())?;
+        let mut conn = client
+            .get_connection_with_timeout(Duration::from_secs(2))
+            .map_err(|e| e.to_string())?;
+        redis::cmd("GET")
+            .arg(key)
+            .query(&mut conn)
+            .map_err(|e| e.to_string())
+    }
+
     /// Kills the server with SIGKILL.
     pub fn kill(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -147,6 +159,25 @@ impl RedisServer {
                 .status();
         }
     }
+}
+
+/// A stored state decoded: (level, prior, era, offset), from the script's
+/// four little-endian doubles; `None` if `bytes` is not 32 bytes.
+pub fn decode_state(bytes: &[u8]) -> Option<(u64, u64, i64, u64)> {
+    if bytes.len() != 32 {
+        return None;
+    }
+    let word = |i: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&bytes[i * 8..i * 8 + 8]);
+        f64::from_le_bytes(b)
+    };
+    Some((
+        word(0) as u64,
+        word(1) as u64,
+        word(2) as i64,
+        word(3) as u64,
+    ))
 }
 
 fn text(v: &redis::Value) -> String {

@@ -305,3 +305,105 @@ async fn a_flood_of_fresh_keys_leaves_no_key_without_a_ttl() {
         assert!(ttls.iter().all(|t| *t > 0), "a flooded key has no TTL");
     }
 }
+
+/// States are four packed doubles; a text state "level:prior:era:offset"
+/// left by an earlier version is still read, and rewritten packed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_states_from_earlier_versions_are_still_read() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let s = RedisStore::builder(&server.url())
+        .unwrap()
+        .timeout(Duration::from_secs(2))
+        .injected_time(|| 5_000_000_000)
+        .build()
+        .unwrap();
+    let p = Policy::fixed_window("legacy", 3, Duration::from_secs(10)).unwrap();
+    let key = s.redis_key(&charge("k", &p, 1));
+    // Two admitted in the window that started at the injected time.
+    server
+        .query(&["SET", &key, "2:0:0:5000000000", "PX", "10000"])
+        .unwrap();
+    let last = s.charge(&[charge("k", &p, 1)]).await.unwrap();
+    assert!(last.is_admitted());
+    assert_eq!(last.limits()[0].remaining(), 0);
+    assert!(!s.charge(&[charge("k", &p, 1)]).await.unwrap().is_admitted());
+    let stored = server.get_bytes(&key).unwrap().expect("state is stored");
+    assert_eq!(
+        tollgate_redis::testing::decode_state(&stored),
+        Some((3, 0, 0, 5_000_000_000))
+    );
+}
+
+/// Arguments that are not eight packed doubles per charge are refused
+/// before anything is read or written.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_script_arguments_are_refused_untouched() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let script = redis::Script::new(include_str!("../src/decide.lua"));
+    let result: redis::RedisResult<Vec<i64>> = script
+        .key("a")
+        .key("b")
+        .arg("i")
+        .arg(5)
+        .arg(0)
+        .arg(1_767_225_600)
+        .arg("charge")
+        .arg(&[0u8; 64][..])
+        .arg("1:2:3")
+        .invoke_async(&mut conn)
+        .await;
+    let error = result.unwrap_err();
+    assert!(
+        error
+            .to_string()
+            .contains("neither eight packed doubles nor eight numbers"),
+        "{error}"
+    );
+    assert_eq!(server.query(&["EXISTS", "a", "b"]).unwrap(), "0");
+}
+
+/// The text form of a charge's numbers (for redis-benchmark, which cannot
+/// send binary) decides like the packed form the store sends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_charge_arguments_decide_like_packed_ones() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let s = RedisStore::builder(&server.url())
+        .unwrap()
+        .timeout(Duration::from_secs(2))
+        .injected_time(|| 7_000_000_000)
+        .build()
+        .unwrap();
+    // 5 tokens, one per 1000 ns: 1 scaled unit per ns, 1000 per token.
+    let p = Policy::token_bucket("text", 5, Rate::new(1, Duration::from_micros(1))).unwrap();
+    let client = redis::Client::open(server.url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let script = redis::Script::new(include_str!("../src/decide.lua"));
+    for round in 0..6 {
+        let by_store = s.charge(&[charge("packed", &p, 1)]).await.unwrap();
+        let reply: Vec<i64> = script
+            .key("text-key")
+            .arg("i")
+            .arg(7)
+            .arg(0)
+            .arg(1_767_225_600)
+            .arg("charge")
+            .arg("1:5000:1:1000:1:1000:0:0")
+            .invoke_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(reply[0] == 1, by_store.is_admitted(), "round {round}");
+        assert_eq!(
+            u64::try_from(reply[1]).unwrap(),
+            by_store.limits()[0].remaining(),
+            "round {round}"
+        );
+    }
+}

@@ -7,7 +7,7 @@ use std::time::Duration;
 use tokio::sync::Barrier;
 use tollgate_core::{Charge, Decision, Key, Policy, Store};
 use tollgate_redis::RedisStore;
-use tollgate_redis::testing::RedisServer;
+use tollgate_redis::testing::{RedisServer, decode_state};
 
 const LIMIT: u64 = 5;
 const WORKERS: usize = 16;
@@ -88,8 +88,9 @@ async fn split_check_overspends_and_the_script_admits_exactly_five() {
     );
     let store = RedisStore::builder(&url).unwrap().build().unwrap();
     let key = store.redis_key(&charge);
-    let stored = server.query(&["GET", &key]).unwrap();
-    assert!(stored.starts_with("5:"), "stored count is 5: {stored}");
+    let stored = server.get_bytes(&key).unwrap().expect("state is stored");
+    let (count, ..) = decode_state(&stored).expect("a 32-byte state");
+    assert_eq!(count, 5, "stored count is 5");
     let ttl: i64 = server.query(&["PTTL", &key]).unwrap().parse().unwrap();
     assert!(ttl > 0 && ttl <= 60_000, "{ttl}");
 
@@ -102,7 +103,7 @@ async fn split_check_overspends_and_the_script_admits_exactly_five() {
         after > 0 && after <= ttl,
         "refusal must not extend the TTL: {ttl} -> {after}"
     );
-    assert_eq!(server.query(&["GET", &key]).unwrap(), stored);
+    assert_eq!(server.get_bytes(&key).unwrap(), Some(stored));
 
     // Shorten the window deliberately, wait for real expiry, start again at 1.
     server.query(&["PEXPIRE", &key, "50"]).unwrap();
