@@ -12,6 +12,12 @@
 //! The key is random per store; an accidental collision among ten million
 //! keys has probability below 10⁻²⁴.
 //!
+//! Each shard has two maps. Token buckets and fixed windows, whose state is
+//! one count and one time, keep (count, idle deadline) in a 32-byte slot:
+//! the time follows exactly from the two and the policy. Sliding windows
+//! (and the rare state whose deadline saturates) keep the whole state and
+//! its deadline in a 48-byte slot. A key lives in one of the two.
+//!
 //! Idle entries (refilled to full, or past their window) are dropped by an
 //! amortised sweep: the first access to a shard after its sweep interval
 //! removes that shard's idle entries. No background task is needed.

@@ -21,7 +21,9 @@
 //!   the tuple key (`{`/`}` escaped) and `POLICY` a readable fingerprint of
 //!   the policy's numbers, so changing a policy never reinterprets old
 //!   state. The braces are a Redis Cluster hash tag: each key's slot
-//!   depends only on the key.
+//!   depends only on the key. Values are four little-endian doubles
+//!   (level, prior, era, offset); text values from earlier versions are
+//!   still read. Charges travel to the script packed the same way.
 //! - **TTL**: every write sets a TTL equal to the time until the state is
 //!   indistinguishable from none (bucket full, window over): idle state
 //!   disappears by itself and no key is immortal.
