@@ -17,6 +17,16 @@
 //! responses, not errors. `poll_ready` only forwards the inner service's
 //! readiness: the limiter never exerts backpressure.
 //!
+//! # When the budget is charged
+//!
+//! With a store that needs no I/O ([`tollgate_core::Store::try_charge_now`]
+//! answers, as `MemoryStore` always does), the charge happens inside `call`
+//! and the inner service is called there too, as tower services usually
+//! do; the response future only waits for the inner response. With a store
+//! that does I/O (Redis), `call` returns a future that charges when first
+//! polled. Either way a charge is made once per `call`, and a response
+//! future dropped after the charge does not refund it.
+//!
 //! # Example
 //!
 //! ```
