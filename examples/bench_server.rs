@@ -9,11 +9,8 @@
 use std::net::SocketAddr;
 use std::process::ExitCode;
 
-use axum::Router;
-use axum::routing::get;
-use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer, Rule};
-use tower_governor::GovernorLayer;
-use tower_governor::governor::GovernorConfigBuilder;
+#[path = "support/bench_app.rs"]
+mod bench_app;
 
 fn main() -> ExitCode {
     let mut mode = String::from("bare");
@@ -39,41 +36,10 @@ fn main() -> ExitCode {
             }
         }
     }
-    let hello = Router::new().route("/", get(|| async { "hello" }));
-    // Admit everything: a billion per second with a billion of burst; or
-    // refuse everything after the first request: 1 per hour.
-    let app = match mode.as_str() {
-        "bare" => hello,
-        "tollgate" => {
-            let policy = if refuse {
-                Policy::token_bucket("bench", 1, Rate::per_hour(1))
-            } else {
-                Policy::token_bucket("bench", 1_000_000_000, Rate::per_second(1_000_000_000))
-            };
-            let Ok(policy) = policy else {
-                return ExitCode::FAILURE;
-            };
-            hello.layer(
-                RateLimitLayer::new(MemoryStore::new())
-                    .headers_on_admitted(false)
-                    .rule(Rule::per_client_ip(policy)),
-            )
-        }
-        "governor" => {
-            let mut builder = GovernorConfigBuilder::default();
-            if refuse {
-                builder.per_second(3600).burst_size(1);
-            } else {
-                builder.per_nanosecond(1).burst_size(1_000_000_000);
-            }
-            let Some(config) = builder.finish() else {
-                eprintln!("invalid tower_governor config");
-                return ExitCode::FAILURE;
-            };
-            hello.layer(GovernorLayer::new(config))
-        }
-        other => {
-            eprintln!("unknown mode {other:?}");
+    let app = match bench_app::app(&mode, refuse) {
+        Ok(app) => app,
+        Err(why) => {
+            eprintln!("bench_server: {why}");
             return ExitCode::from(2);
         }
     };

@@ -17,53 +17,23 @@
 use std::net::SocketAddr;
 use std::process::ExitCode;
 
-use axum::Router;
 use axum::body::Body;
 use axum::extract::ConnectInfo;
-use axum::routing::get;
 use http::Request;
-use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer, Rule};
 use tower::ServiceExt;
-use tower_governor::GovernorLayer;
-use tower_governor::governor::GovernorConfigBuilder;
+
+#[path = "support/bench_app.rs"]
+mod bench_app;
 
 const REQUESTS: u32 = 100_000;
 
 fn main() -> ExitCode {
     let mode = std::env::args().nth(1).unwrap_or_else(|| "tollgate".into());
     let refuse = std::env::args().nth(2).as_deref() == Some("refuse");
-    let hello = Router::new().route("/", get(|| async { "hello" }));
-    let app = match mode.as_str() {
-        "bare" => hello,
-        "tollgate" => {
-            let policy = if refuse {
-                Policy::token_bucket("bench", 1, Rate::per_hour(1))
-            } else {
-                Policy::token_bucket("bench", 1_000_000_000, Rate::per_second(1_000_000_000))
-            };
-            let Ok(policy) = policy else {
-                return ExitCode::FAILURE;
-            };
-            hello.layer(
-                RateLimitLayer::new(MemoryStore::new())
-                    .headers_on_admitted(false)
-                    .rule(Rule::per_client_ip(policy)),
-            )
-        }
-        "governor" => {
-            let mut builder = GovernorConfigBuilder::default();
-            if refuse {
-                builder.per_second(3600).burst_size(1);
-            } else {
-                builder.per_nanosecond(1).burst_size(1_000_000_000);
-            }
-            let Some(config) = builder.finish() else {
-                return ExitCode::FAILURE;
-            };
-            hello.layer(GovernorLayer::new(config))
-        }
-        other => {
-            eprintln!("usage: profile_layer bare|tollgate|governor (got {other:?})");
+    let app = match bench_app::app(&mode, refuse) {
+        Ok(app) => app,
+        Err(why) => {
+            eprintln!("profile_layer: {why}");
             return ExitCode::from(2);
         }
     };
