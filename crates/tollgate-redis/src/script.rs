@@ -89,12 +89,20 @@ pub(crate) fn params(policy: &Policy, cost: u64) -> Result<[u128; 6], StoreError
 /// `PREFIX:{KEY}:POLICY` — the braces make the key's own text its cluster
 /// hash tag; the fingerprint keeps state of different numbers apart.
 pub(crate) fn redis_key(prefix: &str, charge: &Charge) -> String {
-    let text = charge
-        .key()
-        .as_str()
-        .replace('{', "%7B")
-        .replace('}', "%7D");
-    format!("{prefix}:{{{text}}}:{}", fingerprint(charge.policy()))
+    let text = charge.key().as_str();
+    let mut key = String::with_capacity(prefix.len() + text.len() + 48);
+    key.push_str(prefix);
+    key.push_str(":{");
+    for c in text.chars() {
+        match c {
+            '{' => key.push_str("%7B"),
+            '}' => key.push_str("%7D"),
+            c => key.push(c),
+        }
+    }
+    key.push_str("}:");
+    key.push_str(&fingerprint(charge.policy()));
+    key
 }
 
 fn fingerprint(policy: &Policy) -> String {
@@ -127,7 +135,6 @@ pub(crate) struct Prepared {
 /// One charge's script argument: its six parameters and the refund window
 /// as eight little-endian doubles. Every value is an integer below 2^53
 /// ([`params`] refuses policies otherwise), so the doubles are exact.
-#[allow(clippy::cast_precision_loss)]
 fn packed(params: &[u128; 6], window: (i64, i64)) -> [u8; 64] {
     let mut out = [0u8; 64];
     let values = params
