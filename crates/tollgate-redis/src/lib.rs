@@ -445,6 +445,11 @@ impl Store for RedisStore {
     /// refusal the over-limit cache holds), so the HTTP layer answers those
     /// without allocating a future; `None` (nothing touched) otherwise.
     fn try_charge_now(&self, charges: &[Charge]) -> Option<Result<Outcome, StoreError>> {
+        // Without a cache only never-fits can be answered here: do not build
+        // keys that `charge` would build again.
+        if self.inner.cache.is_none() && charges.iter().all(Charge::can_fit) {
+            return None;
+        }
         self.local_answer(charges).0.map(Ok)
     }
 }

@@ -167,6 +167,13 @@ async fn never_fits_touches_no_redis_state_and_needs_no_redis() {
     server.kill();
     let outcome = s.charge(&[charge("bob", &p, 2048)]).await.unwrap();
     assert_eq!(outcome.verdict(), Verdict::NeverFits);
+    // Without an over-limit cache, never-fits is the only answer given
+    // synchronously; anything that fits needs Redis.
+    assert!(matches!(
+        s.try_charge_now(&[small.clone(), charge("bob", &p, 2048)]),
+        Some(Ok(o)) if o.verdict() == Verdict::NeverFits
+    ));
+    assert!(s.try_charge_now(&[small]).is_none());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
