@@ -159,6 +159,15 @@ impl RedisStoreBuilder {
     /// **Test/diagnostic option.** Uses `now` (nanoseconds on any fixed
     /// origin) instead of the server's `TIME`. Every client of the same keys
     /// must then use the same clock.
+    ///
+    /// Redis still expires keys on its own clock, which an injected clock
+    /// need not follow (a test may hold it still while real time passes).
+    /// So that expiry can never run ahead of the injected clock, keys
+    /// written under injected time get a TTL of at least one hour of real
+    /// time. Expiry then never changes a decision of the table's algorithms
+    /// (an idle state decides like none), except that an idle
+    /// initially-empty token bucket reads as full for that longer time, as
+    /// it does in a `MemoryStore` until its next sweep.
     pub fn injected_time(mut self, now: impl Fn() -> Nanos + Send + Sync + 'static) -> Self {
         self.time = TimeSource::Injected(Arc::new(now));
         self

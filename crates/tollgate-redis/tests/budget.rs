@@ -414,3 +414,37 @@ async fn text_charge_arguments_decide_like_packed_ones() {
         );
     }
 }
+
+/// Under injected time, Redis's own clock must not expire a key before the
+/// injected clock says the state is idle: here the injected clock stands
+/// still while real time passes well beyond the state's one-microsecond
+/// horizon, and the spent budget is still spent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn real_time_expiry_never_runs_ahead_of_injected_time() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let s = RedisStore::builder(&server.url())
+        .unwrap()
+        .timeout(Duration::from_secs(2))
+        .injected_time(|| 9_000_000_000)
+        .build()
+        .unwrap();
+    // Full again 1 us after being emptied: a TTL of one millisecond.
+    let p = Policy::token_bucket("frozen", 1, Rate::new(1, Duration::from_micros(1))).unwrap();
+    assert!(s.charge(&[charge("k", &p, 1)]).await.unwrap().is_admitted());
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let again = s.charge(&[charge("k", &p, 1)]).await.unwrap();
+    assert_eq!(
+        again.verdict(),
+        Verdict::Denied {
+            retry_after: Duration::from_micros(1)
+        }
+    );
+    let ttl: i64 = server
+        .query(&["PTTL", &s.redis_key(&charge("k", &p, 1))])
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(ttl > 3_000_000, "PTTL {ttl}");
+}
