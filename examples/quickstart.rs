@@ -189,7 +189,7 @@ fn app(
         .client_ip(ClientIpResolver::trusting(
             trusted,
             ForwardedHeader::XForwardedFor,
-        ))
+        )?)
         .rule(Rule::per_client_ip(per_ip))
         .rule(Rule::per_account_operation(export).on_route("/export"))
         .rule(

@@ -34,10 +34,11 @@ pub mod response;
 pub use body::ResponseBody;
 pub use concurrency::{ConcurrencyLimit, ConcurrencyLimitLayer};
 pub use identity::{
-    ClientIp, ClientIpError, ClientIpResolver, ForwardedHeader, Operation, PeerAddr, Principal,
+    ClientIp, ClientIpError, ClientIpResolver, ForwardedHeader, InvalidPrefix,
+    InvalidTrustedNetwork, Operation, PeerAddr, Principal,
 };
 pub use rate_limit::{
-    Cost, KeyPart, MissingPrincipal, OnStoreError, RateLimit, RateLimitLayer, Rule,
+    Cost, InvalidRoute, KeyPart, MissingPrincipal, OnStoreError, RateLimit, RateLimitLayer, Rule,
 };
 pub use tollgate_core::{
     self as core, Algorithm, CapPolicy, Charge, Clock, Decision, DynStore, Initial, Key,

@@ -39,6 +39,13 @@ pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome) {
     }
 }
 
+/// A cost that can never fit `policy`; the layer refuses it without asking
+/// the store.
+pub(crate) fn never_fits(policy: &tollgate_core::Policy, cost: u64) {
+    tracing::debug!(policy = policy.name(), cost, "cost can never fit");
+    count("tollgate_never_fits_total", policy.name_arc(), 1);
+}
+
 pub(crate) fn store_error(error: &StoreError, applied: &'static str) {
     tracing::warn!(error = %error, kind = ?error.kind(), outcome = applied, "rate-limit store failed");
     #[cfg(feature = "metrics")]

@@ -14,7 +14,10 @@ use bytes::Bytes;
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode};
 use http_body_util::Full;
-use tollgate_core::{Charge, Decision, Outcome, Unit};
+use tollgate_core::{Charge, Decision, Outcome, Policy, Unit};
+
+use crate::ClientIpError;
+use crate::identity::KeyError;
 
 /// The `RateLimit-Policy` header name.
 pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -26,12 +29,57 @@ pub fn ceil_secs(d: Duration) -> u64 {
     d.as_secs() + u64::from(d.subsec_nanos() > 0)
 }
 
-/// Whether a request is gRPC (`content-type: application/grpc...`).
-pub(crate) fn is_grpc(headers: &HeaderMap) -> bool {
-    headers
-        .get(CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|ct| ct.starts_with("application/grpc"))
+/// How a refusal is encoded: as HTTP, or for gRPC and gRPC-Web callers as a
+/// trailers-only response with `grpc-status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Protocol {
+    Http,
+    /// `application/grpc`, alone or followed by `+` or `;`.
+    Grpc,
+    /// `application/grpc-web` and `application/grpc-web+...`.
+    GrpcWeb,
+    /// `application/grpc-web-text` and `application/grpc-web-text+...`.
+    GrpcWebText,
+}
+
+impl Protocol {
+    /// The protocol of a request, from its exact content type (case
+    /// insensitive): `application/grpcx` and the like are plain HTTP.
+    pub(crate) fn of(headers: &HeaderMap) -> Self {
+        let Some(ct) = headers.get(CONTENT_TYPE) else {
+            return Protocol::Http;
+        };
+        let ct = ct.as_bytes();
+        // The media type ends at a parameter or whitespace.
+        let end = ct
+            .iter()
+            .position(|&b| b == b';' || b == b' ' || b == b'\t')
+            .unwrap_or(ct.len());
+        let media = &ct[..end];
+        let family = |name: &[u8]| {
+            media.len() >= name.len()
+                && media[..name.len()].eq_ignore_ascii_case(name)
+                && matches!(media.get(name.len()), None | Some(b'+'))
+        };
+        if family(b"application/grpc-web-text") {
+            Protocol::GrpcWebText
+        } else if family(b"application/grpc-web") {
+            Protocol::GrpcWeb
+        } else if family(b"application/grpc") {
+            Protocol::Grpc
+        } else {
+            Protocol::Http
+        }
+    }
+
+    fn content_type(self) -> &'static str {
+        match self {
+            Protocol::Http => "application/problem+json",
+            Protocol::Grpc => "application/grpc",
+            Protocol::GrpcWeb => "application/grpc-web+proto",
+            Protocol::GrpcWebText => "application/grpc-web-text+proto",
+        }
+    }
 }
 
 /// `RateLimit-Policy` and `RateLimit` values (draft-ietf-httpapi-ratelimit-headers-10)
@@ -201,26 +249,47 @@ impl Answer {
         }
     }
 
-    /// The answer to a denied or never-fitting outcome.
-    pub(crate) fn from_outcome(
-        charges: &[Charge],
-        outcome: &Outcome,
-        never_fits_status: StatusCode,
-    ) -> Self {
+    /// The refusal for a cost that can never fit `policy`.
+    pub(crate) fn never_fits(policy: &Policy, cost: u64, status: StatusCode) -> Self {
+        Self {
+            refusal: Refusal::NeverFits(status),
+            detail: format!(
+                "this request costs {cost} {} but policy {:?} holds at most {}; it can never be admitted",
+                policy.unit().as_str(),
+                policy.name(),
+                policy.capacity()
+            ),
+            policy: Some(policy.name_arc().clone()),
+            retry_after: None,
+            fields: None,
+        }
+    }
+
+    /// The refusal for a key that could not be built.
+    pub(crate) fn for_key(error: KeyError, first: &str) -> Self {
+        match error {
+            KeyError::NoPrincipal => Answer::new(
+                Refusal::Unauthenticated,
+                format!("{first:?} needs an authenticated principal"),
+            ),
+            KeyError::ClientIp(e @ ClientIpError::MissingPeer) => {
+                tracing::error!(error = %e, "tollgate cannot key by client address");
+                Answer::new(Refusal::Misconfigured, e.to_string())
+            }
+            KeyError::ClientIp(e) => Answer::new(Refusal::BadRequest, e.to_string()),
+        }
+    }
+
+    /// The answer to a denied outcome (or, defensively, a never-fitting
+    /// one: the layer does not send those to the store).
+    pub(crate) fn from_outcome(charges: &[Charge], outcome: &Outcome) -> Self {
         let idx = outcome.most_restrictive().unwrap_or(0);
         let policy = charges.get(idx).map(|c| c.policy().name_arc().clone());
         let fields = ratelimit_fields(charges, outcome).map(Box::new);
-        match outcome.limits().get(idx) {
-            Some(Decision::NeverFits { cost, capacity }) => Self {
-                refusal: Refusal::NeverFits(never_fits_status),
-                detail: format!(
-                    "this request costs {cost} {} but policy {:?} holds at most {capacity}; it can never be admitted",
-                    charges[idx].policy().unit().as_str(),
-                    charges[idx].policy().name()
-                ),
-                policy,
-                retry_after: None,
+        match (outcome.limits().get(idx), charges.get(idx)) {
+            (Some(Decision::NeverFits { cost, .. }), Some(charge)) => Self {
                 fields,
+                ..Self::never_fits(charge.policy(), *cost, StatusCode::BAD_REQUEST)
             },
             _ => {
                 let wait = match outcome.verdict() {
@@ -245,7 +314,7 @@ impl Answer {
         }
     }
 
-    pub(crate) fn into_response(self, grpc: bool) -> Response<Full<Bytes>> {
+    pub(crate) fn into_response(self, protocol: Protocol) -> Response<Full<Bytes>> {
         let mut headers = HeaderMap::with_capacity(8);
         headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
         if let Some(fields) = self.fields {
@@ -253,8 +322,11 @@ impl Answer {
             headers.insert(RATELIMIT_POLICY.clone(), policy);
             headers.insert(RATELIMIT.clone(), current);
         }
-        let (status, body) = if grpc {
-            headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        let (status, body) = if protocol != Protocol::Http {
+            headers.insert(
+                CONTENT_TYPE,
+                HeaderValue::from_static(protocol.content_type()),
+            );
             headers.insert("grpc-status", HeaderValue::from(self.refusal.grpc_code()));
             if let Ok(v) = HeaderValue::from_str(&grpc_percent_encode(&self.detail)) {
                 headers.insert("grpc-message", v);
@@ -266,7 +338,7 @@ impl Answer {
             }
             headers.insert(
                 CONTENT_TYPE,
-                HeaderValue::from_static("application/problem+json"),
+                HeaderValue::from_static(protocol.content_type()),
             );
             let status = self.refusal.status();
             let mut json = String::with_capacity(256);
@@ -306,7 +378,7 @@ pub(crate) fn polled_after_completion() -> Response<Full<Bytes>> {
         Refusal::Misconfigured,
         "tollgate response future polled after completion",
     )
-    .into_response(false)
+    .into_response(Protocol::Http)
 }
 
 /// gRPC's `grpc-message` encoding: percent-encode everything outside
@@ -348,8 +420,44 @@ mod tests {
     }
 
     #[test]
+    fn grpc_is_detected_by_its_exact_media_type() {
+        let of = |ct: &str| {
+            let mut h = HeaderMap::new();
+            h.insert(CONTENT_TYPE, HeaderValue::from_str(ct).unwrap());
+            Protocol::of(&h)
+        };
+        for ct in [
+            "application/grpc",
+            "application/grpc+proto",
+            "application/grpc;charset=utf-8",
+            "Application/GRPC+json",
+        ] {
+            assert_eq!(of(ct), Protocol::Grpc, "{ct}");
+        }
+        for ct in ["application/grpc-web", "application/grpc-web+proto"] {
+            assert_eq!(of(ct), Protocol::GrpcWeb, "{ct}");
+        }
+        for ct in [
+            "application/grpc-web-text",
+            "application/grpc-web-text+proto",
+        ] {
+            assert_eq!(of(ct), Protocol::GrpcWebText, "{ct}");
+        }
+        for ct in [
+            "application/grpcx",
+            "application/grpc-webx",
+            "application/grpc-",
+            "text/plain",
+            "application/grp",
+        ] {
+            assert_eq!(of(ct), Protocol::Http, "{ct}");
+        }
+        assert_eq!(Protocol::of(&HeaderMap::new()), Protocol::Http);
+    }
+
+    #[test]
     fn problem_json_escapes() {
-        let r = Answer::new(Refusal::BadRequest, "bad \"value\"\n").into_response(false);
+        let r = Answer::new(Refusal::BadRequest, "bad \"value\"\n").into_response(Protocol::Http);
         let body = r.into_body();
         let bytes = futures_lite_collect(body);
         assert!(

@@ -57,11 +57,13 @@ fn counters_are_labelled_by_policy_name_only() {
             call(&mut svc, "/", "198.51.100.1:1", None),
             StatusCode::TOO_MANY_REQUESTS
         );
+        // A cost that can never fit is refused by the layer, after charging
+        // the address rule (a second key).
         assert_eq!(
-            call(&mut svc, "/upload", "198.51.100.1:1", Some(11)),
+            call(&mut svc, "/upload", "198.51.100.2:1", Some(11)),
             StatusCode::PAYLOAD_TOO_LARGE
         );
-        // The key cap (2, one used) refuses the third new key: a store error.
+        // The key cap (2, both used) refuses the third new key: a store error.
         assert_eq!(call(&mut svc, "/", "198.51.100.2:1", None), StatusCode::OK);
         assert_eq!(
             call(&mut svc, "/", "198.51.100.3:1", None),
@@ -87,7 +89,7 @@ fn counters_are_labelled_by_policy_name_only() {
     }
     assert_eq!(
         seen.get("tollgate_admitted_cost_total{policy=m-ip}"),
-        Some(&3),
+        Some(&4),
         "{seen:?}"
     );
     assert_eq!(

@@ -14,6 +14,7 @@ use super::layer::Config;
 use super::limiter::{Full, Permit};
 use super::service::refusal;
 use crate::ResponseBody;
+use crate::response::Protocol;
 
 type Acquire = Pin<Box<dyn Future<Output = Result<Permit, Full>> + Send>>;
 
@@ -38,7 +39,7 @@ pin_project! {
             acquire: Acquire,
             pending: Option<(S, Request<ReqB>)>,
             config: Arc<Config>,
-            grpc: bool,
+            protocol: Protocol,
         },
         Calling {
             #[pin]
@@ -71,14 +72,14 @@ where
         inner: S,
         req: Request<ReqB>,
         config: Arc<Config>,
-        grpc: bool,
+        protocol: Protocol,
     ) -> Self {
         Self {
             state: State::Waiting {
                 acquire,
                 pending: Some((inner, req)),
                 config,
-                grpc,
+                protocol,
             },
         }
     }
@@ -106,7 +107,7 @@ where
                     acquire,
                     pending,
                     config,
-                    grpc,
+                    protocol,
                 } => {
                     let next = match (ready!(acquire.as_mut().poll(cx)), pending.take()) {
                         (Ok(permit), Some((mut inner, req))) => State::Calling {
@@ -114,7 +115,7 @@ where
                             permit: Some(permit),
                         },
                         (Err(full), _) => State::Refused {
-                            response: Some(refusal(config, full).into_response(*grpc)),
+                            response: Some(refusal(config, full).into_response(*protocol)),
                         },
                         (Ok(_), None) => State::Refused {
                             response: Some(crate::response::polled_after_completion()),

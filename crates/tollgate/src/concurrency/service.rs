@@ -9,7 +9,7 @@ use super::ResponseFuture;
 use super::layer::Config;
 use super::limiter::Full;
 use crate::identity::RequestIdentity;
-use crate::response::{Answer, Refusal, is_grpc};
+use crate::response::{Answer, Protocol, Refusal};
 
 /// Bounds requests in flight; made by
 /// [`ConcurrencyLimitLayer`](super::ConcurrencyLimitLayer).
@@ -109,12 +109,15 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let config = &self.config;
         let (parts, body) = req.into_parts();
-        let grpc = is_grpc(&parts.headers);
+        let protocol = Protocol::of(&parts.headers);
         let key: Option<Box<str>> = if config.limiter.per_key_max.is_some() {
             let mut who = RequestIdentity::new(&parts, &config.resolver);
-            match who.key(&config.limiter.name, &config.key, config.missing) {
+            match who.key(&config.limiter.name, &config.key, config.missing, None) {
                 Ok(key) => key.map(|k| k.as_str().into()),
-                Err(answer) => return ResponseFuture::refused(answer.into_response(grpc)),
+                Err(error) => {
+                    let answer = Answer::for_key(error, &config.limiter.name);
+                    return ResponseFuture::refused(answer.into_response(protocol));
+                }
             }
         } else {
             None
@@ -124,11 +127,11 @@ where
             Ok(permit) => ResponseFuture::calling(inner, req, permit),
             Err(_) if config.limiter.waiting.is_some() => {
                 let waiting = Box::pin(config.limiter.clone().acquire(key));
-                ResponseFuture::waiting(waiting, inner, req, config.clone(), grpc)
+                ResponseFuture::waiting(waiting, inner, req, config.clone(), protocol)
             }
             Err(full) => {
                 let answer = refusal(config, config.limiter.refused(full));
-                ResponseFuture::refused(answer.into_response(grpc))
+                ResponseFuture::refused(answer.into_response(protocol))
             }
         }
     }

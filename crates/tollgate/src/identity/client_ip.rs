@@ -6,7 +6,7 @@ use http::request::Parts;
 use http::{HeaderMap, HeaderName};
 use ipnet::IpNet;
 
-use super::forwarded::{self, Chain, Node};
+use super::forwarded::{self, Node};
 
 /// The connected peer's address, for servers that are not axum: insert it
 /// into each request's extensions when accepting the connection.
@@ -28,13 +28,25 @@ pub enum ForwardedHeader {
 }
 
 impl ForwardedHeader {
-    fn chain(self, headers: &HeaderMap) -> Chain {
+    /// The client address by the trust walk over this header's entries,
+    /// nearest first.
+    fn walk(self, peer: IpAddr, headers: &HeaderMap, trusted: &[IpNet]) -> IpAddr {
         match self {
-            ForwardedHeader::XForwardedFor => {
-                forwarded::x_forwarded_for(headers.get_all("x-forwarded-for"))
-            }
-            ForwardedHeader::Forwarded => forwarded::forwarded(headers.get_all("forwarded")),
-            ForwardedHeader::XRealIp => forwarded::x_real_ip(headers.get_all("x-real-ip")),
+            ForwardedHeader::XForwardedFor => walk(
+                peer,
+                forwarded::x_forwarded_for(headers.get_all("x-forwarded-for")),
+                trusted,
+            ),
+            ForwardedHeader::Forwarded => walk(
+                peer,
+                forwarded::forwarded(headers.get_all("forwarded")),
+                trusted,
+            ),
+            ForwardedHeader::XRealIp => walk(
+                peer,
+                forwarded::x_real_ip(headers.get_all("x-real-ip")),
+                trusted,
+            ),
         }
     }
 }
@@ -160,6 +172,25 @@ pub enum ClientIpError {
     },
 }
 
+/// A trusted network that could never match a peer, refused by
+/// [`ClientIpResolver::trusting`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "trusted network {network} can never match: peers are compared as IPv4 when they are \
+     IPv4-mapped, and an IPv4-mapped network must be at least /96 (e.g. \
+     ::ffff:10.0.0.0/104 is 10.0.0.0/8)"
+)]
+pub struct InvalidTrustedNetwork {
+    network: IpNet,
+}
+
+impl InvalidTrustedNetwork {
+    /// The network that was refused.
+    pub fn network(&self) -> IpNet {
+        self.network
+    }
+}
+
 /// An invalid prefix length.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("prefix length {prefix} is out of range for IPv{family} (1..={max})")]
@@ -187,26 +218,32 @@ enum Mode {
 /// - [`ClientIpResolver::peer_only`] (default): the connected peer; forwarding
 ///   headers are ignored.
 /// - [`ClientIpResolver::trusting`]: when the peer is inside a trusted
-///   network, walk the forwarding chain from the right past trusted hops and
-///   take the first address that is not trusted, like nginx's
+///   network, walk the forwarding entries from the right past trusted hops
+///   and take the first address that is not trusted, like nginx's
 ///   `real_ip_recursive on`. If every hop is trusted the leftmost address is
-///   taken. A hop that is not an address (`unknown`, obfuscated, garbage, or
-///   beyond the input limits) stops the walk at the trusted hop that
-///   reported it, so a caller can never choose its key by sending junk.
+///   taken. Every header line is split into entries and each entry is read
+///   on its own, right to left (see [`forwarded`](super::forwarded) for the
+///   limits): an entry that is not an address (`unknown`, obfuscated,
+///   malformed, non-ASCII, or cut by a limit) stops the walk *at that
+///   entry*, keyed by the trusted hop that reported it. What a client
+///   writes to the left of a trusted hop's entry can therefore never
+///   change the address that hop reported, and a caller can never choose
+///   its key by sending junk.
 /// - [`ClientIpResolver::single_proxy`]: the field notes' strict contract —
 ///   one trusted proxy that overwrites one header with exactly one address;
 ///   anything else from it is an error ([`ClientIpError::NotSingleAddress`]).
 ///
 /// ```
 /// use tollgate::{ClientIpResolver, ForwardedHeader};
-/// let resolver = ClientIpResolver::trusting(["10.0.0.0/8".parse().unwrap()], ForwardedHeader::XForwardedFor);
+/// let resolver = ClientIpResolver::trusting(["10.0.0.0/8".parse()?], ForwardedHeader::XForwardedFor)?;
 /// let mut headers = http::HeaderMap::new();
 /// headers.insert("x-forwarded-for", "203.0.113.7, 10.1.1.1".parse().unwrap());
-/// let ip = resolver.resolve_from("10.0.0.2".parse().unwrap(), &headers).unwrap();
+/// let ip = resolver.resolve_from("10.0.0.2".parse()?, &headers)?;
 /// assert_eq!(ip.to_string(), "203.0.113.7");
 /// // An untrusted peer cannot choose its address.
-/// let ip = resolver.resolve_from("198.51.100.8".parse().unwrap(), &headers).unwrap();
+/// let ip = resolver.resolve_from("198.51.100.8".parse()?, &headers)?;
 /// assert_eq!(ip.to_string(), "198.51.100.8");
+/// # Ok::<(), Box<dyn std::error::Error>>(())
 /// ```
 #[derive(Debug, Clone)]
 pub struct ClientIpResolver {
@@ -229,6 +266,25 @@ fn canonical(ip: IpAddr) -> IpAddr {
     }
 }
 
+/// A network in the form peers are compared in: an IPv4-mapped network of
+/// at least /96 is the IPv4 network it names. A mapped network shorter than
+/// /96 could only ever match mapped addresses, which peers never are after
+/// [`canonical`], so it is refused.
+fn canonical_net(net: IpNet) -> Result<IpNet, InvalidTrustedNetwork> {
+    let IpNet::V6(v6) = net else {
+        return Ok(net.trunc());
+    };
+    // Written as an IPv4-mapped address: the user means IPv4.
+    let Some(v4) = v6.addr().to_ipv4_mapped() else {
+        return Ok(net.trunc());
+    };
+    v6.prefix_len()
+        .checked_sub(96)
+        .and_then(|prefix| ipnet::Ipv4Net::new(v4, prefix).ok())
+        .map(|v4net| IpNet::V4(v4net.trunc()))
+        .ok_or(InvalidTrustedNetwork { network: net })
+}
+
 impl ClientIpResolver {
     /// The connected peer only.
     pub fn peer_only() -> Self {
@@ -241,15 +297,27 @@ impl ClientIpResolver {
 
     /// Believe `header` from peers inside `trusted`, walking right to left.
     /// With no networks this is [`ClientIpResolver::peer_only`].
-    pub fn trusting(trusted: impl IntoIterator<Item = IpNet>, header: ForwardedHeader) -> Self {
-        let trusted: Arc<[IpNet]> = trusted.into_iter().map(|n| n.trunc()).collect();
+    ///
+    /// Networks and peers are compared in one canonical form: an
+    /// IPv4-mapped network (`::ffff:a.b.c.d/n`, n ≥ 96) is the IPv4 network
+    /// `a.b.c.d/(n − 96)`, as peers and forwarded addresses are IPv4 when
+    /// mapped. A mapped network shorter than /96 could never match and is
+    /// refused with [`InvalidTrustedNetwork`].
+    pub fn trusting(
+        trusted: impl IntoIterator<Item = IpNet>,
+        header: ForwardedHeader,
+    ) -> Result<Self, InvalidTrustedNetwork> {
+        let trusted: Arc<[IpNet]> = trusted
+            .into_iter()
+            .map(canonical_net)
+            .collect::<Result<_, _>>()?;
         if trusted.is_empty() {
-            return Self::peer_only();
+            return Ok(Self::peer_only());
         }
-        Self {
+        Ok(Self {
             mode: Mode::Recursive { trusted, header },
             ..Self::peer_only()
-        }
+        })
     }
 
     /// The strict single-proxy contract: `proxy` overwrites `header` with
@@ -322,9 +390,8 @@ impl ClientIpResolver {
         let addr = match &self.mode {
             Mode::PeerOnly => peer,
             Mode::Recursive { trusted, header } => {
-                let is_trusted = |ip: IpAddr| trusted.iter().any(|n| n.contains(&ip));
-                if is_trusted(peer) {
-                    walk(peer, &header.chain(headers), is_trusted)
+                if is_trusted(trusted, peer) {
+                    header.walk(peer, headers, trusted)
                 } else {
                     peer
                 }
@@ -363,13 +430,19 @@ impl ClientIpResolver {
     }
 }
 
-fn walk(peer: IpAddr, chain: &Chain, is_trusted: impl Fn(IpAddr) -> bool) -> IpAddr {
+fn is_trusted(trusted: &[IpNet], ip: IpAddr) -> bool {
+    trusted.iter().any(|n| n.contains(&ip))
+}
+
+/// From the trusted `peer`, past every trusted hop: the first address that
+/// is not trusted, else the last one reached. `nodes` come nearest first.
+fn walk(peer: IpAddr, nodes: impl Iterator<Item = Node>, trusted: &[IpNet]) -> IpAddr {
     let mut current = peer;
-    for node in chain.nodes.iter().rev() {
-        match *node {
+    for node in nodes {
+        match node {
             Node::Addr(ip) => {
                 current = canonical(ip);
-                if !is_trusted(current) {
+                if !is_trusted(trusted, current) {
                     return current;
                 }
             }
@@ -473,7 +546,7 @@ mod tests {
     }
 
     fn trusting(nets: &[&str], header: ForwardedHeader) -> ClientIpResolver {
-        ClientIpResolver::trusting(nets.iter().map(|n| n.parse().unwrap()), header)
+        ClientIpResolver::trusting(nets.iter().map(|n| n.parse().unwrap()), header).unwrap()
     }
 
     fn ip(s: &str) -> IpAddr {
@@ -533,6 +606,58 @@ mod tests {
                 .unwrap()
                 .addr(),
             ip("10.9.9.9")
+        );
+    }
+
+    /// Finding 3 of the identity audit: a trusted network written in
+    /// IPv4-mapped form trusted nothing, because peers are IPv4 by then.
+    #[test]
+    fn mapped_trusted_networks_trust_the_ipv4_peers_they_name() {
+        let h = headers("x-forwarded-for", &["198.51.100.8"]);
+        for net in [
+            "::ffff:127.0.0.50/128",
+            "::ffff:127.0.0.0/104",
+            "::ffff:0:0/96",
+        ] {
+            let r = trusting(&[net], ForwardedHeader::XForwardedFor);
+            for peer in ["127.0.0.50", "::ffff:127.0.0.50"] {
+                assert_eq!(
+                    r.resolve_from(ip(peer), &h).unwrap().addr(),
+                    ip("198.51.100.8"),
+                    "{net} from {peer}"
+                );
+            }
+        }
+        // A mapped hop inside the chain is the IPv4 hop, trusted as such.
+        let r = trusting(&["10.0.0.0/8"], ForwardedHeader::XForwardedFor);
+        let h = headers("x-forwarded-for", &["198.51.100.8, ::ffff:10.1.1.1"]);
+        assert_eq!(
+            r.resolve_from(ip("10.0.0.1"), &h).unwrap().addr(),
+            ip("198.51.100.8")
+        );
+        // Mapped prefixes shorter than /96 could never match: refused.
+        for net in ["::ffff:0:0/95", "::ffff:127.0.0.0/80"] {
+            let e =
+                ClientIpResolver::trusting([net.parse().unwrap()], ForwardedHeader::XForwardedFor)
+                    .unwrap_err();
+            assert!(e.to_string().contains("can never match"), "{e}");
+        }
+        // Ordinary IPv6 networks are kept as they are.
+        let r = trusting(&["2001:db8::/32"], ForwardedHeader::XForwardedFor);
+        assert_eq!(
+            r.resolve_from(ip("2001:db8::5"), &h).unwrap().addr(),
+            ip("10.1.1.1")
+        );
+        let single = ClientIpResolver::single_proxy(
+            ip("::ffff:127.0.0.50"),
+            HeaderName::from_static("x-real-ip"),
+        );
+        assert_eq!(
+            single
+                .resolve_from(ip("127.0.0.50"), &headers("x-real-ip", &["198.51.100.9"]))
+                .unwrap()
+                .addr(),
+            ip("198.51.100.9")
         );
     }
 
@@ -639,7 +764,80 @@ mod tests {
         }
     }
 
+    /// Bytes a client may put in a header value: anything but controls.
+    fn client_bytes() -> impl Strategy<Value = Vec<u8>> {
+        let byte = any::<u8>().prop_map(|b| {
+            if (b < 0x20 && b != b'\t') || b == 0x7f {
+                b'x'
+            } else {
+                b
+            }
+        });
+        prop_oneof![
+            proptest::collection::vec(byte.clone(), 0..40),
+            // Long enough to cross the per-line byte limit.
+            proptest::collection::vec(byte, 0..40).prop_map(|v| v.repeat(200)),
+            Just(b"\"".to_vec()),
+            Just(b"for=\"x".to_vec()),
+            Just(b"x\\".to_vec()),
+        ]
+    }
+
+    fn client_address() -> impl Strategy<Value = IpAddr> {
+        prop_oneof![
+            any::<[u8; 4]>().prop_map(|o| IpAddr::from([198, 51, o[2], o[3]])),
+            any::<[u16; 4]>()
+                .prop_map(|g| { IpAddr::from([0x2001, 0xdb8, 0xcafe, 1, g[0], g[1], g[2], g[3]]) }),
+        ]
+    }
+
     proptest! {
+        /// Whatever bytes a client writes to the left of what trusted hops
+        /// append (nginx-style on the same line, or on lines of its own),
+        /// the chosen address is the rightmost entry the client did not
+        /// write: the address the first trusted proxy saw.
+        #[test]
+        fn client_bytes_never_change_what_trusted_hops_report(
+            client_lines in proptest::collection::vec(client_bytes(), 0..3),
+            client in client_address(),
+            hops in proptest::collection::vec(any::<[u8; 3]>(), 1..4),
+            same_line in any::<bool>(),
+        ) {
+            let proxies: Vec<IpAddr> = hops.iter().map(|o| IpAddr::from([10, o[0], o[1], o[2]])).collect();
+            // What each proxy appends: the address of its own peer.
+            let reported: Vec<IpAddr> = std::iter::once(client).chain(proxies[..proxies.len() - 1].iter().copied()).collect();
+            let peer = proxies[proxies.len() - 1];
+            for header in [ForwardedHeader::XForwardedFor, ForwardedHeader::Forwarded] {
+                let (name, entry): (&str, fn(IpAddr) -> String) = match header {
+                    ForwardedHeader::Forwarded => ("forwarded", |ip| match ip {
+                        IpAddr::V4(v4) => format!("for={v4}"),
+                        IpAddr::V6(v6) => format!("for=\"[{v6}]\""),
+                    }),
+                    _ => ("x-forwarded-for", |ip| ip.to_string()),
+                };
+                let mut lines: Vec<Vec<u8>> = Vec::new();
+                if same_line {
+                    let mut line = client_lines.join(&b", "[..]);
+                    for ip in &reported {
+                        if !line.is_empty() {
+                            line.extend_from_slice(b", ");
+                        }
+                        line.extend_from_slice(entry(*ip).as_bytes());
+                    }
+                    lines.push(line);
+                } else {
+                    lines.extend(client_lines.iter().cloned());
+                    lines.extend(reported.iter().map(|ip| entry(*ip).into_bytes()));
+                }
+                let mut h = HeaderMap::new();
+                for line in &lines {
+                    h.append(name, http::HeaderValue::from_bytes(line).unwrap());
+                }
+                let r = trusting(&["10.0.0.0/8"], header);
+                prop_assert_eq!(r.resolve_from(peer, &h).unwrap().addr(), client, "{:?}", header);
+            }
+        }
+
         /// For any header content, an untrusted peer is keyed by itself.
         #[test]
         fn untrusted_peer_is_never_replaced(values in proptest::collection::vec("[ -~]{0,80}", 0..5), last in 0u8..=255) {

@@ -8,7 +8,6 @@ use http::request::Parts;
 use tollgate_core::Key;
 
 use super::{ClientIp, ClientIpError, ClientIpResolver, Operation, Principal};
-use crate::response::{Answer, Refusal};
 
 /// One component of a key (after the policy or layer name, which always
 /// comes first).
@@ -43,14 +42,26 @@ impl KeyPart {
 /// request has none.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum MissingPrincipal {
-    /// Answer `401 Unauthorized` (gRPC: UNAUTHENTICATED) without charging
-    /// anything (default). Use it on routes that require authentication.
+    /// Answer `401 Unauthorized` (gRPC: UNAUTHENTICATED) (default), after
+    /// charging the request to every other applicable rule whose key is
+    /// known (e.g. per address), so that guessing is rate limited too. Use
+    /// it on routes that require authentication.
     #[default]
     Reject,
     /// Key the rule by the client address instead of the principal parts.
     FallbackToClientIp,
     /// Do not apply this rule to the request.
     Skip,
+}
+
+/// Why a key could not be built.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum KeyError {
+    /// The key needs a principal, the request has none, and the rule says
+    /// [`MissingPrincipal::Reject`].
+    NoPrincipal,
+    /// The key needs the client address and it could not be resolved.
+    ClientIp(ClientIpError),
 }
 
 /// Lazily resolved identity of one request.
@@ -80,22 +91,19 @@ impl<'a> RequestIdentity<'a> {
     }
 
     /// The key `(first, parts...)`, `Ok(None)` when the request should skip
-    /// it, or the refusal to send.
+    /// it, or why it cannot be built. `route` names the operation when
+    /// routing left no `MatchedPath` (see [`Operation`]).
     pub(crate) fn key(
         &mut self,
         first: &str,
         key_parts: &[KeyPart],
         missing: MissingPrincipal,
-    ) -> Result<Option<Key>, Answer> {
+        route: Option<&str>,
+    ) -> Result<Option<Key>, KeyError> {
         let mut fallback = false;
         if self.principal.is_none() && key_parts.iter().any(KeyPart::needs_principal) {
             match missing {
-                MissingPrincipal::Reject => {
-                    return Err(Answer::new(
-                        Refusal::Unauthenticated,
-                        format!("{first:?} needs an authenticated principal"),
-                    ));
-                }
+                MissingPrincipal::Reject => return Err(KeyError::NoPrincipal),
                 MissingPrincipal::Skip => return Ok(None),
                 MissingPrincipal::FallbackToClientIp => fallback = true,
             }
@@ -118,11 +126,7 @@ impl<'a> RequestIdentity<'a> {
                         ip_done = true;
                         key.push(ip.text());
                     }
-                    Err(e @ ClientIpError::MissingPeer) => {
-                        tracing::error!(error = %e, "tollgate cannot key by client address");
-                        return Err(Answer::new(Refusal::Misconfigured, e.to_string()));
-                    }
-                    Err(e) => return Err(Answer::new(Refusal::BadRequest, e.to_string())),
+                    Err(e) => return Err(KeyError::ClientIp(e)),
                 },
                 KeyPart::Tenant => key.push(principal.map_or("", |p| p.tenant())),
                 KeyPart::Account => {
@@ -134,12 +138,16 @@ impl<'a> RequestIdentity<'a> {
                     key.push(principal.map_or("", |p| p.account()));
                     key.push(principal.and_then(|p| p.credential()).unwrap_or(""));
                 }
-                KeyPart::Operation => {
-                    let op = self
-                        .operation
-                        .get_or_insert_with(|| Operation::of(self.parts));
-                    key.push(op.as_str());
-                }
+                KeyPart::Operation => match route {
+                    // A rule-specific stand-in: not cached across rules.
+                    Some(_) => key.push(Operation::with_fallback(self.parts, route).as_str()),
+                    None => {
+                        let op = self
+                            .operation
+                            .get_or_insert_with(|| Operation::of(self.parts));
+                        key.push(op.as_str());
+                    }
+                },
                 KeyPart::Literal(s) => key.push(s.as_bytes()),
             }
         }
@@ -176,9 +184,9 @@ mod tests {
             req.extensions_mut().insert(Principal::new("north", "alice"));
             req.extensions_mut().insert(crate::PeerAddr((peer, 1).into()));
             let (parts, ()) = req.into_parts();
-            let resolver = ClientIpResolver::trusting(["0.0.0.0/0".parse().unwrap()], crate::ForwardedHeader::XForwardedFor);
+            let resolver = ClientIpResolver::trusting(["0.0.0.0/0".parse().unwrap()], crate::ForwardedHeader::XForwardedFor).unwrap();
             let key = RequestIdentity::new(&parts, &resolver)
-                .key("acct", &[KeyPart::Account], MissingPrincipal::Reject)
+                .key("acct", &[KeyPart::Account], MissingPrincipal::Reject, None)
                 .unwrap();
             prop_assert_eq!(key, Some(Key::new("acct").with("north").with("alice")));
         }

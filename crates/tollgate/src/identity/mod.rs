@@ -13,8 +13,11 @@ mod keys;
 mod operation;
 mod principal;
 
-pub use client_ip::{ClientIp, ClientIpError, ClientIpResolver, ForwardedHeader, PeerAddr};
-pub(crate) use keys::RequestIdentity;
+pub use client_ip::{
+    ClientIp, ClientIpError, ClientIpResolver, ForwardedHeader, InvalidPrefix,
+    InvalidTrustedNetwork, PeerAddr,
+};
+pub(crate) use keys::{KeyError, RequestIdentity};
 pub use keys::{KeyPart, MissingPrincipal};
 pub use operation::Operation;
 pub(crate) use operation::route_of as operation_route;

@@ -4,13 +4,20 @@ use std::sync::Arc;
 use http::request::Parts;
 
 /// The operation a request performs, for per-operation keys: the route
-/// identity from routing plus the method, e.g. `POST /export`.
+/// identity from routing plus the method, e.g. `POST /export`. `HEAD` is the
+/// operation `GET`, as axum routes it.
 ///
 /// Resolved, in order, from an `Operation` in the request extensions (set it
 /// in code for plain hyper services), axum's `MatchedPath` (with the `axum`
-/// feature), or else `METHOD *`: requests that no router matched share one
-/// operation rather than splitting by raw URL. The raw URL and its query
-/// string are never used.
+/// feature), the route pattern of the rule being keyed when that rule
+/// matched the request path itself (see
+/// [`Rule`](crate::Rule#which-requests-a-rule-applies-to)), or else
+/// `METHOD *`. That last value is **shared by every route** without a
+/// `MatchedPath`: a layer that wraps the `Router` from outside, or serves
+/// plain hyper without an `Operation` extension, keys every operation of
+/// an account into one budget (too strict, never too lenient) and
+/// tollgate logs an error once. The raw URL and its query string are
+/// never used: a client could otherwise mint a fresh budget per URL.
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Operation(Arc<str>);
 
@@ -27,12 +34,24 @@ impl Operation {
 
     /// The operation of a request, as described on the type.
     pub fn of(parts: &Parts) -> Self {
+        Self::with_fallback(parts, None)
+    }
+
+    /// The operation of a request, with `route` standing in for a missing
+    /// `MatchedPath`.
+    pub(crate) fn with_fallback(parts: &Parts, route: Option<&str>) -> Self {
         if let Some(op) = parts.extensions.get::<Operation>() {
             return op.clone();
         }
-        match route_of(parts) {
-            Some(route) => Self(format!("{} {route}", parts.method).into()),
-            None => Self(format!("{} *", parts.method).into()),
+        // axum answers HEAD with the GET handler: one operation, one budget.
+        let method = if parts.method == http::Method::HEAD {
+            &http::Method::GET
+        } else {
+            &parts.method
+        };
+        match route_of(parts).or(route) {
+            Some(route) => Self(format!("{method} {route}").into()),
+            None => Self(format!("{method} *").into()),
         }
     }
 }

@@ -8,9 +8,9 @@ use http_body_util::Full;
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use super::service::Fields;
+use super::pipeline::Fields;
 use crate::ResponseBody;
-use crate::response::{Answer, RATELIMIT, RATELIMIT_POLICY, polled_after_completion};
+use crate::response::{Answer, Protocol, RATELIMIT, RATELIMIT_POLICY, polled_after_completion};
 
 type Decision = Pin<Box<dyn Future<Output = Result<Fields, Answer>> + Send>>;
 
@@ -19,7 +19,7 @@ struct Deciding<S, ReqB> {
     decision: Decision,
     // The inner service and request, taken when the store admits.
     pending: Option<(S, Request<ReqB>)>,
-    grpc: bool,
+    protocol: Protocol,
 }
 
 pin_project! {
@@ -61,13 +61,18 @@ impl<S, ReqB> ResponseFuture<S, ReqB>
 where
     S: Service<Request<ReqB>>,
 {
-    pub(crate) fn deciding(decision: Decision, inner: S, req: Request<ReqB>, grpc: bool) -> Self {
+    pub(crate) fn deciding(
+        decision: Decision,
+        inner: S,
+        req: Request<ReqB>,
+        protocol: Protocol,
+    ) -> Self {
         Self {
             state: State::Deciding {
                 deciding: Box::new(Deciding {
                     decision,
                     pending: Some((inner, req)),
-                    grpc,
+                    protocol,
                 }),
             },
         }
@@ -109,7 +114,7 @@ where
                             fields,
                         },
                         (Err(answer), _) => State::Refused {
-                            response: Some(answer.into_response(deciding.grpc)),
+                            response: Some(answer.into_response(deciding.protocol)),
                         },
                         (Ok(_), None) => State::Refused {
                             response: Some(polled_after_completion()),

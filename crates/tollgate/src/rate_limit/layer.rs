@@ -1,5 +1,6 @@
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
 
 use tollgate_core::{DynStore, Store};
 use tower_layer::Layer;
@@ -37,6 +38,9 @@ pub(crate) struct Config<St> {
     pub(crate) resolver: ClientIpResolver,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) headers_on_admitted: bool,
+    /// Set once requests without axum's `MatchedPath` were reported, so the
+    /// error is logged once per layer, not per request.
+    pub(crate) reported_no_matched_path: AtomicBool,
 }
 
 /// Applies [`RateLimit`] to a service: the rules, the store, how client
@@ -85,6 +89,7 @@ impl<St: Store> RateLimitLayer<St> {
                 resolver: ClientIpResolver::peer_only(),
                 on_store_error: OnStoreError::FailClosed,
                 headers_on_admitted: true,
+                reported_no_matched_path: AtomicBool::new(false),
             }),
         }
     }
@@ -100,6 +105,7 @@ impl<St: Store> RateLimitLayer<St> {
                     resolver: old.resolver.clone(),
                     on_store_error: old.on_store_error.clone(),
                     headers_on_admitted: old.headers_on_admitted,
+                    reported_no_matched_path: AtomicBool::new(false),
                 };
                 f(&mut config);
                 self.config = Arc::new(config);

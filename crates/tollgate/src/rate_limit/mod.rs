@@ -52,11 +52,14 @@
 
 mod future;
 mod layer;
+mod pipeline;
+mod route;
 mod rule;
 mod service;
 
 pub use crate::identity::{KeyPart, MissingPrincipal};
 pub use future::ResponseFuture;
 pub use layer::{OnStoreError, RateLimitLayer};
+pub use route::InvalidRoute;
 pub use rule::{Cost, CostError, CostFn, Rule};
 pub use service::RateLimit;

@@ -4,11 +4,13 @@
 use std::fmt;
 use std::num::NonZeroU64;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 
 use http::request::Parts;
 use http::{Method, StatusCode};
 use tollgate_core::{Policy, Unit};
 
+use super::route::{InvalidRoute, RouteMatch, RoutePattern};
 use crate::identity::{KeyPart, MissingPrincipal, operation_route};
 
 /// A cost computed from the request.
@@ -117,6 +119,30 @@ impl fmt::Debug for Cost {
 /// One limit: a policy, the requests it applies to, how its key is built
 /// and what a request costs.
 ///
+/// # Which requests a rule applies to
+///
+/// - **Methods** ([`Rule::on_method`], repeatable): a rule on `GET` also
+///   applies to `HEAD`, because axum answers `HEAD` with the `GET` handler;
+///   a rule can still name `HEAD` alone.
+/// - **Routes** ([`Rule::on_route`], repeatable): axum 0.8 patterns such as
+///   `/items/{id}` or `/files/{*path}`, checked when the rule is built
+///   (axum 0.7's `:id` and `*rest` are refused with the fix). A pattern is
+///   compared with axum's `MatchedPath`, which is the *full* path of the
+///   route, nest prefix included (`/api/items/{id}` under
+///   `nest("/api", ..)`). Two situations would otherwise make a rule apply
+///   to nothing, and in both the rule applies rather than not at all
+///   (limiting too much is safer than not limiting), and tollgate logs an
+///   error once, naming the rule and the fix:
+///   - the `MatchedPath` only *ends* with the pattern (the layer sits
+///     inside a nested router and the pattern lacks the prefix): the rule
+///     applies to that route;
+///   - the request has no `MatchedPath` (the layer wraps the `Router` from
+///     outside, where routing has not happened yet): the pattern is matched
+///     against the request path itself, segment by segment.
+///
+///   Without the `axum` feature there is never a `MatchedPath`, and
+///   patterns are always matched against the request path, silently.
+///
 /// ```
 /// use tollgate::{Cost, KeyPart, Policy, Rate, Rule};
 /// let export = Rule::new(Policy::token_bucket("export", 3, Rate::per_second(2)).unwrap())
@@ -130,11 +156,32 @@ impl fmt::Debug for Cost {
 #[derive(Debug, Clone)]
 pub struct Rule {
     pub(crate) policy: Policy,
-    route: Option<Arc<str>>,
+    routes: Vec<RoutePattern>,
     methods: Option<Vec<Method>>,
     pub(crate) key: Vec<KeyPart>,
     pub(crate) cost: Cost,
     pub(crate) missing_principal: MissingPrincipal,
+    /// Set once a misplaced route (matched only by its tail) was reported,
+    /// so that the error is logged once per rule, not per request. Shared
+    /// by clones of the rule: they are the same rule.
+    reported_suffix: Arc<AtomicBool>,
+}
+
+/// Whether, and how, a rule applies to a request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Applies<'r> {
+    /// Not to this request.
+    No,
+    /// Yes; the rule names no route, or axum matched one of its routes.
+    Yes,
+    /// Yes, by a fallback: `route` matched the request path (there is no
+    /// `MatchedPath`) or only the tail of the `MatchedPath`.
+    ByFallback {
+        /// The pattern that matched.
+        route: &'r str,
+        /// How it matched.
+        how: RouteMatch,
+    },
 }
 
 impl Rule {
@@ -143,11 +190,12 @@ impl Rule {
     pub fn new(policy: Policy) -> Self {
         Self {
             policy,
-            route: None,
+            routes: Vec::new(),
             methods: None,
             key: Vec::new(),
             cost: Cost::ONE,
             missing_principal: MissingPrincipal::Reject,
+            reported_suffix: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -166,15 +214,33 @@ impl Rule {
         Self::new(policy).keyed_by([KeyPart::Account, KeyPart::Operation])
     }
 
-    /// Applies only to requests whose matched route is `route` (axum's
-    /// `MatchedPath`, e.g. `/users/{id}`; without one, the request path).
+    /// Applies only to requests of the route `route`, an axum 0.8 pattern
+    /// such as `/users/{id}` (see [which requests a rule applies
+    /// to](Rule#which-requests-a-rule-applies-to)). Repeat to add routes.
+    ///
+    /// # Panics
+    ///
+    /// If `route` is not a valid axum 0.8 route pattern, e.g. axum 0.7's
+    /// `/items/:id` (the message names the fix), as axum's own
+    /// `Router::route` panics on an invalid route. Use
+    /// [`Rule::try_on_route`] for routes that are not written in code.
     #[must_use]
-    pub fn on_route(mut self, route: impl Into<Arc<str>>) -> Self {
-        self.route = Some(route.into());
-        self
+    #[track_caller]
+    pub fn on_route(self, route: &str) -> Self {
+        match self.try_on_route(route) {
+            Ok(rule) => rule,
+            Err(e) => panic!("{e}"),
+        }
     }
 
-    /// Applies only to requests with `method` (repeat for several).
+    /// Like [`Rule::on_route`], returning an error instead of panicking.
+    pub fn try_on_route(mut self, route: &str) -> Result<Self, InvalidRoute> {
+        self.routes.push(RoutePattern::parse(route)?);
+        Ok(self)
+    }
+
+    /// Applies only to requests with `method` (repeat for several). A rule
+    /// on `GET` also applies to `HEAD`, as axum routes it.
     #[must_use]
     pub fn on_method(mut self, method: Method) -> Self {
         self.methods.get_or_insert_with(Vec::new).push(method);
@@ -214,15 +280,46 @@ impl Rule {
         &self.policy
     }
 
-    pub(crate) fn applies_to(&self, parts: &Parts) -> bool {
+    pub(crate) fn applies_to(&self, parts: &Parts) -> Applies<'_> {
         if let Some(methods) = &self.methods {
-            if !methods.contains(&parts.method) {
-                return false;
+            let head_as_get = parts.method == Method::HEAD && methods.contains(&Method::GET);
+            if !head_as_get && !methods.contains(&parts.method) {
+                return Applies::No;
             }
         }
-        match &self.route {
-            None => true,
-            Some(route) => operation_route(parts).unwrap_or(parts.uri.path()) == &**route,
+        if self.routes.is_empty() {
+            return Applies::Yes;
+        }
+        let matched = operation_route(parts);
+        let mut fallback = None;
+        for route in &self.routes {
+            match route.matches(matched, parts.uri.path()) {
+                RouteMatch::Exact => return Applies::Yes,
+                RouteMatch::No => {}
+                how => {
+                    fallback.get_or_insert(Applies::ByFallback {
+                        route: route.as_str(),
+                        how,
+                    });
+                }
+            }
+        }
+        fallback.unwrap_or(Applies::No)
+    }
+
+    /// Logs, once per rule, that a route matched only the tail of axum's
+    /// `MatchedPath`.
+    pub(crate) fn report_suffix(&self, route: &str, matched: &str) {
+        if !self.reported_suffix.swap(true, Ordering::Relaxed) {
+            tracing::error!(
+                policy = self.policy.name(),
+                route,
+                matched,
+                "tollgate rule {:?} names route {route:?}, but the router matched {matched:?}: \
+                 the layer sits inside a nested router. The rule applies to {matched:?}; \
+                 write the full path, .on_route({matched:?}), to say so",
+                self.policy.name()
+            );
         }
     }
 }

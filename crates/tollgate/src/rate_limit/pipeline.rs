@@ -1,0 +1,238 @@
+//! The rate-limit pipeline, one way: identity -> rules -> store -> answer.
+//!
+//! [`plan`] turns a request head into the charges of every applicable rule
+//! whose key and cost are known, plus the refusal the layer will give on its
+//! own account (no principal, bad cost, a cost that can never fit). The
+//! charges go to the store as one all-or-nothing decision ([`decide_now`],
+//! or [`decide`] when the store needs I/O), and [`conclude`] makes the
+//! answer: a lack of budget is `429` whatever else was wrong, a store
+//! failure follows the configured outcome, and only an admitted request
+//! gets the layer's own refusal (or, without one, the inner service).
+
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+
+use http::HeaderValue;
+use http::request::Parts;
+use smallvec::SmallVec;
+use tollgate_core::{Charge, Outcome, Store, StoreError, Verdict};
+
+use super::layer::{Config, OnStoreError};
+use super::route::RouteMatch;
+use super::rule::{Applies, CostRefusal};
+use crate::identity::{KeyPart, Operation, RequestIdentity, operation_route};
+use crate::observe;
+use crate::response::{Answer, Refusal, ratelimit_fields};
+
+/// The `RateLimit-Policy` and `RateLimit` values to add to a response.
+pub(crate) type Fields = Option<(HeaderValue, HeaderValue)>;
+
+/// The charges of one request; most requests have one or two rules, kept
+/// inline without an allocation.
+pub(crate) type Charges = SmallVec<[Charge; 2]>;
+
+/// What the head of a request asks of the store.
+pub(crate) struct Plan {
+    /// Every applicable rule whose key and cost are known.
+    pub(crate) charges: Charges,
+    /// The layer's own refusal, given once the charges are admitted: the
+    /// first in rule order.
+    pub(crate) refusal: Option<Answer>,
+}
+
+pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
+    let mut who = RequestIdentity::new(parts, &config.resolver);
+    let mut charges = Charges::new();
+    let mut refusal: Option<Answer> = None;
+    for rule in &config.rules {
+        let route = match rule.applies_to(parts) {
+            Applies::No => continue,
+            Applies::Yes => None,
+            Applies::ByFallback { route, how } => {
+                match (how, operation_route(parts)) {
+                    (RouteMatch::Suffix, Some(matched)) => rule.report_suffix(route, matched),
+                    _ => report_no_matched_path(config),
+                }
+                Some(route)
+            }
+        };
+        if route.is_none()
+            && rule.key.contains(&KeyPart::Operation)
+            && operation_route(parts).is_none()
+            && parts.extensions.get::<Operation>().is_none()
+        {
+            report_no_matched_path(config);
+        }
+        let policy = &rule.policy;
+        let key = match who.key(policy.name(), &rule.key, rule.missing_principal, route) {
+            Ok(Some(key)) => key,
+            Ok(None) => continue,
+            Err(error) => {
+                refusal.get_or_insert_with(|| Answer::for_key(error, policy.name()));
+                continue;
+            }
+        };
+        let cost = match rule.cost.of(parts) {
+            Ok(cost) => cost,
+            Err(CostRefusal::LengthRequired) => {
+                refusal.get_or_insert_with(|| {
+                    Answer::new(
+                        Refusal::LengthRequired,
+                        format!(
+                            "policy {:?} charges by content length; send Content-Length",
+                            policy.name()
+                        ),
+                    )
+                });
+                continue;
+            }
+            Err(CostRefusal::Invalid(why)) => {
+                refusal.get_or_insert_with(|| Answer::new(Refusal::BadRequest, why));
+                continue;
+            }
+        };
+        if cost > policy.capacity() {
+            // Waiting cannot help: this rule is not charged, the others are.
+            observe::never_fits(policy, cost);
+            refusal.get_or_insert_with(|| {
+                Answer::never_fits(policy, cost, rule.cost.never_fits_status())
+            });
+            continue;
+        }
+        match Charge::new(key, policy.clone(), cost) {
+            Ok(charge) => charges.push(charge),
+            Err(e) => {
+                refusal.get_or_insert_with(|| Answer::new(Refusal::BadRequest, e.to_string()));
+            }
+        }
+    }
+    Plan { charges, refusal }
+}
+
+/// Logs, once per layer, that rules depend on routing the request has not
+/// been through.
+fn report_no_matched_path<St>(config: &Config<St>) {
+    if cfg!(feature = "axum")
+        && !config
+            .reported_no_matched_path
+            .swap(true, Ordering::Relaxed)
+    {
+        tracing::error!(
+            "tollgate rate-limit rules name routes or operations, but requests reach the layer \
+             without axum's MatchedPath: the layer wraps the Router from outside, before \
+             routing. Route patterns are matched against the request path instead, and \
+             operations without a route are keyed as \"METHOD *\", one budget for every \
+             route. Apply the layer with Router::layer (or route_layer) to key by route"
+        );
+    }
+}
+
+/// What [`decide_now`] could settle without waiting.
+pub(crate) enum Now {
+    /// Admitted (with fields) or refused.
+    Decided(Result<Fields, Answer>),
+    /// [`decide`] must finish: the store needs I/O (`None`), or it failed
+    /// and the configured outcome may need the fallback store.
+    Later(Option<StoreError>),
+}
+
+/// Decides at once when the store can ([`Store::try_charge_now`]).
+pub(crate) fn decide_now<St: Store>(
+    config: &Config<St>,
+    charges: &[Charge],
+    refusal: &mut Option<Answer>,
+) -> Now {
+    let started = observe::start();
+    match config.store.try_charge_now(charges) {
+        Some(Ok(outcome)) => {
+            observe::store_latency(started);
+            Now::Decided(conclude(config, charges, outcome, refusal.take()))
+        }
+        Some(Err(error)) => Now::Later(Some(error)),
+        None => Now::Later(None),
+    }
+}
+
+/// Charges the store (unless `failed` says it already failed) and makes the
+/// answer.
+pub(crate) async fn decide<St: Store>(
+    config: Arc<Config<St>>,
+    charges: Charges,
+    failed: Option<StoreError>,
+    refusal: Option<Answer>,
+) -> Result<Fields, Answer> {
+    let result = match failed {
+        Some(error) => Err(error),
+        None => {
+            let started = observe::start();
+            let result = config.store.charge(&charges).await;
+            observe::store_latency(started);
+            result
+        }
+    };
+    let outcome: Outcome = match result {
+        Ok(outcome) => outcome,
+        Err(error) => match &config.on_store_error {
+            OnStoreError::FailClosed => {
+                observe::store_error(&error, "fail_closed");
+                return Err(Answer::new(
+                    Refusal::StoreUnavailable,
+                    "the rate limiter's store is unavailable; try again later",
+                ));
+            }
+            OnStoreError::FailOpen => {
+                observe::store_error(&error, "fail_open");
+                return admitted(None, refusal);
+            }
+            OnStoreError::Fallback(fallback) => {
+                observe::store_error(&error, "fallback");
+                match fallback.charge_boxed(&charges).await {
+                    Ok(outcome) => outcome,
+                    Err(second) => {
+                        observe::store_error(&second, "fail_closed");
+                        return Err(Answer::new(
+                            Refusal::StoreUnavailable,
+                            "the rate limiter's stores are unavailable; try again later",
+                        ));
+                    }
+                }
+            }
+        },
+    };
+    conclude(&config, &charges, outcome, refusal)
+}
+
+/// The answer for `outcome`: a refusal for lack of budget, or else the
+/// layer's own `refusal` if there is one, or else admit (with the fields,
+/// if configured).
+fn conclude<St>(
+    config: &Config<St>,
+    charges: &[Charge],
+    outcome: Outcome,
+    refusal: Option<Answer>,
+) -> Result<Fields, Answer> {
+    observe::outcome(charges, &outcome);
+    match outcome.verdict() {
+        Verdict::Admitted => {
+            let fields = if config.headers_on_admitted || refusal.is_some() {
+                ratelimit_fields(charges, &outcome)
+            } else {
+                None
+            };
+            admitted(fields, refusal)
+        }
+        _ => Err(Answer::from_outcome(charges, &outcome)),
+    }
+}
+
+/// Admitted by the store: pass, or give the layer's own refusal, which
+/// then carries the fields of the limits it was charged to.
+fn admitted(fields: Fields, refusal: Option<Answer>) -> Result<Fields, Answer> {
+    match refusal {
+        None => Ok(fields),
+        Some(mut answer) => {
+            answer.fields = fields.map(Box::new);
+            Err(answer)
+        }
+    }
+}

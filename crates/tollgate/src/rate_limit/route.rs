@@ -1,0 +1,300 @@
+//! Route patterns of rules, in axum 0.8 syntax: checked when the rule is
+//! built, compared with axum's `MatchedPath`, and matched against the
+//! request path where there is no `MatchedPath`.
+
+use std::fmt;
+use std::sync::Arc;
+
+/// A route pattern that axum 0.8 would not accept, refused by
+/// [`Rule::try_on_route`](super::Rule::try_on_route).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid route {route:?} for a rate-limit rule: {reason}")]
+pub struct InvalidRoute {
+    route: String,
+    reason: String,
+}
+
+impl InvalidRoute {
+    fn new(route: &str, reason: impl Into<String>) -> Self {
+        Self {
+            route: route.to_owned(),
+            reason: reason.into(),
+        }
+    }
+
+    /// The route as it was given.
+    pub fn route(&self) -> &str {
+        &self.route
+    }
+
+    /// What is wrong with it, and the fix.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Segment {
+    /// Text that must appear as is (escaped braces already undone).
+    Literal(String),
+    /// `prefix{name}suffix`: one or more bytes other than `/` between.
+    Param { prefix: String, suffix: String },
+    /// `{*name}`: the rest of the path, at least one byte.
+    Wildcard,
+}
+
+/// A validated route pattern.
+#[derive(Clone, PartialEq, Eq)]
+pub(crate) struct RoutePattern {
+    text: Arc<str>,
+    segments: Box<[Segment]>,
+}
+
+impl fmt::Debug for RoutePattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.text)
+    }
+}
+
+/// How a request's route relates to a pattern.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum RouteMatch {
+    /// Not this route.
+    No,
+    /// axum's `MatchedPath` is the pattern.
+    Exact,
+    /// axum's `MatchedPath` ends with the pattern: the layer sits inside a
+    /// nested router and the pattern lacks the nest prefix.
+    Suffix,
+    /// No `MatchedPath`; the request path matches the pattern.
+    Path,
+}
+
+impl RoutePattern {
+    pub(crate) fn parse(route: &str) -> Result<Self, InvalidRoute> {
+        let Some(rest) = route.strip_prefix('/') else {
+            return Err(InvalidRoute::new(
+                route,
+                "a route starts with '/', as in axum's Router::route",
+            ));
+        };
+        let mut segments = Vec::new();
+        let count = rest.split('/').count();
+        for (i, raw) in rest.split('/').enumerate() {
+            if let Some(name) = raw.strip_prefix(':') {
+                return Err(InvalidRoute::new(
+                    route,
+                    format!(
+                        "axum 0.8 writes path parameters as {{{name}}}, not :{name}; \
+                         write {:?}",
+                        route.replace(raw, &format!("{{{name}}}"))
+                    ),
+                ));
+            }
+            if let Some(name) = raw.strip_prefix('*') {
+                return Err(InvalidRoute::new(
+                    route,
+                    format!(
+                        "axum 0.8 writes a wildcard as {{*{name}}}, not *{name}; write {:?}",
+                        route.replace(raw, &format!("{{*{name}}}"))
+                    ),
+                ));
+            }
+            let segment = parse_segment(route, raw)?;
+            if segment == Segment::Wildcard && i + 1 != count {
+                return Err(InvalidRoute::new(
+                    route,
+                    "a wildcard {*rest} can only be the last segment",
+                ));
+            }
+            segments.push(segment);
+        }
+        Ok(Self {
+            text: route.into(),
+            segments: segments.into(),
+        })
+    }
+
+    pub(crate) fn as_str(&self) -> &str {
+        &self.text
+    }
+
+    /// How `matched` (axum's `MatchedPath`, if any) or else `path` relates
+    /// to this pattern.
+    pub(crate) fn matches(&self, matched: Option<&str>, path: &str) -> RouteMatch {
+        match matched {
+            Some(m) if m == &*self.text => RouteMatch::Exact,
+            // "/" is the tail of many paths and names no nested route.
+            Some(m)
+                if &*self.text != "/" && m.len() > self.text.len() && m.ends_with(&*self.text) =>
+            {
+                RouteMatch::Suffix
+            }
+            Some(_) => RouteMatch::No,
+            None if self.matches_path(path) => RouteMatch::Path,
+            None => RouteMatch::No,
+        }
+    }
+
+    fn matches_path(&self, path: &str) -> bool {
+        let Some(mut rest) = path.strip_prefix('/') else {
+            return false;
+        };
+        for (i, segment) in self.segments.iter().enumerate() {
+            let last = i + 1 == self.segments.len();
+            if *segment == Segment::Wildcard {
+                return !rest.is_empty();
+            }
+            let (piece, tail) = match rest.split_once('/') {
+                Some((piece, tail)) if !last => (piece, Some(tail)),
+                Some(_) => return false,
+                None if last => (rest, None),
+                None => return false,
+            };
+            let fits = match segment {
+                Segment::Literal(text) => piece == text,
+                Segment::Param { prefix, suffix } => {
+                    piece.len() > prefix.len() + suffix.len()
+                        && piece.starts_with(prefix.as_str())
+                        && piece.ends_with(suffix.as_str())
+                }
+                Segment::Wildcard => true,
+            };
+            if !fits {
+                return false;
+            }
+            rest = tail.unwrap_or("");
+        }
+        true
+    }
+}
+
+/// One segment: literal text with `{{`/`}}` escapes and at most one
+/// `{name}`, or a whole-segment `{*name}`.
+fn parse_segment(route: &str, raw: &str) -> Result<Segment, InvalidRoute> {
+    let mut text = String::new();
+    let mut param: Option<String> = None;
+    let mut chars = raw.chars().peekable();
+    while let Some(c) = chars.next() {
+        match c {
+            '{' if chars.peek() == Some(&'{') => {
+                chars.next();
+                text.push('{');
+            }
+            '}' if chars.peek() == Some(&'}') => {
+                chars.next();
+                text.push('}');
+            }
+            '{' => {
+                let mut name = String::new();
+                loop {
+                    match chars.next() {
+                        Some('}') => break,
+                        Some('{') | None => {
+                            return Err(InvalidRoute::new(
+                                route,
+                                "unbalanced '{' in a path parameter; escape a literal brace as {{",
+                            ));
+                        }
+                        Some(c) => name.push(c),
+                    }
+                }
+                if let Some(wild) = name.strip_prefix('*') {
+                    if wild.is_empty() || !text.is_empty() || chars.peek().is_some() {
+                        return Err(InvalidRoute::new(
+                            route,
+                            "a wildcard is a whole segment with a name, as in /files/{*path}",
+                        ));
+                    }
+                    return Ok(Segment::Wildcard);
+                }
+                if name.is_empty() {
+                    return Err(InvalidRoute::new(
+                        route,
+                        "a path parameter needs a name, as in {id}",
+                    ));
+                }
+                if param.is_some() {
+                    return Err(InvalidRoute::new(
+                        route,
+                        "only one path parameter per segment",
+                    ));
+                }
+                param = Some(std::mem::take(&mut text));
+            }
+            '}' => {
+                return Err(InvalidRoute::new(
+                    route,
+                    "unbalanced '}'; escape a literal brace as }}",
+                ));
+            }
+            c => text.push(c),
+        }
+    }
+    Ok(match param {
+        Some(prefix) => Segment::Param {
+            prefix,
+            suffix: text,
+        },
+        None => Segment::Literal(text),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pattern(s: &str) -> RoutePattern {
+        RoutePattern::parse(s).unwrap()
+    }
+
+    #[test]
+    fn axum_07_syntax_is_refused_with_the_fix() {
+        let e = RoutePattern::parse("/items/:id").unwrap_err();
+        assert!(e.reason().contains("\"/items/{id}\""), "{e}");
+        let e = RoutePattern::parse("/files/*path").unwrap_err();
+        assert!(e.reason().contains("\"/files/{*path}\""), "{e}");
+        for bad in [
+            "items", "", "/a/{", "/a/}", "/a/{}", "/a/{*}", "/{*a}/b", "/x{a}{b}",
+        ] {
+            assert!(RoutePattern::parse(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn matched_path_is_compared_whole_or_as_a_nested_tail() {
+        let p = pattern("/items/{id}");
+        assert_eq!(
+            p.matches(Some("/items/{id}"), "/items/7"),
+            RouteMatch::Exact
+        );
+        assert_eq!(
+            p.matches(Some("/api/items/{id}"), "/api/items/7"),
+            RouteMatch::Suffix
+        );
+        assert_eq!(p.matches(Some("/users/{id}"), "/users/7"), RouteMatch::No);
+        assert_eq!(pattern("/").matches(Some("/api/"), "/api/"), RouteMatch::No);
+    }
+
+    #[test]
+    fn without_matched_path_the_request_path_is_matched() {
+        let p = pattern("/items/{id}");
+        assert_eq!(p.matches(None, "/items/7"), RouteMatch::Path);
+        for other in ["/items", "/items/", "/items/7/x", "/itemsx/7", "items/7"] {
+            assert_eq!(p.matches(None, other), RouteMatch::No, "{other}");
+        }
+        let files = pattern("/files/{*path}");
+        assert_eq!(files.matches(None, "/files/a/b"), RouteMatch::Path);
+        assert_eq!(files.matches(None, "/files/"), RouteMatch::No);
+        let ext = pattern("/img/{name}.png");
+        assert_eq!(ext.matches(None, "/img/cat.png"), RouteMatch::Path);
+        assert_eq!(ext.matches(None, "/img/.png"), RouteMatch::No);
+        let braces = pattern("/a{{b}}");
+        assert_eq!(braces.matches(None, "/a{b}"), RouteMatch::Path);
+        assert_eq!(pattern("/").matches(None, "/"), RouteMatch::Path);
+        assert_eq!(
+            pattern("/export").matches(None, "/export"),
+            RouteMatch::Path
+        );
+    }
+}
