@@ -2,6 +2,9 @@
 //! loopback source address and send any header, and a quickstart launcher.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod logs;
+pub mod nginx;
+
 use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, SocketAddr};
 use std::process::{Child, Command, Stdio};
@@ -102,19 +105,47 @@ pub async fn send(
     headers: &[(&str, &str)],
     body: &[u8],
 ) -> Reply {
+    let raw: Vec<(&str, &[u8])> = headers.iter().map(|(k, v)| (*k, v.as_bytes())).collect();
+    send_bytes(server, from, method, path, &raw, body).await
+}
+
+/// Like [`send`], with header values as raw bytes (anything a client can
+/// put on the wire, e.g. obs-text such as 0xFF).
+pub async fn send_bytes(
+    server: SocketAddr,
+    from: IpAddr,
+    method: &str,
+    path: &str,
+    headers: &[(&str, &[u8])],
+    body: &[u8],
+) -> Reply {
+    let mut request =
+        format!("{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n").into_bytes();
+    for (k, v) in headers {
+        request.extend_from_slice(k.as_bytes());
+        request.extend_from_slice(b": ");
+        request.extend_from_slice(v);
+        request.extend_from_slice(b"\r\n");
+    }
+    let framed = headers.iter().any(|(k, _)| {
+        k.eq_ignore_ascii_case("content-length") || k.eq_ignore_ascii_case("transfer-encoding")
+    });
+    if !framed && (!body.is_empty() || method == "POST") {
+        request.extend_from_slice(format!("Content-Length: {}\r\n", body.len()).as_bytes());
+    }
+    request.extend_from_slice(b"\r\n");
+    request.extend_from_slice(body);
+    send_raw(server, from, &request).await
+}
+
+/// Sends `request` (whole, as bytes; it should ask for `Connection: close`)
+/// from `from` and reads the whole response.
+pub async fn send_raw(server: SocketAddr, from: IpAddr, request: &[u8]) -> Reply {
     let socket = TcpSocket::new_v4().unwrap();
     socket.bind(SocketAddr::new(from, 0)).unwrap();
     let mut stream = socket.connect(server).await.unwrap();
-    let mut head = format!("{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n");
-    for (k, v) in headers {
-        head.push_str(&format!("{k}: {v}\r\n"));
-    }
-    if !body.is_empty() || method == "POST" {
-        head.push_str(&format!("Content-Length: {}\r\n", body.len()));
-    }
-    head.push_str("\r\n");
-    stream.write_all(head.as_bytes()).await.unwrap();
-    let _ = stream.write_all(body).await;
+    // The server may answer before reading a body and close.
+    let _ = stream.write_all(request).await;
     let mut raw = Vec::new();
     tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut raw))
         .await
