@@ -509,3 +509,80 @@ async fn grpc_refusals_only_for_grpc_media_types() {
         assert_eq!(r.header("content-type"), Some(answered), "{ct}");
     }
 }
+
+/// When authentication answers 401 itself, tollgate inside it never sees
+/// the guesses. The layering the README shows still limits them: an
+/// address-keyed layer outside the authentication layer, the account-keyed
+/// rules inside it.
+#[tokio::test(flavor = "multi_thread")]
+async fn guessing_is_limited_when_authentication_rejects_before_tollgate() {
+    async fn strict_auth(
+        mut req: axum::extract::Request,
+        next: axum::middleware::Next,
+    ) -> axum::response::Response {
+        use axum::response::IntoResponse;
+        let key = req
+            .headers()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok());
+        if key != Some("Bearer right") {
+            return StatusCode::UNAUTHORIZED.into_response();
+        }
+        req.extensions_mut()
+            .insert(Principal::new("north", "alice"));
+        next.run(req).await
+    }
+    let per_address = RateLimitLayer::new(MemoryStore::new()).rule(Rule::per_client_ip(
+        Policy::token_bucket("outer-ip", 5, Rate::per_hour(1)).unwrap(),
+    ));
+    let per_account = RateLimitLayer::new(MemoryStore::new()).rule(Rule::per_account(
+        Policy::token_bucket("inner-account", 2, Rate::per_hour(1)).unwrap(),
+    ));
+    let app = serve(
+        Router::new()
+            .route("/export", post(|| async { "ok" }))
+            .layer(per_account)
+            .layer(axum::middleware::from_fn(strict_auth))
+            .layer(per_address),
+    )
+    .await;
+    let post_with = |from: &'static str, key: &'static str| async move {
+        send(
+            app,
+            ip(from),
+            "POST",
+            "/export",
+            &[("Authorization", key)],
+            b"",
+        )
+        .await
+        .status
+    };
+    for _ in 0..5 {
+        assert_eq!(
+            post_with("127.0.19.1", "Bearer guess").await,
+            StatusCode::UNAUTHORIZED
+        );
+    }
+    assert_eq!(
+        post_with("127.0.19.1", "Bearer guess").await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        post_with("127.0.19.1", "Bearer right").await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // From another address the account budget applies inside.
+    assert_eq!(
+        post_with("127.0.19.2", "Bearer right").await,
+        StatusCode::OK
+    );
+    assert_eq!(
+        post_with("127.0.19.2", "Bearer right").await,
+        StatusCode::OK
+    );
+    assert_eq!(
+        post_with("127.0.19.2", "Bearer right").await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+}

@@ -38,7 +38,8 @@ pub use identity::{
     InvalidTrustedNetwork, Operation, PeerAddr, Principal,
 };
 pub use rate_limit::{
-    Cost, InvalidRoute, KeyPart, MissingPrincipal, OnStoreError, RateLimit, RateLimitLayer, Rule,
+    Cost, CostError, InvalidRoute, KeyPart, MissingPrincipal, OnStoreError, RateLimit,
+    RateLimitLayer, Rule,
 };
 pub use tollgate_core::{
     self as core, Algorithm, CapPolicy, Charge, Clock, Decision, DynStore, Initial, Key,
