@@ -5,6 +5,7 @@
 #
 #   bash fuzz/run.sh                    # 10 minutes per target
 #   SECONDS_PER_TARGET=60 bash fuzz/run.sh
+#   bash fuzz/run.sh forwarded layer    # only these targets
 #
 # cargo-fuzz needs unstable rustc flags; RUSTC_BOOTSTRAP=1 lets the stable
 # compiler accept them for this build only.
@@ -22,6 +23,7 @@ run() {
         > "$LOGS/$target.log" 2>&1 && echo "$target: ok" || echo "$target: FAILED (see $LOGS/$target.log)"
 }
 targets=(forwarded retry_after key layer)
+if (($# > 0)); then targets=("$@"); fi
 for ((i = 0; i < ${#targets[@]}; i += 2)); do
     run "${targets[i]}" &
     if ((i + 1 < ${#targets[@]})); then run "${targets[i + 1]}" & fi

@@ -1,15 +1,20 @@
-//! The whole rate-limit layer fed arbitrary header sets (forwarding headers,
-//! content types, lengths): no panic, and every answer is one of the
-//! statuses the layer documents.
+//! The whole rate-limit layer fed arbitrary requests (methods, routes,
+//! principals, forwarding headers, content types and lengths): no panic,
+//! every answer is one the layer documents, and every request spends one
+//! unit from its address or is refused for lack of budget (429, or gRPC
+//! status 8) without spending.
 #![no_main]
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use libfuzzer_sys::fuzz_target;
-use tollgate::{ClientIpResolver, Cost, ForwardedHeader, MemoryStore, PeerAddr, Policy, Rate, RateLimitLayer, Rule};
+use tollgate::{
+    Charge, ClientIpResolver, Cost, CostError, ForwardedHeader, Key, MemoryStore, PeerAddr, Policy,
+    Principal, Rate, RateLimitLayer, Rule,
+};
 use tower::{Layer, Service};
 
 fn block_on<F: std::future::Future>(f: F) -> F::Output {
@@ -22,35 +27,81 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
     }
 }
 
-fn layer() -> &'static RateLimitLayer<MemoryStore> {
-    static LAYER: OnceLock<RateLimitLayer<MemoryStore>> = OnceLock::new();
+fn per_ip() -> Policy {
+    // Large, on a clock that stands still: a fuzz run never spends it, and
+    // nothing refills between the reads before and after a request.
+    Policy::token_bucket("ip", 1 << 20, Rate::per_hour(1)).unwrap()
+}
+
+fn setup() -> &'static (Arc<MemoryStore>, RateLimitLayer<MemoryStore>) {
+    static LAYER: OnceLock<(Arc<MemoryStore>, RateLimitLayer<MemoryStore>)> = OnceLock::new();
     LAYER.get_or_init(|| {
-        RateLimitLayer::new(MemoryStore::builder().max_keys(10_000, tollgate::CapPolicy::EvictNearestIdle).build())
-            .client_ip(ClientIpResolver::trusting(["10.0.0.0/8".parse().unwrap()], ForwardedHeader::Forwarded))
-            .rule(Rule::per_client_ip(Policy::token_bucket("ip", 5, Rate::per_second(1)).unwrap()))
+        let store = Arc::new(MemoryStore::builder().clock(tollgate::ManualClock::new(0)).build());
+        let layer = RateLimitLayer::with_shared_store(store.clone())
+            .client_ip(
+                ClientIpResolver::trusting(["10.0.0.0/8".parse().unwrap()], ForwardedHeader::Forwarded)
+                    .unwrap(),
+            )
+            .rule(Rule::per_client_ip(per_ip()))
             .rule(
                 Rule::per_client_ip(Policy::token_bucket("bytes", 4096, Rate::per_second(1024)).unwrap())
                     .on_route("/upload")
                     .with_cost(Cost::content_bytes()),
             )
+            .rule(Rule::per_account(Policy::token_bucket("acct", 3, Rate::per_second(1)).unwrap()).on_route("/export"))
+            .rule(
+                Rule::per_account_operation(Policy::token_bucket("work", 50, Rate::per_second(1)).unwrap())
+                    .on_route("/items/{id}")
+                    .when_no_principal(tollgate::MissingPrincipal::FallbackToClientIp)
+                    .with_cost(Cost::computed(|parts| {
+                        parts
+                            .headers
+                            .get("x-cost")
+                            .and_then(|v| v.to_str().ok())
+                            .and_then(|v| v.parse().ok())
+                            .ok_or_else(|| CostError("x-cost".into()))
+                    })),
+            );
+        (store, layer)
     })
 }
 
-fuzz_target!(|input: (bool, bool, Vec<(Vec<u8>, Vec<u8>)>)| {
-    let (trusted_peer, upload, headers) = input;
+fn remaining(store: &MemoryStore, ip: &str) -> Option<u64> {
+    let never = Policy::token_bucket("probe", 1, Rate::per_hour(1)).unwrap();
+    let outcome = store
+        .charge_now(&[
+            Charge::new(Key::new("ip").with(ip), per_ip(), 1).ok()?,
+            Charge::new(Key::new("probe"), never, 2).ok()?,
+        ])
+        .ok()?;
+    Some(outcome.limits()[0].remaining())
+}
+
+fuzz_target!(|input: (u8, u8, u8, bool, Vec<(Vec<u8>, Vec<u8>)>)| {
+    let (method, route, peer, principal, headers) = input;
+    let (store, layer) = setup();
     let inner = tower::service_fn(|_req: Request<()>| async {
         Ok::<_, Infallible>(Response::new(http_body_util::Empty::<bytes::Bytes>::new()))
     });
-    let mut svc = layer().layer(inner);
-    let mut req = Request::builder().uri(if upload { "/upload" } else { "/" }).body(()).unwrap();
+    let mut svc = layer.layer(inner);
+    let method = ["GET", "HEAD", "POST", "PUT"][usize::from(method % 4)];
+    let path = ["/", "/upload", "/export", "/items/7", "/items/", "/other"][usize::from(route % 6)];
+    let mut req = Request::builder().method(method).uri(path).body(()).unwrap();
     for (name, value) in headers.iter().take(32) {
         if let (Ok(n), Ok(v)) = (HeaderName::from_bytes(name), HeaderValue::from_bytes(value)) {
             req.headers_mut().append(n, v);
         }
     }
-    let peer: SocketAddr = if trusted_peer { "10.1.2.3:1" } else { "198.51.100.9:1" }.parse().unwrap();
-    req.extensions_mut().insert(PeerAddr(peer));
-    let status = block_on(svc.call(req)).unwrap().status();
+    if principal {
+        req.extensions_mut().insert(Principal::new("north", "alice"));
+    }
+    // An untrusted peer (keyed by itself) or a trusted one (keyed by what
+    // its Forwarded header says: only the untrusted peers are checked).
+    let peer_ip = if peer % 2 == 0 { format!("198.51.100.{peer}") } else { "10.1.2.3".to_owned() };
+    req.extensions_mut().insert(PeerAddr(SocketAddr::new(peer_ip.parse().unwrap(), 1)));
+    let before = remaining(store, &peer_ip);
+    let response = block_on(svc.call(req)).unwrap();
+    let status = response.status();
     assert!(
         [
             StatusCode::OK,
@@ -58,9 +109,22 @@ fuzz_target!(|input: (bool, bool, Vec<(Vec<u8>, Vec<u8>)>)| {
             StatusCode::PAYLOAD_TOO_LARGE,
             StatusCode::LENGTH_REQUIRED,
             StatusCode::BAD_REQUEST,
+            StatusCode::UNAUTHORIZED,
             StatusCode::SERVICE_UNAVAILABLE,
         ]
         .contains(&status),
         "unexpected {status}"
     );
+    if peer % 2 == 0 {
+        let after = remaining(store, &peer_ip);
+        let for_budget = match response.headers().get("grpc-status") {
+            Some(code) => code == "8",
+            None => status == StatusCode::TOO_MANY_REQUESTS,
+        };
+        if for_budget {
+            assert_eq!(after, before, "refused for budget, yet spent");
+        } else if status != StatusCode::SERVICE_UNAVAILABLE {
+            assert_eq!(after.map(|a| a + 1), before, "answered {status} without spending");
+        }
+    }
 });
