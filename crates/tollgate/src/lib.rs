@@ -3,9 +3,11 @@
 //!
 //! - [`RateLimitLayer`] resolves who is asking (a verified [`Principal`], or
 //!   a client address through a trusted-proxy boundary) into tuple keys,
-//!   charges every applicable [`Rule`] in one all-or-nothing [`Store`] call,
-//!   and answers refusals with `429`, `Retry-After` and the IETF
-//!   `RateLimit-Policy` / `RateLimit` fields.
+//!   charges every applicable [`Rule`] whose key and cost are known in one
+//!   all-or-nothing [`Store`] call (also when it then refuses the request
+//!   for its own reasons, so guessing is limited too), and answers
+//!   refusals with `429`, `Retry-After` and the IETF `RateLimit-Policy` /
+//!   `RateLimit` fields.
 //! - [`ConcurrencyLimitLayer`] bounds requests in flight, globally and per
 //!   key, until their response bodies end.
 //! - The budget arithmetic, keys and stores come from [`tollgate_core`],

@@ -114,8 +114,10 @@ impl<St: Store> RateLimitLayer<St> {
         self
     }
 
-    /// Adds a rule. Every rule that applies to a request is charged in one
-    /// all-or-nothing store call.
+    /// Adds a rule. Every rule that applies to a request and whose key and
+    /// cost are known is charged in one all-or-nothing store call, also
+    /// when the layer then refuses the request for its own reasons (see
+    /// [the order of answers](super#the-order-of-answers-every-request-counts-against-its-address)).
     pub fn rule(self, rule: Rule) -> Self {
         self.edit(|c| c.rules.push(rule))
     }

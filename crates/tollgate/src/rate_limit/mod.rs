@@ -13,6 +13,39 @@
 //! | content-length cost without `Content-Length` | `411` | 3 |
 //! | no peer address (server misconfigured) | `500`, logged | 13 INTERNAL |
 //!
+//! gRPC is recognised by the exact content type: `application/grpc` alone
+//! or followed by `+` or `;`, and the gRPC-Web types (`application/grpc-web`,
+//! `application/grpc-web+proto`, `application/grpc-web-text`), which are
+//! answered in their own content type. `application/grpcx` is plain HTTP.
+//!
+//! # The order of answers: every request counts against its address
+//!
+//! A rule whose key or cost cannot be determined (no principal, no
+//! `Content-Length`, an unusable computed cost, no peer address), or whose
+//! cost can never fit, is not charged: it gives the layer a refusal of its
+//! own (the first one, in rule order). Every other applicable rule is
+//! charged, and then:
+//!
+//! 1. the charges are one all-or-nothing store decision;
+//! 2. a store failure follows [`OnStoreError`] (`503` when failing closed;
+//!    failing open goes on as if admitted);
+//! 3. if any limit lacks budget, the answer is `429` and nothing was spent
+//!    anywhere;
+//! 4. otherwise the layer's own refusal, if there is one, with the
+//!    `RateLimit` fields of the limits it was charged to;
+//! 5. otherwise the inner service is called.
+//!
+//! So a request the layer refuses for its own reasons (a credential guess
+//! answered `401`, an oversized upload answered `413`) still spends from
+//! every limit it can be charged to, typically its address, and is `429`
+//! once that is spent: guessing and junk are rate limited too. Only a
+//! refusal for lack of budget spends nothing.
+//!
+//! When an authentication layer answers `401` itself before the request
+//! reaches this layer, put an address-keyed `RateLimitLayer` outside the
+//! authentication layer and the account-keyed rules inside it (see the
+//! README, "When authentication answers first").
+//!
 //! The inner service's error type passes through unchanged: refusals are
 //! responses, not errors. `poll_ready` only forwards the inner service's
 //! readiness: the limiter never exerts backpressure.
