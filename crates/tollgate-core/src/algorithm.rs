@@ -335,10 +335,13 @@ fn fixed_window(limit: u64, window: u64, state: Option<State>, now: Nanos, cost:
     };
     let end = start.saturating_add(window);
     let reset = Duration::from_nanos(end - now.min(end));
-    if count + cost <= limit {
+    // `count + cost` can overflow for limits of 2^63 and more: compare with
+    // what is left instead.
+    let left = limit.saturating_sub(count);
+    if cost <= left {
         Step {
             decision: Decision::Admitted {
-                remaining: limit - count - cost,
+                remaining: left - cost,
                 reset,
             },
             next: Some(State {
@@ -352,7 +355,7 @@ fn fixed_window(limit: u64, window: u64, state: Option<State>, now: Nanos, cost:
         Step {
             decision: Decision::Denied {
                 retry_after: reset,
-                remaining: limit - count,
+                remaining: left,
                 reset,
             },
             next: None,
@@ -505,6 +508,36 @@ mod tests {
             step.decision.retry_after(),
             Some(Duration::from_millis(500))
         );
+    }
+
+    /// Audit finding 5: `count + cost <= limit` overflowed for limits of
+    /// 2^63 and more (a panic in debug builds, unlimited admission after
+    /// wrapping in release builds).
+    #[test]
+    fn huge_limits_do_not_overflow() {
+        let w = Policy::fixed_window("w", u64::MAX, Duration::from_secs(60)).unwrap();
+        let s = decide(&w, None, 0, u64::MAX - 1).next;
+        assert!(decide(&w, s, S, 1).decision.is_admitted());
+        let refused = decide(&w, s, S, 2);
+        assert!(!refused.decision.is_admitted());
+        assert_eq!(refused.decision.remaining(), 1);
+        let full = decide(&w, None, 0, u64::MAX).next;
+        assert!(!decide(&w, full, S, u64::MAX).decision.is_admitted());
+        // The largest sliding windows that are accepted decide without
+        // overflow, at the limit and one past it.
+        let sw = Policy::sliding_window("sw", u64::MAX, Duration::from_secs(86_400)).unwrap();
+        let s = decide(&sw, None, 0, u64::MAX).next;
+        assert!(!decide(&sw, s, S, u64::MAX).decision.is_admitted());
+        let later = decide(&sw, s, 86_400 * S + S, u64::MAX);
+        assert!(!later.decision.is_admitted());
+        assert!(
+            decide(&sw, s, 2 * 86_400 * S, u64::MAX)
+                .decision
+                .is_admitted()
+        );
+        let e = Policy::sliding_window("sw", u64::MAX, Duration::from_secs(300 * 365 * 86_400))
+            .unwrap_err();
+        assert!(e.reason().contains("128 bits"), "{e}");
     }
 
     #[test]

@@ -305,14 +305,35 @@ impl Policy {
 
     /// A sliding window counter admitting at most `limit` weighted cost per
     /// `window` (see [`Algorithm::SlidingWindow`] for the exact rule).
+    ///
+    /// Refused when `3 × limit × window` (in nanoseconds) does not fit 128
+    /// bits: the exact comparison weighs up to three such products (e.g. a
+    /// limit of 2^64 − 1 with a window over about 190 years). Any limit works with
+    /// windows up to a day.
     pub fn sliding_window(
         name: impl Into<Arc<str>>,
         limit: u64,
         window: Duration,
     ) -> Result<Self, InvalidPolicy> {
-        Self::windowed(name.into(), limit, window, |limit, window| {
+        let name = name.into();
+        let policy = Self::windowed(name.clone(), limit, window, |limit, window| {
             Algorithm::SlidingWindow { limit, window }
-        })
+        })?;
+        let window = policy.window().as_nanos();
+        if u128::from(limit)
+            .checked_mul(window)
+            .and_then(|p| p.checked_mul(3))
+            .is_none()
+        {
+            return Err(InvalidPolicy::new(
+                &name,
+                format!(
+                    "3 x limit {limit} x window {window} ns does not fit 128 bits; \
+                     use a smaller limit or a shorter window"
+                ),
+            ));
+        }
+        Ok(policy)
     }
 
     fn windowed(
