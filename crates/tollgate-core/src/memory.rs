@@ -356,11 +356,21 @@ impl MemoryStore {
         // Admissions are written only together; a refusal's state (the
         // creation of an initially-empty bucket) is written regardless.
         steps.retain(|(_, s, _)| s.next.is_some() && (admitted || !s.decision.is_admitted()));
-        if let Some(cap) = inner.per_shard {
-            for (digest, _, _) in &steps {
-                let shard = &mut guards[guard_of(*digest)];
-                if !shard.contains(digest) && shard.len() >= cap {
-                    inner.make_room(shard, now)?;
+        if inner.per_shard.is_some() {
+            // Room for every new key of this call, counted before any is
+            // written: one call must not take a shard past its cap. A key
+            // that appears twice is one key.
+            let mut fresh: Vec<u128> = steps
+                .iter()
+                .map(|(d, _, _)| *d)
+                .filter(|d| !guards[guard_of(*d)].contains(d))
+                .collect();
+            fresh.sort_unstable();
+            fresh.dedup();
+            for (i, &g) in order.iter().enumerate() {
+                let new_here = fresh.iter().filter(|d| inner.shard_of(**d) == g).count();
+                if new_here > 0 {
+                    inner.make_room_for(&mut guards[i], new_here, &digests, now)?;
                 }
             }
         }
@@ -394,7 +404,7 @@ impl MemoryStore {
         let step = algorithm::decide(policy, state, now, cost);
         if let Some(next) = step.next {
             if state.is_none() && inner.per_shard.is_some_and(|cap| shard.len() >= cap) {
-                inner.make_room(&mut shard, now)?;
+                inner.make_room_for(&mut shard, 1, &[], now)?;
             }
             shard.put(digest, policy, next, step.idle_at);
         }
@@ -502,39 +512,54 @@ impl Inner {
         shard.next_sweep = now.saturating_add(self.sweep_every);
     }
 
-    fn make_room(&self, shard: &mut Shard, now: Nanos) -> Result<(), StoreError> {
+    /// Makes room in `shard` for `new` keys not yet in it, or refuses (by
+    /// the cap policy). Eviction never picks one of `keep`, the keys this
+    /// call is about to write.
+    fn make_room_for(
+        &self,
+        shard: &mut Shard,
+        new: usize,
+        keep: &[u128],
+        now: Nanos,
+    ) -> Result<(), StoreError> {
         // At most one sweep per interval even here: under a flood of new
         // keys a sweep per request would make every refusal O(shard size).
         self.maybe_sweep(shard, now);
         let cap = self.per_shard.unwrap_or(usize::MAX);
-        if shard.len() < cap {
-            return Ok(());
+        let refuse = || {
+            self.refused_new_keys.fetch_add(1, Ordering::Relaxed);
+            Err(StoreError::new(
+                StoreErrorKind::CapacityExhausted,
+                format!("memory store shard is at its cap of {cap} keys"),
+            ))
+        };
+        if new > cap {
+            // More new keys than the shard may ever hold: no eviction helps.
+            return refuse();
         }
-        match self.cap_policy {
-            CapPolicy::RefuseNewKeys => {
-                self.refused_new_keys.fetch_add(1, Ordering::Relaxed);
-                Err(StoreError::new(
-                    StoreErrorKind::CapacityExhausted,
-                    format!("memory store shard is at its cap of {cap} keys"),
-                ))
-            }
-            CapPolicy::EvictNearestIdle => {
-                const SAMPLE: usize = 8;
-                let compact = shard.compact.iter().map(|(d, c)| (*d, c.idle_at));
-                let wide = shard.wide.iter().map(|(d, e)| (*d, e.idle_at));
-                let victim = compact
-                    .chain(wide)
-                    .take(SAMPLE)
-                    .min_by_key(|(_, idle_at)| *idle_at)
-                    .map(|(d, _)| d);
-                if let Some(d) = victim {
-                    shard.compact.remove(&d);
-                    shard.wide.remove(&d);
+        while shard.len() + new > cap {
+            match self.cap_policy {
+                CapPolicy::RefuseNewKeys => return refuse(),
+                CapPolicy::EvictNearestIdle => {
+                    const SAMPLE: usize = 8;
+                    let compact = shard.compact.iter().map(|(d, c)| (*d, c.idle_at));
+                    let wide = shard.wide.iter().map(|(d, e)| (*d, e.idle_at));
+                    let Some(victim) = compact
+                        .chain(wide)
+                        .filter(|(d, _)| !keep.contains(d))
+                        .take(SAMPLE)
+                        .min_by_key(|(_, idle_at)| *idle_at)
+                        .map(|(d, _)| d)
+                    else {
+                        return refuse();
+                    };
+                    shard.compact.remove(&victim);
+                    shard.wide.remove(&victim);
                     self.evicted.fetch_add(1, Ordering::Relaxed);
                 }
-                Ok(())
             }
         }
+        Ok(())
     }
 }
 
@@ -641,6 +666,60 @@ mod tests {
         }
         let stats = store.stats();
         assert_eq!((stats.keys, stats.evicted), (2, 2));
+    }
+
+    /// Audit finding 4: the cap was checked against the shard as it was
+    /// before any of the call's keys were written, so one call of three
+    /// new keys left three keys under a cap of one.
+    #[test]
+    fn one_call_cannot_take_a_shard_past_its_cap() {
+        for policy in [CapPolicy::RefuseNewKeys, CapPolicy::EvictNearestIdle] {
+            let store = MemoryStore::builder()
+                .clock(ManualClock::new(0))
+                .shards(1)
+                .max_keys(1, policy)
+                .build();
+            let p = Policy::token_bucket("p", 2, Rate::per_second(1)).unwrap();
+            let e = store
+                .charge_now(&[charge("a", &p, 1), charge("b", &p, 1), charge("c", &p, 1)])
+                .unwrap_err();
+            assert_eq!(e.kind(), StoreErrorKind::CapacityExhausted, "{policy:?}");
+            assert_eq!(store.stats().keys, 0, "{policy:?}");
+            // A repeated key is one key.
+            assert!(
+                store
+                    .charge_now(&[charge("a", &p, 1), charge("a", &p, 1)])
+                    .unwrap()
+                    .is_admitted()
+            );
+            assert_eq!(store.stats().keys, 1);
+        }
+        // Eviction makes room, but never by evicting a key of the same call
+        // (x here, which would then be written back past the cap).
+        let store = MemoryStore::builder()
+            .clock(ManualClock::new(0))
+            .shards(1)
+            .max_keys(2, CapPolicy::EvictNearestIdle)
+            .build();
+        let p = Policy::token_bucket("p", 2, Rate::per_second(1)).unwrap();
+        for k in ["x", "y"] {
+            assert!(store.charge_now(&[charge(k, &p, 1)]).unwrap().is_admitted());
+        }
+        assert!(
+            store
+                .charge_now(&[charge("x", &p, 1), charge("a", &p, 1)])
+                .unwrap()
+                .is_admitted()
+        );
+        let stats = store.stats();
+        assert_eq!((stats.keys, stats.evicted), (2, 1));
+        assert!(
+            !store
+                .charge_now(&[charge("x", &p, 1)])
+                .unwrap()
+                .is_admitted(),
+            "x kept its spent budget"
+        );
     }
 
     #[test]
