@@ -65,7 +65,7 @@ fn main() -> ExitCode {
             let store = MemoryStore::builder().clock(clock.clone()).build();
             for i in 0..n {
                 let c = Charge::new(
-                    Key::new("per-ip").with(ip(i).to_string()),
+                    Key::new("per-ip").with(format!("ip={}", ip(i))),
                     policy.clone(),
                     1,
                 );
@@ -83,7 +83,7 @@ fn main() -> ExitCode {
             clock.advance(Duration::from_secs(5));
             for i in 0..10_000u32 {
                 if let Ok(c) = Charge::new(
-                    Key::new("per-ip").with(ip(n + i).to_string()),
+                    Key::new("per-ip").with(format!("ip={}", ip(n + i))),
                     policy.clone(),
                     1,
                 ) {

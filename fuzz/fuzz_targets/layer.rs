@@ -70,7 +70,7 @@ fn remaining(store: &MemoryStore, ip: &str) -> Option<u64> {
     let never = Policy::token_bucket("probe", 1, Rate::per_hour(1)).unwrap();
     let outcome = store
         .charge_now(&[
-            Charge::new(Key::new("ip").with(ip), per_ip(), 1).ok()?,
+            Charge::new(Key::new("ip").with(format!("ip={ip}")), per_ip(), 1).ok()?,
             Charge::new(Key::new("probe"), never, 2).ok()?,
         ])
         .ok()?;

@@ -72,6 +72,17 @@ impl Key {
         push_escaped(&mut self.encoded, component.as_ref());
     }
 
+    /// Appends the component `tag` followed by `value`, as one component
+    /// (the same key as `push` of the two concatenated), without building
+    /// the concatenation first. A tag that names the component's kind
+    /// (e.g. `ip=`) keeps components of different kinds from ever being
+    /// equal, whatever their values.
+    pub fn push_tagged(&mut self, tag: &str, value: impl AsRef<[u8]>) {
+        self.encoded.push(b':');
+        push_escaped(&mut self.encoded, tag.as_bytes());
+        push_escaped(&mut self.encoded, value.as_ref());
+    }
+
     /// The injective text form.
     pub fn as_str(&self) -> &str {
         // Only printable ASCII is ever written: this cannot fail.
@@ -176,6 +187,17 @@ mod tests {
         assert_ne!(Key::new("a").with(""), Key::new("a:"));
         assert_eq!(Key::new("POST /export").as_str(), "POST%20/export");
         assert_eq!(Key::new("100%").as_str(), "100%25");
+    }
+
+    #[test]
+    fn a_tagged_component_is_the_concatenation() {
+        let mut a = Key::new("p");
+        a.push_tagged("ip=", "1.2.3.4");
+        assert_eq!(a, Key::new("p").with("ip=1.2.3.4"));
+        let mut b = Key::new("p");
+        b.push_tagged("t:", "a:b");
+        assert_eq!(b, Key::new("p").with("t:a:b"));
+        assert_eq!(b.components()[1], b"t:a:b");
     }
 
     #[test]

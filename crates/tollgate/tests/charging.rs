@@ -27,7 +27,7 @@ fn remaining(store: &MemoryStore, ip: &str) -> u64 {
     let never = Policy::token_bucket("probe", 1, Rate::per_hour(1)).unwrap();
     let outcome = store
         .charge_now(&[
-            Charge::new(Key::new("per-ip").with(ip), per_ip(), 1).unwrap(),
+            Charge::new(Key::new("per-ip").with(format!("ip={ip}")), per_ip(), 1).unwrap(),
             Charge::new(Key::new("probe"), never, 2).unwrap(),
         ])
         .unwrap();

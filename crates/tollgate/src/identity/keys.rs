@@ -11,6 +11,15 @@ use super::{ClientIp, ClientIpError, ClientIpResolver, Operation, Principal};
 
 /// One component of a key (after the policy or layer name, which always
 /// comes first).
+///
+/// Every component is tagged with its kind (`ip=`, `t=` tenant, `a=`
+/// account, `c=` credential, `op=` operation, `lit=` literal), so a
+/// component of one kind never equals one of another: a rule keyed by
+/// tenant that falls back to the client address
+/// ([`MissingPrincipal::FallbackToClientIp`]) can never share a budget with
+/// a tenant that happens to be named like an address. For example the
+/// per-account-operation key of alice in tenant north is
+/// `export:t=north:a=alice:op=POST%20/export`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub enum KeyPart {
     /// The resolved client address ([`crate::ClientIpResolver`]).
@@ -124,31 +133,33 @@ impl<'a> RequestIdentity<'a> {
                 KeyPart::ClientIp => match self.ip() {
                     Ok(ip) => {
                         ip_done = true;
-                        key.push(ip.text());
+                        key.push_tagged("ip=", ip.text());
                     }
                     Err(e) => return Err(KeyError::ClientIp(e)),
                 },
-                KeyPart::Tenant => key.push(principal.map_or("", |p| p.tenant())),
+                KeyPart::Tenant => key.push_tagged("t=", principal.map_or("", |p| p.tenant())),
                 KeyPart::Account => {
-                    key.push(principal.map_or("", |p| p.tenant()));
-                    key.push(principal.map_or("", |p| p.account()));
+                    key.push_tagged("t=", principal.map_or("", |p| p.tenant()));
+                    key.push_tagged("a=", principal.map_or("", |p| p.account()));
                 }
                 KeyPart::Credential => {
-                    key.push(principal.map_or("", |p| p.tenant()));
-                    key.push(principal.map_or("", |p| p.account()));
-                    key.push(principal.and_then(|p| p.credential()).unwrap_or(""));
+                    key.push_tagged("t=", principal.map_or("", |p| p.tenant()));
+                    key.push_tagged("a=", principal.map_or("", |p| p.account()));
+                    key.push_tagged("c=", principal.and_then(|p| p.credential()).unwrap_or(""));
                 }
                 KeyPart::Operation => match route {
                     // A rule-specific stand-in: not cached across rules.
-                    Some(_) => key.push(Operation::with_fallback(self.parts, route).as_str()),
+                    Some(_) => {
+                        key.push_tagged("op=", Operation::with_fallback(self.parts, route).as_str())
+                    }
                     None => {
                         let op = self
                             .operation
                             .get_or_insert_with(|| Operation::of(self.parts));
-                        key.push(op.as_str());
+                        key.push_tagged("op=", op.as_str());
                     }
                 },
-                KeyPart::Literal(s) => key.push(s.as_bytes()),
+                KeyPart::Literal(s) => key.push_tagged("lit=", s.as_bytes()),
             }
         }
         Ok(Some(key))
@@ -188,7 +199,48 @@ mod tests {
             let key = RequestIdentity::new(&parts, &resolver)
                 .key("acct", &[KeyPart::Account], MissingPrincipal::Reject, None)
                 .unwrap();
-            prop_assert_eq!(key, Some(Key::new("acct").with("north").with("alice")));
+            prop_assert_eq!(key, Some(Key::new("acct").with("t=north").with("a=alice")));
         }
+    }
+
+    /// Audit finding 10: with `FallbackToClientIp`, a `[Tenant]` rule's
+    /// fallback key (name, address) equalled (name, tenant) for a tenant
+    /// literally named like that address.
+    #[test]
+    fn an_address_never_equals_a_tenant_account_or_literal() {
+        let request = |principal: Option<Principal>| {
+            let mut req = http::Request::builder().uri("/").body(()).unwrap();
+            req.extensions_mut()
+                .insert(crate::PeerAddr(([203, 0, 113, 5], 1).into()));
+            if let Some(p) = principal {
+                req.extensions_mut().insert(p);
+            }
+            req.into_parts().0
+        };
+        let resolver = ClientIpResolver::peer_only();
+        let anonymous = request(None);
+        let named = request(Some(Principal::new("203.0.113.5", "203.0.113.5")));
+        let by_address = RequestIdentity::new(&anonymous, &resolver)
+            .key("rule", &[KeyPart::ClientIp], MissingPrincipal::Reject, None)
+            .unwrap();
+        for parts in [vec![KeyPart::Tenant], vec![KeyPart::Account]] {
+            let fallback = RequestIdentity::new(&anonymous, &resolver)
+                .key("rule", &parts, MissingPrincipal::FallbackToClientIp, None)
+                .unwrap();
+            let principal = RequestIdentity::new(&named, &resolver)
+                .key("rule", &parts, MissingPrincipal::FallbackToClientIp, None)
+                .unwrap();
+            assert_eq!(fallback, by_address, "{parts:?}");
+            assert_ne!(fallback, principal, "{parts:?}");
+        }
+        let literal = RequestIdentity::new(&anonymous, &resolver)
+            .key(
+                "rule",
+                &[KeyPart::Literal("203.0.113.5".into())],
+                MissingPrincipal::Reject,
+                None,
+            )
+            .unwrap();
+        assert_ne!(literal, by_address);
     }
 }
