@@ -197,6 +197,27 @@ pub fn cases() -> Vec<Case> {
             ],
         },
         Case {
+            // One identity rule for every store: state belongs to the key
+            // and the whole policy (name, unit and numbers). Policies that
+            // differ in any of them never share a budget on one key.
+            name: "identity",
+            policies: vec![
+                tb("first", 2, Rate::per_hour(1)),
+                tb("second", 2, Rate::per_hour(1)),
+                tb("first", 2, Rate::per_hour(1)).with_unit(crate::Unit::Bytes),
+                tb("first", 3, Rate::per_hour(1)),
+            ],
+            steps: vec![
+                step(0, &[("k", 0, 2)], OK),
+                step(0, &[("k", 1, 2)], OK),
+                step(0, &[("k", 2, 2)], OK),
+                step(0, &[("k", 3, 3)], OK),
+                step(0, &[("k", 0, 1)], denied(3600 * S)),
+                step(0, &[("k", 1, 1)], denied(3600 * S)),
+                step(0, &[("k", 2, 1)], denied(3600 * S)),
+            ],
+        },
+        Case {
             // Several limits on one request: if any refuses, none is spent.
             name: "all-or-nothing",
             policies: vec![
@@ -218,7 +239,7 @@ pub fn cases() -> Vec<Case> {
 }
 
 /// Runs one case against `store`, calling `set_time(at)` before each step.
-/// Keys are `namespace:case:key`.
+/// Keys are `namespace:case:key`, whatever the policy.
 pub async fn run_case<S: Store>(
     store: &S,
     namespace: &str,
@@ -231,11 +252,10 @@ pub async fn run_case<S: Store>(
             .charges
             .iter()
             .map(|&(key, p, cost)| {
+                // The key does not name the policy: that two policies
+                // charged on one key keep apart is itself part of the table.
                 let policy = case.policies[p].clone();
-                let key = Key::new(namespace)
-                    .with(case.name)
-                    .with(policy.name())
-                    .with(key);
+                let key = Key::new(namespace).with(case.name).with(key);
                 Charge::new(key, policy, cost).expect("conformance costs are positive")
             })
             .collect();

@@ -18,9 +18,10 @@
 //!   Policies whose numbers do not fit the exact range are refused with
 //!   [`StoreErrorKind::Unsupported`]; see [`RedisStore::check_policy`].
 //! - **Keys**: `PREFIX:{KEY}:POLICY`, where `KEY` is the injective text of
-//!   the tuple key (`{`/`}` escaped) and `POLICY` a readable fingerprint of
-//!   the policy's numbers, so changing a policy never reinterprets old
-//!   state. The braces are a Redis Cluster hash tag: each key's slot
+//!   the tuple key (`{`/`}` escaped) and `POLICY` the policy's name, unit
+//!   and numbers (`NAME/UNIT/NUMBERS`): state belongs to the key and the
+//!   whole policy, as in `MemoryStore`, and changing a policy never
+//!   reinterprets old state. The braces are a Redis Cluster hash tag: each key's slot
 //!   depends only on the key. Values are four little-endian doubles
 //!   (level, prior, era, offset); text values from earlier versions are
 //!   still read. Charges travel to the script packed the same way.

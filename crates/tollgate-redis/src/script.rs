@@ -87,7 +87,8 @@ pub(crate) fn params(policy: &Policy, cost: u64) -> Result<[u128; 6], StoreError
 }
 
 /// `PREFIX:{KEY}:POLICY` — the braces make the key's own text its cluster
-/// hash tag; the fingerprint keeps state of different numbers apart.
+/// hash tag; the policy part (name, unit and numbers) keeps the state of
+/// different policies apart, as `MemoryStore` does.
 pub(crate) fn redis_key(prefix: &str, charge: &Charge) -> String {
     let text = charge.key().as_str();
     let mut key = String::with_capacity(prefix.len() + text.len() + 48);
@@ -105,7 +106,15 @@ pub(crate) fn redis_key(prefix: &str, charge: &Charge) -> String {
     key
 }
 
+/// `NAME/UNIT/NUMBERS`: every part of a policy that `MemoryStore` tells
+/// states apart by. Names are `[A-Za-z0-9._-]`; a unit is escaped like a
+/// key component.
 fn fingerprint(policy: &Policy) -> String {
+    let unit = tollgate_core::Key::new(policy.unit().as_str());
+    format!("{}/{}/{}", policy.name(), unit.as_str(), numbers(policy))
+}
+
+fn numbers(policy: &Policy) -> String {
     match *policy.algorithm() {
         Algorithm::TokenBucket {
             capacity,
@@ -283,7 +292,7 @@ mod tests {
         let c = Charge::new(Key::new("export").with("a{b}"), p, 1).unwrap();
         assert_eq!(
             redis_key("app", &c),
-            "app:{export:a%7Bb%7D}:tb.3.2.1000000000.f"
+            "app:{export:a%7Bb%7D}:export/requests/tb.3.2.1000000000.f"
         );
     }
 
