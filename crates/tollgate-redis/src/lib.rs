@@ -374,10 +374,16 @@ impl RedisStore {
         } else {
             vec![(0..charges.len()).collect()]
         };
+        // Every group is encoded before the first is sent: a policy Redis
+        // cannot hold must refuse the whole call, not a later group after
+        // earlier ones were charged.
+        let prepared: Vec<Prepared> = groups
+            .iter()
+            .map(|group| Prepared::new(group.iter().map(|&i| (&keys[i], &charges[i]))))
+            .collect::<Result<_, _>>()?;
         let mut decisions = vec![Decision::Unevaluated; charges.len()];
         let mut admitted: Vec<(Prepared, Vec<i64>)> = Vec::new();
-        for group in groups {
-            let prepared = Prepared::new(group.iter().map(|&i| (&keys[i], &charges[i])))?;
+        for (group, prepared) in groups.into_iter().zip(prepared) {
             let sent = Instant::now();
             let reply = match self.invoke(&prepared, Mode::Charge).await {
                 Ok(reply) => reply,

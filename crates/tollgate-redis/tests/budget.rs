@@ -448,3 +448,45 @@ async fn real_time_expiry_never_runs_ahead_of_injected_time() {
         .unwrap();
     assert!(ttl > 3_000_000, "PTTL {ttl}");
 }
+
+/// Audit finding 2: with keys in several slots, a later slot's policy that
+/// Redis cannot hold was found only after the earlier slots were charged,
+/// and they were never refunded. Now the whole call is refused first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unsupported_policy_in_a_later_slot_charges_no_earlier_slot() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let split = RedisStore::builder(&server.url())
+        .unwrap()
+        .timeout(Duration::from_secs(2))
+        .split_by_slot(true)
+        .build()
+        .unwrap();
+    let fine = Policy::token_bucket("fine", 1, Rate::per_hour(1)).unwrap();
+    let huge = Policy::token_bucket("huge", 1 << 30, Rate::per_second(1)).unwrap();
+    // Slots are charged in slot order: about half of these keys sort before
+    // the unsupported one.
+    for i in 0..24 {
+        let key = format!("addr-{i}");
+        let e = split
+            .charge(&[charge(&key, &fine, 1), charge("global", &huge, 1)])
+            .await
+            .unwrap_err();
+        assert_eq!(e.kind(), StoreErrorKind::Unsupported);
+        assert_eq!(
+            server
+                .query(&["EXISTS", &split.redis_key(&charge(&key, &fine, 1))])
+                .unwrap(),
+            "0",
+            "{key} was charged"
+        );
+        assert!(
+            split
+                .charge(&[charge(&key, &fine, 1)])
+                .await
+                .unwrap()
+                .is_admitted()
+        );
+    }
+}
