@@ -43,7 +43,10 @@
 //! - **Over-limit cache** (optional): denials are remembered locally until
 //!   the time Redis said the cost would fit, and repeated requests in that
 //!   time are refused without a round trip. It only ever refuses, so it
-//!   never admits anything Redis would not.
+//!   never admits anything Redis would not; and it only remembers what
+//!   Redis would refuse for that charge alone (a key charged twice in one
+//!   call is remembered by its first charge). It is a fixed table: O(1)
+//!   per decision and 52 bytes per remembered denial, also at its bound.
 //!
 //! Requires Redis 7 or later (the script declares its flags with `#!lua`).
 //!
@@ -395,7 +398,12 @@ impl RedisStore {
             let mut all = true;
             for (slot, &i) in group.iter().enumerate() {
                 let d = script::decision(&reply[slot * 6..slot * 6 + 6], charges[i].policy());
-                if let Some(cache) = &self.inner.cache {
+                // A key charged again in the same call was decided against
+                // the earlier charge's unwritten effect: that refusal is not
+                // what Redis would answer for the charge alone, so only a
+                // key's first charge is remembered.
+                let first = !keys[..i].contains(&keys[i]);
+                if let (Some(cache), true) = (&self.inner.cache, first) {
                     cache.remember(&keys[i], charges[i].cost(), sent, d);
                 }
                 all &= d.is_admitted();

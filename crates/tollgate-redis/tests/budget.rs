@@ -490,3 +490,37 @@ async fn an_unsupported_policy_in_a_later_slot_charges_no_earlier_slot() {
         );
     }
 }
+
+/// Audit finding 3: one request charging the same key twice was refused as
+/// a pair (the second charge sees the first one's effect), and the cache
+/// then remembered that refusal with its long wait, refusing a single
+/// charge that Redis would admit. Both stores agree with and without it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_charged_twice_in_one_call_is_not_remembered_as_refused() {
+    use tollgate_core::MemoryStore;
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let cached = RedisStore::builder(&server.url())
+        .unwrap()
+        .prefix("cached")
+        .over_limit_cache(1000)
+        .build()
+        .unwrap();
+    let plain = RedisStore::builder(&server.url())
+        .unwrap()
+        .prefix("plain")
+        .build()
+        .unwrap();
+    let memory = MemoryStore::new();
+    let p = Policy::token_bucket("twice", 1, Rate::per_hour(1)).unwrap();
+    let pair = [charge("k", &p, 1), charge("k", &p, 1)];
+    assert!(!cached.charge(&pair).await.unwrap().is_admitted());
+    assert!(!plain.charge(&pair).await.unwrap().is_admitted());
+    assert!(!memory.charge(&pair).await.unwrap().is_admitted());
+    for store in [&cached as &dyn tollgate_core::DynStore, &plain, &memory] {
+        let single = store.charge_boxed(&pair[..1]).await.unwrap();
+        assert!(single.is_admitted(), "{single:?}");
+    }
+    assert_eq!(cached.cache_stats().hits, 0);
+}
