@@ -256,10 +256,17 @@ impl RedisStore {
 
     /// A builder for a Redis Cluster reachable through `nodes`.
     pub fn cluster_builder(nodes: &[&str]) -> Result<RedisStoreBuilder, StoreError> {
-        let client = redis::cluster::ClusterClient::new(nodes.to_vec()).map_err(|e| {
-            StoreError::new(StoreErrorKind::Unsupported, "invalid Redis Cluster nodes")
-                .with_source(e)
-        })?;
+        // No resends by redis-rs: after a dropped connection it would send
+        // the script again, and a charge whose reply was lost would be
+        // applied twice (a refund, minted twice). `invoke` resends itself,
+        // and only what Redis certainly did not run.
+        let client = redis::cluster::ClusterClient::builder(nodes.to_vec())
+            .retries(0)
+            .build()
+            .map_err(|e| {
+                StoreError::new(StoreErrorKind::Unsupported, "invalid Redis Cluster nodes")
+                    .with_source(e)
+            })?;
         Ok(Self::builder_for(Target::Cluster(client)))
     }
 
@@ -312,8 +319,20 @@ impl RedisStore {
                         .conn
                         .get_or_try_init(|| cluster.client.get_async_connection())
                         .await?;
-                    let mut c = c.clone();
-                    invocation.invoke_async::<Vec<i64>>(&mut c).await
+                    let mut attempt = 0;
+                    loop {
+                        let mut c = c.clone();
+                        match invocation.invoke_async::<Vec<i64>>(&mut c).await {
+                            // Refused before running (the slot moved, the
+                            // cluster is re-forming): safe to send again
+                            // once redis-rs has refreshed its slot map.
+                            Err(e) if attempt < 3 && not_run(&e) => {
+                                attempt += 1;
+                                tokio::time::sleep(Duration::from_millis(10 << attempt)).await;
+                            }
+                            result => break result,
+                        }
+                    }
                 }
             }
         };
@@ -429,6 +448,17 @@ impl RedisStore {
             }
         }
     }
+}
+
+/// Whether Redis certainly did not run the command: it refused it for where
+/// the slot lives or for the cluster's state, or no connection was made.
+fn not_run(e: &redis::RedisError) -> bool {
+    use redis::ServerErrorKind as S;
+    e.is_connection_refusal()
+        || matches!(
+            e.kind(),
+            redis::ErrorKind::Server(S::Moved | S::TryAgain | S::ClusterDown | S::MasterDown)
+        )
 }
 
 /// Maps a redis-rs error to unavailable (nothing was applied) or uncertain

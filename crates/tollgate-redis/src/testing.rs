@@ -213,9 +213,19 @@ impl RedisCluster {
     /// Starts three cluster-enabled servers and joins them, or returns
     /// `None` (loudly) as [`RedisServer::start`] does.
     pub fn start() -> Option<Self> {
+        Self::start_with(|_| Vec::new())
+    }
+
+    /// Like [`RedisCluster::start`], with extra `redis-server` arguments for
+    /// node `i` (0..3), e.g. `--cluster-announce-port` so that clients
+    /// reach the node through a proxy the test runs.
+    pub fn start_with(extra: impl Fn(usize) -> Vec<String>) -> Option<Self> {
         let mut nodes = Vec::new();
-        for _ in 0..3 {
-            let node = RedisServer::start_with(&["--cluster-enabled", "yes"])?;
+        for i in 0..3 {
+            let mut args = vec!["--cluster-enabled".to_owned(), "yes".to_owned()];
+            args.extend(extra(i));
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let node = RedisServer::start_with(&args)?;
             nodes.push(node);
         }
         let addrs: Vec<String> = nodes
@@ -251,5 +261,10 @@ impl RedisCluster {
     /// `redis://127.0.0.1:PORT` of every node.
     pub fn urls(&self) -> Vec<String> {
         self.nodes.iter().map(RedisServer::url).collect()
+    }
+
+    /// The nodes, in start order.
+    pub fn nodes(&self) -> &[RedisServer] {
+        &self.nodes
     }
 }

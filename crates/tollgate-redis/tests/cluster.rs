@@ -1,6 +1,7 @@
 //! RedisStore on a real three-node Redis Cluster: keys in one slot are one
 //! script; keys in several slots are charged slot by slot with refunds and
-//! never exceed any budget.
+//! never exceed any budget; and a script whose reply is lost is never sent
+//! again (cluster and single node, through a proxy that cuts the reply).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -98,4 +99,191 @@ fn slot_of(cluster: &RedisCluster, key: &str) -> String {
         .query(&mut c)
         .unwrap();
     slot.to_string()
+}
+
+/// A TCP proxy in front of a cluster node that, once armed, forwards one
+/// `EVALSHA` to the node, lets it run, and then cuts both connections
+/// instead of relaying the reply: the client sees a dropped connection
+/// after its script was applied.
+struct CuttingProxy {
+    port: u16,
+    target: Arc<std::sync::Mutex<Option<u16>>>,
+    armed: Arc<std::sync::atomic::AtomicBool>,
+    cuts: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl CuttingProxy {
+    async fn start() -> Self {
+        use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let target = Arc::new(std::sync::Mutex::new(None::<u16>));
+        let armed = Arc::new(AtomicBool::new(false));
+        let cuts = Arc::new(AtomicUsize::new(0));
+        let (t, a, c) = (target.clone(), armed.clone(), cuts.clone());
+        tokio::spawn(async move {
+            while let Ok((mut client, _)) = listener.accept().await {
+                let Some(to) = *t.lock().unwrap() else {
+                    continue;
+                };
+                let Ok(mut server) = tokio::net::TcpStream::connect(("127.0.0.1", to)).await else {
+                    continue;
+                };
+                let (a, c) = (a.clone(), c.clone());
+                tokio::spawn(async move {
+                    let (mut cr, mut cw) = client.split();
+                    let (mut sr, mut sw) = server.split();
+                    let mut up = [0u8; 65536];
+                    let mut down = [0u8; 65536];
+                    let mut cutting = false;
+                    loop {
+                        tokio::select! {
+                            n = cr.read(&mut up) => {
+                                let Ok(n @ 1..) = n else { return };
+                                let sent = &up[..n];
+                                if a.load(Ordering::SeqCst)
+                                    && sent.windows(7).any(|w| w.eq_ignore_ascii_case(b"EVALSHA"))
+                                    && a.swap(false, Ordering::SeqCst)
+                                {
+                                    cutting = true;
+                                }
+                                if sw.write_all(sent).await.is_err() { return }
+                            }
+                            n = sr.read(&mut down) => {
+                                let Ok(n @ 1..) = n else { return };
+                                if cutting {
+                                    // The script ran; drop its reply and
+                                    // both connections.
+                                    c.fetch_add(1, Ordering::SeqCst);
+                                    return;
+                                }
+                                if cw.write_all(&down[..n]).await.is_err() { return }
+                            }
+                        }
+                    }
+                });
+            }
+        });
+        Self {
+            port,
+            target,
+            armed,
+            cuts,
+        }
+    }
+}
+
+/// Audit finding 6: the cluster client resent a request after a dropped
+/// connection, so a charge whose reply was lost was applied twice. Now
+/// nothing is resent that may have run: the charge is applied once and
+/// reported uncertain.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_charge_whose_reply_is_lost_is_applied_once_and_uncertain() {
+    use std::sync::atomic::Ordering;
+    let mut proxies = Vec::new();
+    for _ in 0..3 {
+        proxies.push(CuttingProxy::start().await);
+    }
+    let announced: Vec<u16> = proxies.iter().map(|p| p.port).collect();
+    let Some(cluster) = RedisCluster::start_with(|i| {
+        vec![
+            "--cluster-announce-port".to_owned(),
+            announced[i].to_string(),
+        ]
+    }) else {
+        return;
+    };
+    for (proxy, node) in proxies.iter().zip(cluster.nodes()) {
+        *proxy.target.lock().unwrap() = Some(node.port());
+        // Loaded up front, so the first EVALSHA is the one that runs.
+        node.query(&["SCRIPT", "LOAD", include_str!("../src/decide.lua")])
+            .unwrap();
+    }
+    let through: Vec<String> = announced
+        .iter()
+        .map(|p| format!("redis://127.0.0.1:{p}"))
+        .collect();
+    let nodes: Vec<&str> = through.iter().map(String::as_str).collect();
+    let store = RedisStore::cluster_builder(&nodes)
+        .unwrap()
+        .timeout(Duration::from_secs(3))
+        .build()
+        .unwrap();
+    let policy = Policy::token_bucket("resend", 10, Rate::per_hour(1)).unwrap();
+    let five = Charge::new(Key::new("resend").with("k"), policy.clone(), 5).unwrap();
+    // Connect (and learn the slots) before arming.
+    let warm = Charge::new(Key::new("resend").with("warm"), policy.clone(), 1).unwrap();
+    assert!(store.charge(&[warm]).await.unwrap().is_admitted());
+    for p in &proxies {
+        p.armed.store(true, Ordering::SeqCst);
+    }
+    let result = store.charge(std::slice::from_ref(&five)).await;
+    assert_eq!(
+        proxies
+            .iter()
+            .map(|p| p.cuts.load(Ordering::SeqCst))
+            .sum::<usize>(),
+        1
+    );
+    let error = result.expect_err("the reply was lost");
+    assert!(error.is_uncertain(), "{error}");
+    // Read the state on the node itself: spent once, 5 of 10 left.
+    for p in &proxies {
+        p.armed.store(false, Ordering::SeqCst);
+    }
+    let redis_key = store.redis_key(&five);
+    let owner = cluster
+        .nodes()
+        .iter()
+        .find(|n| {
+            n.get_bytes(&redis_key)
+                .map(|v| v.is_some())
+                .unwrap_or(false)
+        })
+        .expect("the charge was applied on its node");
+    let state = owner.get_bytes(&redis_key).unwrap().unwrap();
+    let (level, ..) = tollgate_redis::testing::decode_state(&state).unwrap();
+    let per_token = 3_600_000_000_000u64;
+    assert_eq!(
+        level,
+        5 * per_token,
+        "charged {} times",
+        (10 - level / per_token) / 5
+    );
+}
+
+/// The single-node connection manager never resent either (checked here,
+/// with the same proxy): a lost reply is uncertain and spent once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_single_node_store_does_not_resend_a_lost_charge() {
+    use std::sync::atomic::Ordering;
+    use tollgate_redis::testing::RedisServer;
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let proxy = CuttingProxy::start().await;
+    *proxy.target.lock().unwrap() = Some(server.port());
+    server
+        .query(&["SCRIPT", "LOAD", include_str!("../src/decide.lua")])
+        .unwrap();
+    let store = RedisStore::builder(&format!("redis://127.0.0.1:{}", proxy.port))
+        .unwrap()
+        .timeout(Duration::from_secs(3))
+        .build()
+        .unwrap();
+    let policy = Policy::token_bucket("resend", 10, Rate::per_hour(1)).unwrap();
+    let warm = Charge::new(Key::new("resend").with("warm"), policy.clone(), 1).unwrap();
+    assert!(store.charge(&[warm]).await.unwrap().is_admitted());
+    proxy.armed.store(true, Ordering::SeqCst);
+    let five = Charge::new(Key::new("resend").with("k"), policy, 5).unwrap();
+    let error = store
+        .charge(std::slice::from_ref(&five))
+        .await
+        .expect_err("the reply was lost");
+    assert_eq!(proxy.cuts.load(Ordering::SeqCst), 1);
+    assert!(error.is_uncertain(), "{error}");
+    let state = server.get_bytes(&store.redis_key(&five)).unwrap().unwrap();
+    let (level, ..) = tollgate_redis::testing::decode_state(&state).unwrap();
+    assert_eq!(level, 5 * 3_600_000_000_000);
 }
