@@ -441,6 +441,7 @@ async fn route_rules_inside_a_nested_router_apply_and_name_the_full_path() {
     );
     let api = Router::new()
         .route("/items/{id}", get(|| async { "item" }))
+        .route("/v2/items/{id}", get(|| async { "v2" }))
         .route("/list", get(|| async { "list" }))
         .layer(layer);
     let app = serve(Router::new().nest("/api", api)).await;
@@ -461,6 +462,13 @@ async fn route_rules_inside_a_nested_router_apply_and_name_the_full_path() {
     }
     assert_eq!(
         send(app, from, "GET", "/api/list", &[], b"").await.status,
+        StatusCode::OK
+    );
+    // A route that merely ends like the pattern is another route.
+    assert_eq!(
+        send(app, from, "GET", "/api/v2/items/1", &[], b"")
+            .await
+            .status,
         StatusCode::OK
     );
     assert_eq!(
@@ -584,5 +592,43 @@ async fn guessing_is_limited_when_authentication_rejects_before_tollgate() {
     assert_eq!(
         post_with("127.0.19.2", "Bearer right").await,
         StatusCode::TOO_MANY_REQUESTS
+    );
+}
+
+/// Found in review: per-operation keys took the method name as sent, so on
+/// a route that takes any method, every invented method name was a fresh
+/// budget. Every non-standard method is now one operation.
+#[tokio::test(flavor = "multi_thread")]
+async fn invented_method_names_share_one_operation_budget() {
+    let layer = RateLimitLayer::new(MemoryStore::new()).rule(
+        Rule::per_account_operation(
+            Policy::token_bucket("any-method", 2, Rate::per_hour(1)).unwrap(),
+        )
+        .when_no_principal(tollgate::MissingPrincipal::FallbackToClientIp),
+    );
+    let app = serve(
+        Router::new()
+            .route("/x", axum::routing::any(|| async { "any" }))
+            .layer(layer),
+    )
+    .await;
+    let from = ip("127.0.21.1");
+    for method in ["FOO", "BAR"] {
+        assert_eq!(
+            send(app, from, method, "/x", &[], b"").await.status,
+            StatusCode::OK
+        );
+    }
+    for method in ["BAZ", "post", "X1"] {
+        assert_eq!(
+            send(app, from, method, "/x", &[], b"").await.status,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{method}"
+        );
+    }
+    // The standard methods keep their own operations.
+    assert_eq!(
+        send(app, from, "POST", "/x", &[], b"").await.status,
+        StatusCode::OK
     );
 }

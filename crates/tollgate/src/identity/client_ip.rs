@@ -172,13 +172,13 @@ pub enum ClientIpError {
     },
 }
 
-/// A trusted network that could never match a peer, refused by
-/// [`ClientIpResolver::trusting`].
+/// A trusted network written in IPv4-mapped form with a prefix shorter than
+/// /96 (it names no IPv4 network), refused by [`ClientIpResolver::trusting`].
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "trusted network {network} can never match: peers are compared as IPv4 when they are \
-     IPv4-mapped, and an IPv4-mapped network must be at least /96 (e.g. \
-     ::ffff:10.0.0.0/104 is 10.0.0.0/8)"
+    "trusted network {network} is written as an IPv4-mapped address but its prefix is shorter \
+     than /96, so it names no IPv4 network: peers are compared as IPv4 when they are \
+     IPv4-mapped (write ::ffff:10.0.0.0/104 or 10.0.0.0/8)"
 )]
 pub struct InvalidTrustedNetwork {
     network: IpNet,
@@ -301,16 +301,27 @@ impl ClientIpResolver {
     /// Networks and peers are compared in one canonical form: an
     /// IPv4-mapped network (`::ffff:a.b.c.d/n`, n ≥ 96) is the IPv4 network
     /// `a.b.c.d/(n − 96)`, as peers and forwarded addresses are IPv4 when
-    /// mapped. A mapped network shorter than /96 could never match and is
-    /// refused with [`InvalidTrustedNetwork`].
+    /// mapped, and an IPv6 network that holds the whole mapped range (such
+    /// as `::/0`) also holds every IPv4 address. A network written in
+    /// mapped form with a prefix shorter than /96 is refused with
+    /// [`InvalidTrustedNetwork`]: it names no IPv4 network.
     pub fn trusting(
         trusted: impl IntoIterator<Item = IpNet>,
         header: ForwardedHeader,
     ) -> Result<Self, InvalidTrustedNetwork> {
-        let trusted: Arc<[IpNet]> = trusted
-            .into_iter()
-            .map(canonical_net)
-            .collect::<Result<_, _>>()?;
+        let mut nets = Vec::new();
+        for net in trusted {
+            nets.push(canonical_net(net)?);
+            // An IPv6 network that holds the whole IPv4-mapped range (e.g.
+            // ::/0) holds every IPv4 peer in the canonical form.
+            if let IpNet::V6(v6) = net {
+                let mapped = Ipv6Addr::new(0, 0, 0, 0, 0, 0xffff, 0, 0);
+                if v6.prefix_len() <= 96 && v6.trunc().contains(&mapped) {
+                    nets.push(IpNet::V4(ipnet::Ipv4Net::default()));
+                }
+            }
+        }
+        let trusted: Arc<[IpNet]> = nets.into();
         if trusted.is_empty() {
             return Ok(Self::peer_only());
         }
@@ -640,8 +651,14 @@ mod tests {
             let e =
                 ClientIpResolver::trusting([net.parse().unwrap()], ForwardedHeader::XForwardedFor)
                     .unwrap_err();
-            assert!(e.to_string().contains("can never match"), "{e}");
+            assert!(e.to_string().contains("names no IPv4 network"), "{e}");
         }
+        // An IPv6 network holding the whole mapped range holds IPv4 peers.
+        let all = trusting(&["::/0"], ForwardedHeader::XForwardedFor);
+        assert_eq!(
+            all.resolve_from(ip("127.0.0.9"), &h).unwrap().addr(),
+            ip("198.51.100.8")
+        );
         // Ordinary IPv6 networks are kept as they are.
         let r = trusting(&["2001:db8::/32"], ForwardedHeader::XForwardedFor);
         assert_eq!(

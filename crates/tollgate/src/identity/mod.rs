@@ -20,5 +20,5 @@ pub use client_ip::{
 pub(crate) use keys::{KeyError, RequestIdentity};
 pub use keys::{KeyPart, MissingPrincipal};
 pub use operation::Operation;
-pub(crate) use operation::route_of as operation_route;
+pub(crate) use operation::{nested_of as operation_nest, route_of as operation_route};
 pub use principal::Principal;

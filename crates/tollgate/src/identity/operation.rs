@@ -5,7 +5,8 @@ use http::request::Parts;
 
 /// The operation a request performs, for per-operation keys: the route
 /// identity from routing plus the method, e.g. `POST /export`. `HEAD` is the
-/// operation `GET`, as axum routes it.
+/// operation `GET`, as axum routes it, and every non-standard method is
+/// `OTHER` (a client cannot mint budgets by inventing method names).
 ///
 /// Resolved, in order, from an `Operation` in the request extensions (set it
 /// in code for plain hyper services), axum's `MatchedPath` (with the `axum`
@@ -43,17 +44,22 @@ impl Operation {
         if let Some(op) = parts.extensions.get::<Operation>() {
             return op.clone();
         }
-        // axum answers HEAD with the GET handler: one operation, one budget.
-        let method = if parts.method == http::Method::HEAD {
-            &http::Method::GET
-        } else {
-            &parts.method
-        };
+        let method = method_of(&parts.method);
         match route_of(parts).or(route) {
             Some(route) => Self(format!("{method} {route}").into()),
             None => Self(format!("{method} *").into()),
         }
     }
+}
+
+/// The path a nested router is mounted at (axum's `NestedPath`), if any.
+pub(crate) fn nested_of(parts: &Parts) -> Option<&str> {
+    #[cfg(feature = "axum")]
+    if let Some(path) = parts.extensions.get::<axum::extract::NestedPath>() {
+        return Some(path.as_str());
+    }
+    let _ = parts;
+    None
 }
 
 /// The route pattern the router matched, if known.
@@ -64,6 +70,26 @@ pub(crate) fn route_of(parts: &Parts) -> Option<&str> {
     }
     let _ = parts;
     None
+}
+
+/// The method as an operation names it. axum answers HEAD with the GET
+/// handler: one operation, one budget. Every method outside RFC 9110's and
+/// PATCH (any casing of them included: methods are case-sensitive) is one
+/// operation, `OTHER`: a client that varies the method name on a route
+/// that takes any method must not mint a budget per name.
+fn method_of(method: &http::Method) -> &'static str {
+    use http::Method as M;
+    match *method {
+        M::GET | M::HEAD => "GET",
+        M::POST => "POST",
+        M::PUT => "PUT",
+        M::DELETE => "DELETE",
+        M::PATCH => "PATCH",
+        M::OPTIONS => "OPTIONS",
+        M::CONNECT => "CONNECT",
+        M::TRACE => "TRACE",
+        _ => "OTHER",
+    }
 }
 
 impl fmt::Debug for Operation {

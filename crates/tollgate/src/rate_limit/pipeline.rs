@@ -20,7 +20,7 @@ use tollgate_core::{Charge, Outcome, Store, StoreError, Verdict};
 use super::layer::{Config, OnStoreError};
 use super::route::RouteMatch;
 use super::rule::{Applies, CostRefusal};
-use crate::identity::{KeyPart, Operation, RequestIdentity, operation_route};
+use crate::identity::{RequestIdentity, operation_route};
 use crate::observe;
 use crate::response::{Answer, Refusal, ratelimit_fields};
 
@@ -51,18 +51,11 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
             Applies::ByFallback { route, how } => {
                 match (how, operation_route(parts)) {
                     (RouteMatch::Suffix, Some(matched)) => rule.report_suffix(route, matched),
-                    _ => report_no_matched_path(config),
+                    _ => report_no_matched_path(config, rule.policy.name(), route),
                 }
                 Some(route)
             }
         };
-        if route.is_none()
-            && rule.key.contains(&KeyPart::Operation)
-            && operation_route(parts).is_none()
-            && parts.extensions.get::<Operation>().is_none()
-        {
-            report_no_matched_path(config);
-        }
         let policy = &rule.policy;
         let key = match who.key(policy.name(), &rule.key, rule.missing_principal, route) {
             Ok(Some(key)) => key,
@@ -109,20 +102,24 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
     Plan { charges, refusal }
 }
 
-/// Logs, once per layer, that rules depend on routing the request has not
-/// been through.
-fn report_no_matched_path<St>(config: &Config<St>) {
+/// Logs, once per layer, that a rule's route matched a request path that
+/// has not been through axum's routing (or a route the router lacks). A
+/// plain 404 is not reported: only a path a rule names.
+fn report_no_matched_path<St>(config: &Config<St>, policy: &str, route: &str) {
     if cfg!(feature = "axum")
         && !config
             .reported_no_matched_path
             .swap(true, Ordering::Relaxed)
     {
         tracing::error!(
-            "tollgate rate-limit rules name routes or operations, but requests reach the layer \
-             without axum's MatchedPath: the layer wraps the Router from outside, before \
-             routing. Route patterns are matched against the request path instead, and \
-             operations without a route are keyed as \"METHOD *\", one budget for every \
-             route. Apply the layer with Router::layer (or route_layer) to key by route"
+            policy,
+            route,
+            "tollgate rule {policy:?} names route {route:?}, and a request path matches it, \
+             but the request reached the layer without axum's MatchedPath: the layer wraps \
+             the Router from outside, before routing (or the router has no such route). \
+             Route patterns are matched against the request path instead, and per-operation \
+             keys of rules without a route are \"METHOD *\", one budget for every route. \
+             Apply the layer with Router::layer (or route_layer) to key by route"
         );
     }
 }

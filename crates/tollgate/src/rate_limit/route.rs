@@ -63,8 +63,9 @@ pub(crate) enum RouteMatch {
     No,
     /// axum's `MatchedPath` is the pattern.
     Exact,
-    /// axum's `MatchedPath` ends with the pattern: the layer sits inside a
-    /// nested router and the pattern lacks the nest prefix.
+    /// The layer sits inside a router nested at `N` (axum's `NestedPath`),
+    /// and axum's `MatchedPath` is `N` followed by the pattern: the
+    /// pattern lacks the nest prefix.
     Suffix,
     /// No `MatchedPath`; the request path matches the pattern.
     Path,
@@ -81,23 +82,18 @@ impl RoutePattern {
         let mut segments = Vec::new();
         let count = rest.split('/').count();
         for (i, raw) in rest.split('/').enumerate() {
-            if let Some(name) = raw.strip_prefix(':') {
+            if raw.starts_with(':') || raw.starts_with('*') {
                 return Err(InvalidRoute::new(
                     route,
-                    format!(
-                        "axum 0.8 writes path parameters as {{{name}}}, not :{name}; \
-                         write {:?}",
-                        route.replace(raw, &format!("{{{name}}}"))
-                    ),
-                ));
-            }
-            if let Some(name) = raw.strip_prefix('*') {
-                return Err(InvalidRoute::new(
-                    route,
-                    format!(
-                        "axum 0.8 writes a wildcard as {{*{name}}}, not *{name}; write {:?}",
-                        route.replace(raw, &format!("{{*{name}}}"))
-                    ),
+                    match axum_08(route) {
+                        Some(fixed) => format!(
+                            "axum 0.8 writes path parameters as {{id}} and wildcards as \
+                             {{*rest}}, not :id and *rest; write {fixed:?}"
+                        ),
+                        None => "axum 0.8 writes path parameters as {id} and wildcards as \
+                                 {*rest}, not :id and *rest; every parameter needs a name"
+                            .to_owned(),
+                    },
                 ));
             }
             let segment = parse_segment(route, raw)?;
@@ -119,18 +115,26 @@ impl RoutePattern {
         &self.text
     }
 
-    /// How `matched` (axum's `MatchedPath`, if any) or else `path` relates
-    /// to this pattern.
-    pub(crate) fn matches(&self, matched: Option<&str>, path: &str) -> RouteMatch {
+    /// How `matched` (axum's `MatchedPath`, if any, under the nest prefix
+    /// `nested`, if any) or else `path` relates to this pattern.
+    pub(crate) fn matches(
+        &self,
+        matched: Option<&str>,
+        nested: Option<&str>,
+        path: &str,
+    ) -> RouteMatch {
         match matched {
             Some(m) if m == &*self.text => RouteMatch::Exact,
-            // "/" is the tail of many paths and names no nested route.
-            Some(m)
-                if &*self.text != "/" && m.len() > self.text.len() && m.ends_with(&*self.text) =>
-            {
-                RouteMatch::Suffix
+            Some(m) => {
+                let under_nest = nested
+                    .and_then(|n| m.strip_prefix(n.trim_end_matches('/')))
+                    .is_some_and(|rest| rest == &*self.text);
+                if under_nest {
+                    RouteMatch::Suffix
+                } else {
+                    RouteMatch::No
+                }
             }
-            Some(_) => RouteMatch::No,
             None if self.matches_path(path) => RouteMatch::Path,
             None => RouteMatch::No,
         }
@@ -167,6 +171,23 @@ impl RoutePattern {
         }
         true
     }
+}
+
+/// `route` with every axum 0.7 `:name` and `*name` segment rewritten in
+/// axum 0.8 syntax; `None` if a parameter has no name.
+fn axum_08(route: &str) -> Option<String> {
+    let segments: Option<Vec<String>> = route
+        .split('/')
+        .map(
+            |segment| match (segment.strip_prefix(':'), segment.strip_prefix('*')) {
+                (Some(""), _) | (_, Some("")) => None,
+                (Some(name), _) => Some(format!("{{{name}}}")),
+                (_, Some(name)) => Some(format!("{{*{name}}}")),
+                _ => Some(segment.to_owned()),
+            },
+        )
+        .collect();
+    segments.map(|s| s.join("/"))
 }
 
 /// One segment: literal text with `{{`/`}}` escapes and at most one
@@ -262,38 +283,53 @@ mod tests {
     }
 
     #[test]
-    fn matched_path_is_compared_whole_or_as_a_nested_tail() {
+    fn axum_07_fixes_are_per_segment() {
+        let e = RoutePattern::parse("/x:b/:b").unwrap_err();
+        assert!(e.reason().contains("\"/x:b/{b}\""), "{e}");
+        let e = RoutePattern::parse("/*").unwrap_err();
+        assert!(e.reason().contains("needs a name"), "{e}");
+    }
+
+    #[test]
+    fn matched_path_is_compared_whole_or_under_its_nest() {
         let p = pattern("/items/{id}");
+        let m = |matched, nested, path| p.matches(Some(matched), nested, path);
+        assert_eq!(m("/items/{id}", None, "/items/7"), RouteMatch::Exact);
         assert_eq!(
-            p.matches(Some("/items/{id}"), "/items/7"),
-            RouteMatch::Exact
-        );
-        assert_eq!(
-            p.matches(Some("/api/items/{id}"), "/api/items/7"),
+            m("/api/items/{id}", Some("/api"), "/api/items/7"),
             RouteMatch::Suffix
         );
-        assert_eq!(p.matches(Some("/users/{id}"), "/users/7"), RouteMatch::No);
-        assert_eq!(pattern("/").matches(Some("/api/"), "/api/"), RouteMatch::No);
+        // Without a nest, a route that merely ends like the pattern is
+        // another route.
+        assert_eq!(
+            m("/admin/items/{id}", None, "/admin/items/7"),
+            RouteMatch::No
+        );
+        assert_eq!(
+            m("/api/v2/items/{id}", Some("/api"), "/api/v2/items/7"),
+            RouteMatch::No
+        );
+        assert_eq!(m("/users/{id}", None, "/users/7"), RouteMatch::No);
     }
 
     #[test]
     fn without_matched_path_the_request_path_is_matched() {
         let p = pattern("/items/{id}");
-        assert_eq!(p.matches(None, "/items/7"), RouteMatch::Path);
+        assert_eq!(p.matches(None, None, "/items/7"), RouteMatch::Path);
         for other in ["/items", "/items/", "/items/7/x", "/itemsx/7", "items/7"] {
-            assert_eq!(p.matches(None, other), RouteMatch::No, "{other}");
+            assert_eq!(p.matches(None, None, other), RouteMatch::No, "{other}");
         }
         let files = pattern("/files/{*path}");
-        assert_eq!(files.matches(None, "/files/a/b"), RouteMatch::Path);
-        assert_eq!(files.matches(None, "/files/"), RouteMatch::No);
+        assert_eq!(files.matches(None, None, "/files/a/b"), RouteMatch::Path);
+        assert_eq!(files.matches(None, None, "/files/"), RouteMatch::No);
         let ext = pattern("/img/{name}.png");
-        assert_eq!(ext.matches(None, "/img/cat.png"), RouteMatch::Path);
-        assert_eq!(ext.matches(None, "/img/.png"), RouteMatch::No);
+        assert_eq!(ext.matches(None, None, "/img/cat.png"), RouteMatch::Path);
+        assert_eq!(ext.matches(None, None, "/img/.png"), RouteMatch::No);
         let braces = pattern("/a{{b}}");
-        assert_eq!(braces.matches(None, "/a{b}"), RouteMatch::Path);
-        assert_eq!(pattern("/").matches(None, "/"), RouteMatch::Path);
+        assert_eq!(braces.matches(None, None, "/a{b}"), RouteMatch::Path);
+        assert_eq!(pattern("/").matches(None, None, "/"), RouteMatch::Path);
         assert_eq!(
-            pattern("/export").matches(None, "/export"),
+            pattern("/export").matches(None, None, "/export"),
             RouteMatch::Path
         );
     }

@@ -11,7 +11,7 @@ use http::{Method, StatusCode};
 use tollgate_core::{Policy, Unit};
 
 use super::route::{InvalidRoute, RouteMatch, RoutePattern};
-use crate::identity::{KeyPart, MissingPrincipal, operation_route};
+use crate::identity::{KeyPart, MissingPrincipal, operation_nest, operation_route};
 
 /// A cost computed from the request.
 pub type CostFn = dyn Fn(&Parts) -> Result<u64, CostError> + Send + Sync;
@@ -133,9 +133,9 @@ impl fmt::Debug for Cost {
 ///   to nothing, and in both the rule applies rather than not at all
 ///   (limiting too much is safer than not limiting), and tollgate logs an
 ///   error once, naming the rule and the fix:
-///   - the `MatchedPath` only *ends* with the pattern (the layer sits
-///     inside a nested router and the pattern lacks the prefix): the rule
-///     applies to that route;
+///   - the layer sits inside a router nested at `N` (axum's `NestedPath`)
+///     and the `MatchedPath` is `N` followed by the pattern (the pattern
+///     lacks the nest prefix): the rule applies to that route;
 ///   - the request has no `MatchedPath` (the layer wraps the `Router` from
 ///     outside, where routing has not happened yet): the pattern is matched
 ///     against the request path itself, segment by segment.
@@ -291,9 +291,10 @@ impl Rule {
             return Applies::Yes;
         }
         let matched = operation_route(parts);
+        let nested = operation_nest(parts);
         let mut fallback = None;
         for route in &self.routes {
-            match route.matches(matched, parts.uri.path()) {
+            match route.matches(matched, nested, parts.uri.path()) {
                 RouteMatch::Exact => return Applies::Yes,
                 RouteMatch::No => {}
                 how => {
