@@ -402,3 +402,77 @@ async fn an_empty_retry_budget_stops_retries() {
     let _ = Policy::<_, http::Response<()>, ()>::clone_request(&mut policy, &req);
     assert!(Policy::retry(&mut policy, &mut req, &mut throttled).is_some());
 }
+
+/// Audit finding 1: tower 0.5 calls `clone_request` on the service's own
+/// policy before copying it into the response future, so the start time
+/// was set once per service: 20 s after the first request (deadline 10 s),
+/// a second request on the same service was never retried, and a retry
+/// budget was deposited into once per service instead of once per request.
+#[tokio::test]
+async fn a_reused_retry_service_retries_every_request_afresh() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tollgate::ManualClock;
+    use tower::{Service, ServiceExt};
+
+    /// Sleeps by moving the manual clock.
+    #[derive(Clone)]
+    struct ClockSleep(ManualClock);
+    impl Sleep for ClockSleep {
+        fn sleep(
+            &self,
+            d: Duration,
+        ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+            self.0.advance(d);
+            Box::pin(std::future::ready(()))
+        }
+    }
+
+    #[derive(Default)]
+    struct Deposits(AtomicUsize);
+    impl tower::retry::budget::Budget for Deposits {
+        fn deposit(&self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+        fn withdraw(&self) -> bool {
+            true
+        }
+    }
+
+    let clock = ManualClock::new(0);
+    let attempts = Arc::new(AtomicUsize::new(0));
+    let throttled = {
+        let attempts = attempts.clone();
+        tower::service_fn(move |_req: http::Request<()>| {
+            attempts.fetch_add(1, Ordering::SeqCst);
+            async {
+                Ok::<_, std::convert::Infallible>(
+                    http::Response::builder()
+                        .status(429)
+                        .header("retry-after", "1")
+                        .body(())
+                        .unwrap(),
+                )
+            }
+        })
+    };
+    let deposits = Arc::new(Deposits::default());
+    let policy = RetryPolicy::new(RetryConfig::new().deadline(Duration::from_secs(10)))
+        .with_clocks(clock.clone(), std::time::SystemTime::now)
+        .with_jitter(NoJitter)
+        .with_sleep(ClockSleep(clock.clone()))
+        .with_budget(deposits.clone());
+    let mut svc = tower::retry::Retry::new(policy, throttled);
+    for round in 0..3 {
+        attempts.store(0, Ordering::SeqCst);
+        let req = http::Request::get("http://x/").body(()).unwrap();
+        let res = svc.ready().await.unwrap().call(req).await.unwrap();
+        assert_eq!(res.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(attempts.load(Ordering::SeqCst), 3, "round {round}");
+        clock.advance(Duration::from_secs(20));
+    }
+    assert_eq!(
+        deposits.0.load(Ordering::SeqCst),
+        3,
+        "one deposit per request"
+    );
+}

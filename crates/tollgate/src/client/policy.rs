@@ -236,7 +236,8 @@ impl Sleep for TokioSleep {
 ///
 /// Use it with `tower::retry::RetryLayer`. Each request gets its own copy
 /// (tower clones the policy per call), which counts its attempts and
-/// measures its deadline on a monotonic clock from the first attempt.
+/// measures its deadline on a monotonic clock from the first attempt; a
+/// service made once and called many times treats every request afresh.
 /// Transport errors are not retried: they are not throttling.
 #[derive(Clone)]
 pub struct RetryPolicy {
@@ -246,14 +247,21 @@ pub struct RetryPolicy {
     jitter: Arc<dyn Jitter>,
     sleep: Arc<dyn Sleep>,
     budget: Option<Arc<dyn Budget + Send + Sync>>,
-    /// Attempts made by the request this copy belongs to.
+    /// Attempts made by the request this copy belongs to. Only the copy in
+    /// a request's response future counts (tower calls `retry` on that
+    /// copy); the service's own policy is never changed by a request.
     attempts: u32,
-    /// Monotonic time of the first attempt, set when tower first clones the
-    /// request (just before sending it).
-    started: Option<Nanos>,
     /// The wait planned before the latest retry, for observers.
     last_wait: Option<Duration>,
 }
+
+/// When a request was first sent, on the policy's monotonic clock. Carried
+/// in the extensions of the copy tower keeps for retries: tower 0.5 calls
+/// `clone_request` for a new request on the *service's* policy, before
+/// copying that policy into the response future, so a start time kept in
+/// the policy would be shared by every later request of the service.
+#[derive(Debug, Clone, Copy)]
+struct FirstSent(Nanos);
 
 impl fmt::Debug for RetryPolicy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -277,7 +285,6 @@ impl RetryPolicy {
             sleep: Arc::new(TokioSleep),
             budget: None,
             attempts: 0,
-            started: None,
             last_wait: None,
         }
     }
@@ -333,7 +340,7 @@ impl<B: Clone, Rb, E> tower::retry::Policy<Request<B>, Response<Rb>, E> for Retr
         let response = result.as_ref().ok()?;
         self.attempts += 1;
         let now = self.clock.now();
-        let started = *self.started.get_or_insert(now);
+        let started = req.extensions().get::<FirstSent>().map_or(now, |f| f.0);
         let elapsed = Duration::from_nanos(now.saturating_sub(started));
         let attempt = Attempt {
             status: response.status(),
@@ -356,18 +363,23 @@ impl<B: Clone, Rb, E> tower::retry::Policy<Request<B>, Response<Rb>, E> for Retr
     }
 
     fn clone_request(&mut self, req: &Request<B>) -> Option<Request<B>> {
-        if self.started.is_none() {
-            self.started = Some(self.clock.now());
-            if let Some(budget) = &self.budget {
-                budget.deposit();
+        // A request without the mark is new: this is its first attempt.
+        let first = match req.extensions().get::<FirstSent>() {
+            Some(first) => *first,
+            None => {
+                if let Some(budget) = &self.budget {
+                    budget.deposit();
+                }
+                FirstSent(self.clock.now())
             }
-        }
+        };
         let mut clone = Request::new(req.body().clone());
         *clone.method_mut() = req.method().clone();
         *clone.uri_mut() = req.uri().clone();
         *clone.version_mut() = req.version();
         *clone.headers_mut() = req.headers().clone();
         *clone.extensions_mut() = req.extensions().clone();
+        clone.extensions_mut().insert(first);
         Some(clone)
     }
 }
