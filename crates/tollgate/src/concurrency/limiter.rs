@@ -1,12 +1,13 @@
 //! In-flight accounting: a global count and per-key counts under one lock,
-//! permits that give back on drop, and bounded waiting.
+//! permits that give back on drop, and bounded first-come-first-served
+//! waiting in which a freed slot is handed to one waiter.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use tokio::sync::Notify;
+use tokio::sync::oneshot;
 
 /// Which limit refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,6 +22,49 @@ pub(crate) enum Full {
 struct Counts {
     global: usize,
     per_key: HashMap<Box<str>, usize>,
+    /// Requests waiting for a permit, first come first served.
+    queue: VecDeque<Waiter>,
+    next_waiter: u64,
+}
+
+/// A request waiting in the queue; a freed slot is handed to it directly.
+struct Waiter {
+    id: u64,
+    key: Option<Box<str>>,
+    grant: oneshot::Sender<Permit>,
+}
+
+impl Counts {
+    fn fits(&self, limiter: &Limiter, key: Option<&str>) -> Result<(), Full> {
+        if let (Some(max), Some(key)) = (limiter.per_key_max, key) {
+            if self.per_key.get(key).copied().unwrap_or(0) >= max {
+                return Err(Full::PerKey);
+            }
+        }
+        if limiter.global_max.is_some_and(|max| self.global >= max) {
+            return Err(Full::Global);
+        }
+        Ok(())
+    }
+
+    fn take(&mut self, key: Option<&str>) {
+        self.global += 1;
+        if let Some(key) = key {
+            *self.per_key.entry(key.into()).or_insert(0) += 1;
+        }
+    }
+
+    fn give_back(&mut self, key: Option<&str>) {
+        self.global = self.global.saturating_sub(1);
+        if let Some(key) = key {
+            if let Some(n) = self.per_key.get_mut(key) {
+                *n -= 1;
+                if *n == 0 {
+                    self.per_key.remove(key);
+                }
+            }
+        }
+    }
 }
 
 /// A snapshot of a concurrency limit's counters.
@@ -44,9 +88,11 @@ pub(crate) struct Limiter {
     pub(crate) per_key_max: Option<usize>,
     /// At most this many requests wait, each at most `max_wait`.
     pub(crate) waiting: Option<(usize, Duration)>,
+    /// Counts and the waiting queue, under one lock: a release hands its
+    /// slot to the first waiter that fits before any new arrival can see
+    /// it, so waiting is first come, first served, and each freed slot
+    /// wakes exactly one waiter.
     counts: Mutex<Counts>,
-    released: Notify,
-    waiters: AtomicUsize,
     peak_waiters: AtomicUsize,
     refused_per_key: AtomicU64,
     refused_global: AtomicU64,
@@ -60,19 +106,16 @@ pub(crate) struct Permit {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        {
+        let handed = {
             let mut counts = self.limiter.lock();
-            counts.global = counts.global.saturating_sub(1);
-            if let Some(key) = &self.key {
-                if let Some(n) = counts.per_key.get_mut(key) {
-                    *n -= 1;
-                    if *n == 0 {
-                        counts.per_key.remove(key);
-                    }
-                }
-            }
+            counts.give_back(self.key.as_deref());
+            self.limiter.hand_over(&mut counts)
+        };
+        // Sent outside the lock: a waiter gone in the meantime gives the
+        // permit straight back, which locks again.
+        if let Some((grant, permit)) = handed {
+            let _ = grant.send(permit);
         }
-        self.limiter.released.notify_waiters();
         self.limiter.gauges();
     }
 }
@@ -90,8 +133,6 @@ impl Limiter {
             per_key_max,
             waiting,
             counts: Mutex::new(Counts::default()),
-            released: Notify::new(),
-            waiters: AtomicUsize::new(0),
             peak_waiters: AtomicUsize::new(0),
             refused_per_key: AtomicU64::new(0),
             refused_global: AtomicU64::new(0),
@@ -102,62 +143,76 @@ impl Limiter {
         self.counts.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
+    fn permit(self: &Arc<Self>, key: Option<Box<str>>) -> Permit {
+        Permit {
+            limiter: self.clone(),
+            key,
+        }
+    }
+
+    /// The first waiter that fits now, its slot taken on its behalf.
+    fn hand_over(
+        self: &Arc<Self>,
+        counts: &mut Counts,
+    ) -> Option<(oneshot::Sender<Permit>, Permit)> {
+        let i = (0..counts.queue.len())
+            .find(|&i| counts.fits(self, counts.queue[i].key.as_deref()).is_ok())?;
+        let waiter = counts.queue.remove(i)?;
+        counts.take(waiter.key.as_deref());
+        Some((waiter.grant, self.permit(waiter.key)))
+    }
+
     pub(crate) fn try_acquire(self: &Arc<Self>, key: Option<&str>) -> Result<Permit, Full> {
         let mut counts = self.lock();
-        if let (Some(max), Some(key)) = (self.per_key_max, key) {
-            if counts.per_key.get(key).copied().unwrap_or(0) >= max {
-                return Err(Full::PerKey);
-            }
-        }
-        if self.global_max.is_some_and(|max| counts.global >= max) {
-            return Err(Full::Global);
-        }
-        counts.global += 1;
-        if let Some(key) = key {
-            *counts.per_key.entry(key.into()).or_insert(0) += 1;
-        }
+        counts.fits(self, key)?;
+        counts.take(key);
         drop(counts);
         self.gauges();
-        Ok(Permit {
-            limiter: self.clone(),
-            key: key.map(Into::into),
-        })
+        Ok(self.permit(key.map(Into::into)))
     }
 
     /// Acquires at once, or (if waiting is configured) waits in a bounded
-    /// queue for at most the configured time.
+    /// first-come-first-served queue for at most the configured time.
     pub(crate) async fn acquire(self: Arc<Self>, key: Option<Box<str>>) -> Result<Permit, Full> {
-        let first = match self.try_acquire(key.as_deref()) {
-            Ok(p) => return Ok(p),
-            Err(full) => full,
-        };
         let Some((max_waiters, max_wait)) = self.waiting else {
-            return Err(self.refused(first));
+            return self
+                .try_acquire(key.as_deref())
+                .map_err(|full| self.refused(full));
         };
-        // Claim a waiting slot, never more than the bound.
-        let claimed = self
-            .waiters
-            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |w| {
-                (w < max_waiters).then_some(w + 1)
-            });
-        let Ok(before) = claimed else {
-            return Err(self.refused(Full::Queue));
-        };
-        self.peak_waiters.fetch_max(before + 1, Ordering::Relaxed);
-        self.gauges();
-        let _slot = WaitSlot(&self);
-        let deadline = tokio::time::Instant::now() + max_wait;
-        loop {
-            // Register for a release before trying, so none is missed.
-            let notified = self.released.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            let full = match self.try_acquire(key.as_deref()) {
-                Ok(p) => return Ok(p),
+        let (id, full, granted) = {
+            let mut counts = self.lock();
+            let full = match counts.fits(&self, key.as_deref()) {
+                Ok(()) => {
+                    counts.take(key.as_deref());
+                    drop(counts);
+                    self.gauges();
+                    return Ok(self.permit(key));
+                }
                 Err(full) => full,
             };
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return Err(self.refused(full));
+            if counts.queue.len() >= max_waiters {
+                drop(counts);
+                return Err(self.refused(Full::Queue));
+            }
+            let (grant, granted) = oneshot::channel();
+            let id = counts.next_waiter;
+            counts.next_waiter += 1;
+            counts.queue.push_back(Waiter { id, key, grant });
+            self.peak_waiters
+                .fetch_max(counts.queue.len(), Ordering::Relaxed);
+            (id, full, granted)
+        };
+        self.gauges();
+        // Leaves the queue however the wait ends (the future may be
+        // dropped while waiting).
+        let _queued = Queued { limiter: &self, id };
+        match tokio::time::timeout(max_wait, granted).await {
+            Ok(Ok(permit)) => Ok(permit),
+            _ => {
+                // Timed out. Still queued: refused. Not queued any more: a
+                // slot was handed over at the last moment, and the permit
+                // it sent is in the dropped receiver, which gives it back.
+                Err(self.refused(full))
             }
         }
     }
@@ -190,9 +245,10 @@ impl Limiter {
     }
 
     pub(crate) fn stats(&self) -> ConcurrencyStats {
+        let counts = self.lock();
         ConcurrencyStats {
-            in_flight: self.lock().global,
-            waiting: self.waiters.load(Ordering::Acquire),
+            in_flight: counts.global,
+            waiting: counts.queue.len(),
             peak_waiting: self.peak_waiters.load(Ordering::Relaxed),
             refused_per_key: self.refused_per_key.load(Ordering::Relaxed),
             refused_global: self.refused_global.load(Ordering::Relaxed),
@@ -200,13 +256,117 @@ impl Limiter {
     }
 }
 
-/// Gives a waiting slot back however the wait ends (admitted, timed out, or
-/// the request future dropped).
-struct WaitSlot<'a>(&'a Limiter);
+/// Removes a waiter from the queue when its wait ends, however it ends.
+struct Queued<'a> {
+    limiter: &'a Limiter,
+    id: u64,
+}
 
-impl Drop for WaitSlot<'_> {
+impl Drop for Queued<'_> {
     fn drop(&mut self) {
-        self.0.waiters.fetch_sub(1, Ordering::AcqRel);
-        self.0.gauges();
+        {
+            let mut counts = self.limiter.lock();
+            if let Some(i) = counts.queue.iter().position(|w| w.id == self.id) {
+                counts.queue.remove(i);
+            }
+        }
+        self.limiter.gauges();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn limiter(global: usize, waiting: usize) -> Arc<Limiter> {
+        Arc::new(Limiter::new(
+            "fifo".into(),
+            Some(global),
+            Some(1),
+            Some((waiting, Duration::from_secs(60))),
+        ))
+    }
+
+    /// Audit finding 7: a freed slot woke every waiter and could be taken
+    /// by a new arrival first. Now waiters are served in arrival order, a
+    /// release hands its slot to one of them, and nobody barges in.
+    #[tokio::test(flavor = "current_thread")]
+    async fn waiters_are_served_first_come_first_served_and_nobody_barges() {
+        let l = limiter(1, 8);
+        let held = l.try_acquire(None).unwrap();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for i in 0..4 {
+            let (mine, order) = (l.clone(), order.clone());
+            tasks.push(tokio::spawn(async move {
+                let permit = mine.acquire(None).await.unwrap();
+                order.lock().unwrap().push(i);
+                // Hold it a moment so the next one has to wait for it.
+                tokio::task::yield_now().await;
+                drop(permit);
+            }));
+            // Let it queue before the next one arrives.
+            while l.stats().waiting < i + 1 {
+                tokio::task::yield_now().await;
+            }
+        }
+        drop(held);
+        // The slot went to the first waiter: a newcomer finds none free.
+        assert_eq!(l.try_acquire(None).err(), Some(Full::Global));
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(*order.lock().unwrap(), [0, 1, 2, 3]);
+        assert_eq!(l.stats().in_flight, 0);
+        assert_eq!(l.stats().waiting, 0);
+    }
+
+    /// A waiter for a full key does not hold up other keys, and is served
+    /// when its key frees, before newcomers of that key.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_waiter_takes_its_freed_key_slot_before_newcomers() {
+        let l = limiter(4, 8);
+        let a = l.try_acquire(Some("a")).unwrap();
+        let waiting = tokio::spawn({
+            let l = l.clone();
+            async move { l.acquire(Some("a".into())).await.map(drop) }
+        });
+        while l.stats().waiting < 1 {
+            tokio::task::yield_now().await;
+        }
+        let b = l.try_acquire(Some("b")).unwrap();
+        drop(a);
+        assert_eq!(l.try_acquire(Some("a")).err(), Some(Full::PerKey));
+        waiting.await.unwrap().unwrap();
+        drop(b);
+        assert_eq!(l.stats().in_flight, 0);
+    }
+
+    /// A waiter whose future is dropped leaves the queue; a slot freed
+    /// later goes to the next waiter.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_dropped_waiter_leaves_the_queue() {
+        let l = limiter(1, 8);
+        let held = l.try_acquire(None).unwrap();
+        let gone = tokio::spawn({
+            let l = l.clone();
+            async move { l.acquire(None).await.map(drop) }
+        });
+        while l.stats().waiting < 1 {
+            tokio::task::yield_now().await;
+        }
+        let next = tokio::spawn({
+            let l = l.clone();
+            async move { l.acquire(None).await.map(drop) }
+        });
+        while l.stats().waiting < 2 {
+            tokio::task::yield_now().await;
+        }
+        gone.abort();
+        let _ = gone.await;
+        assert_eq!(l.stats().waiting, 1);
+        drop(held);
+        next.await.unwrap().unwrap();
+        assert_eq!(l.stats().in_flight, 0);
     }
 }
