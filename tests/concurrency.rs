@@ -328,3 +328,67 @@ async fn composes_with_the_rate_limiter_in_either_order() {
         );
     }
 }
+
+/// Audit finding 8: a `101` answer has an empty body, so the permit was
+/// released when the connection switched protocols while the upgraded
+/// connection lived on. A handler that keeps the request's `InFlight`
+/// counts the connection for its whole life.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_upgraded_connection_holds_its_slot_while_it_lives() {
+    use axum::extract::Request;
+    use tokio::io::AsyncWriteExt;
+    use tollgate::concurrency::InFlight;
+
+    async fn echo(mut req: Request) -> axum::response::Response {
+        let slot = req.extensions_mut().remove::<InFlight>();
+        let upgrade = hyper::upgrade::on(&mut req);
+        tokio::spawn(async move {
+            let _slot = slot;
+            if let Ok(upgraded) = upgrade.await {
+                let mut io = hyper_util::rt::TokioIo::new(upgraded);
+                let mut buf = [0u8; 64];
+                while let Ok(n @ 1..) = io.read(&mut buf).await {
+                    if io.write_all(&buf[..n]).await.is_err() {
+                        break;
+                    }
+                }
+            }
+        });
+        axum::response::Response::builder()
+            .status(StatusCode::SWITCHING_PROTOCOLS)
+            .header("upgrade", "echo")
+            .header("connection", "upgrade")
+            .body(axum::body::Body::empty())
+            .unwrap()
+    }
+
+    let limit = ConcurrencyLimitLayer::new("tunnels")
+        .unwrap()
+        .per_key(n(1), [KeyPart::ClientIp]);
+    let app = serve(Router::new().route("/ws", get(echo)).layer(limit)).await;
+    let from = ip("127.0.31.1");
+    let upgrade_headers = [("Upgrade", "echo"), ("Connection", "upgrade")];
+    let (mut first, head) = open(app, from, "/ws", &upgrade_headers, 0).await;
+    assert!(head.starts_with("HTTP/1.1 101"), "{head}");
+    first.write_all(b"ping").await.unwrap();
+    let mut echoed = [0u8; 4];
+    first.read_exact(&mut echoed).await.unwrap();
+    assert_eq!(&echoed, b"ping");
+    // While the upgraded connection is open, its slot is taken.
+    let refused = send(app, from, "GET", "/ws", &upgrade_headers, b"").await;
+    assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS);
+    // Closing it frees the slot.
+    drop(first);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (_again, head) = open(app, from, "/ws", &upgrade_headers, 0).await;
+        if head.starts_with("HTTP/1.1 101") {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the slot was never freed: {head}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}

@@ -4,7 +4,7 @@ use std::task::{Context, Poll};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use super::limiter::Permit;
+use super::in_flight::Held;
 
 pin_project! {
     /// A response body that keeps its request counted as in flight until the
@@ -13,12 +13,12 @@ pin_project! {
         #[pin]
         inner: B,
         // Released when the last frame or an error is yielded, or on drop.
-        permit: Option<Permit>,
+        permit: Option<Held>,
     }
 }
 
 impl<B> PermitBody<B> {
-    pub(crate) fn new(inner: B, permit: Option<Permit>) -> Self {
+    pub(crate) fn new(inner: B, permit: Option<Held>) -> Self {
         Self { inner, permit }
     }
 }

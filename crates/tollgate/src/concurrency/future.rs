@@ -10,6 +10,7 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use super::PermitBody;
+use super::in_flight::{Held, hold};
 use super::layer::Config;
 use super::limiter::{Full, Permit};
 use super::service::refusal;
@@ -46,7 +47,7 @@ pin_project! {
             future: S::Future,
             // Moves into the response body when the head arrives; dropped
             // with this future if the request is abandoned or fails.
-            permit: Option<Permit>,
+            permit: Option<Held>,
         },
         Refused {
             response: Option<Response<FullBody<Bytes>>>,
@@ -58,7 +59,8 @@ impl<S, ReqB> ResponseFuture<S, ReqB>
 where
     S: Service<Request<ReqB>>,
 {
-    pub(crate) fn calling(mut inner: S, req: Request<ReqB>, permit: Permit) -> Self {
+    pub(crate) fn calling(mut inner: S, mut req: Request<ReqB>, permit: Permit) -> Self {
+        let permit = hold(permit, &mut req);
         Self {
             state: State::Calling {
                 future: inner.call(req),
@@ -110,10 +112,13 @@ where
                     protocol,
                 } => {
                     let next = match (ready!(acquire.as_mut().poll(cx)), pending.take()) {
-                        (Ok(permit), Some((mut inner, req))) => State::Calling {
-                            future: inner.call(req),
-                            permit: Some(permit),
-                        },
+                        (Ok(permit), Some((mut inner, mut req))) => {
+                            let permit = hold(permit, &mut req);
+                            State::Calling {
+                                future: inner.call(req),
+                                permit: Some(permit),
+                            }
+                        }
                         (Err(full), _) => State::Refused {
                             response: Some(refusal(config, full).into_response(*protocol)),
                         },

@@ -12,8 +12,11 @@
 //!   `Retry-After`, since no time can be promised;
 //! - global: over the limit is `503`;
 //! - refusal is immediate unless [`ConcurrencyLimitLayer::wait`] allows a
-//!   bounded number of waiters for a bounded time; there is never an
-//!   unbounded queue.
+//!   bounded number of waiters for a bounded time, served first come,
+//!   first served; there is never an unbounded queue;
+//! - an upgraded connection (WebSocket, `CONNECT`) answers with an empty
+//!   body and lives on: keep the request's [`InFlight`] in the task that
+//!   serves it to count it for its whole life.
 //!
 //! It composes with [`RateLimitLayer`](crate::RateLimitLayer) in either
 //! order. Put a timeout inside it, so a stuck request cannot hold a slot
@@ -39,12 +42,14 @@
 
 mod body;
 mod future;
+mod in_flight;
 mod layer;
 mod limiter;
 mod service;
 
 pub use body::PermitBody;
 pub use future::ResponseFuture;
+pub use in_flight::InFlight;
 pub use layer::{ConcurrencyLimitLayer, InvalidLimitName};
 pub use limiter::ConcurrencyStats;
 pub use service::ConcurrencyLimit;

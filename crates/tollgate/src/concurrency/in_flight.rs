@@ -1,0 +1,80 @@
+//! Counting upgraded connections: the permit of a request that asks for an
+//! upgrade is shared with the handler, so the slot can outlive the (empty)
+//! body of a `101 Switching Protocols` answer.
+
+use std::fmt;
+use std::sync::Arc;
+
+use http::{Method, Request, header};
+
+use super::limiter::Permit;
+
+/// A request's slot in a [`ConcurrencyLimitLayer`](super::ConcurrencyLimitLayer),
+/// for connections that outlive their response.
+///
+/// A request is counted until its response body has ended. An upgraded
+/// connection (WebSocket, `CONNECT` tunnel) answers `101` (or `200` to
+/// `CONNECT`) with an empty body and then lives on, so by default it stops
+/// being counted when it switches protocols. To count it for its whole
+/// life, the layer puts an `InFlight` into the extensions of every request
+/// that asks for an upgrade (an `Upgrade` header, or method `CONNECT`):
+/// take it in the handler and keep it in the task that serves the upgraded
+/// connection. The slot is freed when both the response body and every
+/// clone of the `InFlight` are gone.
+///
+/// ```
+/// use axum::{extract::Request, http::StatusCode, response::Response};
+/// use tollgate::concurrency::InFlight;
+///
+/// async fn upgrade(mut req: Request) -> Response {
+///     let slot = req.extensions_mut().remove::<InFlight>();
+///     let upgrade = hyper::upgrade::on(&mut req);
+///     tokio::spawn(async move {
+///         let _slot = slot; // counted until this task ends
+///         if let Ok(_connection) = upgrade.await {
+///             // serve the upgraded connection
+///         }
+///     });
+///     Response::builder()
+///         .status(StatusCode::SWITCHING_PROTOCOLS)
+///         .header("upgrade", "echo")
+///         .header("connection", "upgrade")
+///         .body(axum::body::Body::empty())
+///         .unwrap()
+/// }
+/// # let _ = upgrade;
+/// ```
+#[derive(Clone)]
+pub struct InFlight {
+    // Never read: holding it is the point.
+    _slot: Arc<Permit>,
+}
+
+impl fmt::Debug for InFlight {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("InFlight")
+    }
+}
+
+/// How the response body holds its request's permit.
+/// Never read: holding it is the point.
+pub(crate) enum Held {
+    /// Alone: the slot is freed with the body.
+    Own { _slot: Permit },
+    /// With the [`InFlight`] handed to the handler.
+    Shared { _slot: Arc<Permit> },
+}
+
+/// The permit of `req`, shared with the handler through an [`InFlight`] in
+/// its extensions when the request asks for an upgrade.
+pub(crate) fn hold<B>(permit: Permit, req: &mut Request<B>) -> Held {
+    let upgrade = req.method() == Method::CONNECT || req.headers().contains_key(header::UPGRADE);
+    if !upgrade {
+        return Held::Own { _slot: permit };
+    }
+    let shared = Arc::new(permit);
+    req.extensions_mut().insert(InFlight {
+        _slot: shared.clone(),
+    });
+    Held::Shared { _slot: shared }
+}
