@@ -10,7 +10,7 @@
 
 use std::time::Duration;
 
-use crate::{Algorithm, Decision, Initial, Nanos, Policy};
+use crate::{Algorithm, Decision, Initial, Nanos, Policy, TokenBucket};
 
 /// The stored state of one key. Its meaning depends on the algorithm:
 ///
@@ -26,7 +26,7 @@ pub struct State {
     /// See the table above.
     pub prior: u64,
     /// See the table above.
-    pub at: u64,
+    pub at: Nanos,
 }
 
 /// The result of one decision.
@@ -71,27 +71,9 @@ pub fn decide(policy: &Policy, state: Option<State>, now: Nanos, cost: u64) -> S
         };
     }
     match *policy.algorithm() {
-        Algorithm::TokenBucket {
-            capacity,
-            numerator,
-            denominator,
-            initial,
-            ..
-        } => token_bucket(
-            TokenBucket {
-                capacity,
-                numerator,
-                denominator,
-                initial,
-            },
-            state,
-            now,
-            cost,
-        ),
-        Algorithm::FixedWindow { limit, window } => fixed_window(limit, window, state, now, cost),
-        Algorithm::SlidingWindow { limit, window } => {
-            sliding_window(limit, window, state, now, cost)
-        }
+        Algorithm::TokenBucket(b) => token_bucket(b, state, now, cost),
+        Algorithm::FixedWindow(w) => fixed_window(w.limit, w.window, state, now, cost),
+        Algorithm::SlidingWindow(w) => sliding_window(w.limit, w.window, state, now, cost),
     }
 }
 
@@ -104,10 +86,7 @@ pub fn describe(policy: &Policy, state: Option<State>, now: Nanos) -> Decision {
         Some(s) => s,
         None => {
             let remaining = match *policy.algorithm() {
-                Algorithm::TokenBucket {
-                    initial: Initial::Empty,
-                    ..
-                } => 0,
+                Algorithm::TokenBucket(b) if b.initial == Initial::Empty => 0,
                 _ => policy.capacity(),
             };
             let reset = if remaining == 0 {
@@ -119,26 +98,15 @@ pub fn describe(policy: &Policy, state: Option<State>, now: Nanos) -> Decision {
         }
     };
     match *policy.algorithm() {
-        Algorithm::TokenBucket {
-            capacity,
-            numerator,
-            denominator,
-            initial,
-            ..
-        } => {
-            let p = TokenBucket {
-                capacity,
-                numerator,
-                denominator,
-                initial,
-            };
+        Algorithm::TokenBucket(p) => {
             let (credit, t) = p.refilled(s.level, s.at, now);
             Decision::Admitted {
                 remaining: p.tokens(credit),
                 reset: Duration::from_nanos((t - now).saturating_add(p.time_to_full(credit))),
             }
         }
-        Algorithm::FixedWindow { limit, window } => {
+        Algorithm::FixedWindow(w) => {
+            let (limit, window) = (w.limit, w.window);
             let end = s.at.saturating_add(window);
             if now < end {
                 Decision::Admitted {
@@ -152,7 +120,7 @@ pub fn describe(policy: &Policy, state: Option<State>, now: Nanos) -> Decision {
                 }
             }
         }
-        Algorithm::SlidingWindow { .. } => {
+        Algorithm::SlidingWindow(_) => {
             // A cost of one unit shows the same weighted state; undo it.
             let step = decide(policy, Some(s), now, 1);
             match step.decision {
@@ -176,25 +144,11 @@ pub fn describe(policy: &Policy, state: Option<State>, now: Nanos) -> Decision {
 ///
 /// Exact only when the deadline did not saturate; a store must check that
 /// the recovered time is the one it was given before relying on it.
-pub fn time_from_idle(policy: &Policy, level: u64, idle_at: Nanos) -> Option<Nanos> {
+pub(crate) fn time_from_idle(policy: &Policy, level: u64, idle_at: Nanos) -> Option<Nanos> {
     match *policy.algorithm() {
-        Algorithm::TokenBucket {
-            capacity,
-            numerator,
-            denominator,
-            initial,
-            ..
-        } => {
-            let p = TokenBucket {
-                capacity,
-                numerator,
-                denominator,
-                initial,
-            };
-            idle_at.checked_sub(p.time_to_full(level.min(p.cap())))
-        }
-        Algorithm::FixedWindow { window, .. } => idle_at.checked_sub(window),
-        Algorithm::SlidingWindow { .. } => None,
+        Algorithm::TokenBucket(p) => idle_at.checked_sub(p.time_to_full(level.min(p.cap()))),
+        Algorithm::FixedWindow(w) => idle_at.checked_sub(w.window),
+        Algorithm::SlidingWindow(_) => None,
     }
 }
 
@@ -202,38 +156,19 @@ pub fn time_from_idle(policy: &Policy, level: u64, idle_at: Nanos) -> Option<Nan
 pub fn idle_at(policy: &Policy, state: Option<State>, now: Nanos) -> Nanos {
     let Some(s) = state else { return now };
     match *policy.algorithm() {
-        Algorithm::TokenBucket {
-            capacity,
-            numerator,
-            denominator,
-            initial,
-            ..
-        } => {
-            let p = TokenBucket {
-                capacity,
-                numerator,
-                denominator,
-                initial,
-            };
+        Algorithm::TokenBucket(p) => {
             let level = s.level.min(p.cap());
             s.at.saturating_add(p.time_to_full(level))
         }
-        Algorithm::FixedWindow { window, .. } => s.at.saturating_add(window),
-        Algorithm::SlidingWindow { window, .. } => {
+        Algorithm::FixedWindow(w) => s.at.saturating_add(w.window),
+        Algorithm::SlidingWindow(w) => {
             let windows = if s.level > 0 { 2 } else { 1 };
-            sat(u128::from(s.at) + windows * u128::from(window))
+            sat(u128::from(s.at) + windows * u128::from(w.window))
         }
     }
 }
 
-#[derive(Clone, Copy)]
-struct TokenBucket {
-    capacity: u64,
-    numerator: u64,
-    denominator: u64,
-    initial: Initial,
-}
-
+/// The exact arithmetic of a token bucket, on its scaled units.
 impl TokenBucket {
     /// Capacity in scaled units. [`Policy::token_bucket`] refuses policies
     /// whose scaled capacity does not fit in 64 bits, so every credit does.
@@ -327,7 +262,7 @@ fn token_bucket(p: TokenBucket, state: Option<State>, now: Nanos, cost: u64) -> 
     }
 }
 
-fn fixed_window(limit: u64, window: u64, state: Option<State>, now: Nanos, cost: u64) -> Step {
+fn fixed_window(limit: u64, window: Nanos, state: Option<State>, now: Nanos, cost: u64) -> Step {
     let (count, start) = match state {
         // Still inside the window (a clock behind `start` counts as inside).
         Some(s) if now < s.at.saturating_add(window) => (s.level, s.at),
@@ -364,7 +299,7 @@ fn fixed_window(limit: u64, window: u64, state: Option<State>, now: Nanos, cost:
     }
 }
 
-fn sliding_window(limit: u64, window: u64, state: Option<State>, now: Nanos, cost: u64) -> Step {
+fn sliding_window(limit: u64, window: Nanos, state: Option<State>, now: Nanos, cost: u64) -> Step {
     let w = u128::from(window);
     let l = u128::from(limit);
     // Windows tile the time line from the key's first admission.

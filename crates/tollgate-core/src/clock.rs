@@ -8,7 +8,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-/// Integer nanoseconds since a clock's own origin.
+/// Integer nanoseconds: a reading of a clock since that clock's own origin,
+/// or a span between two readings. An alias, not a newtype: the algorithms
+/// do their exact arithmetic on it as a `u64` (spans of `Duration` are
+/// converted at the edges), and every time-valued number in this crate's
+/// API is written `Nanos` so that it reads as one.
 pub type Nanos = u64;
 
 /// A source of elapsed time.

@@ -54,5 +54,5 @@ pub use clock::{Clock, ManualClock, Nanos, SystemClock};
 pub use decision::{Charge, Decision, InvalidCharge, Outcome, Verdict};
 pub use key::{InvalidKey, Key};
 pub use memory::{CapPolicy, MemoryStore, MemoryStoreBuilder, MemoryStoreStats};
-pub use policy::{Algorithm, Initial, InvalidPolicy, Policy, Rate, Unit};
+pub use policy::{Algorithm, Initial, InvalidPolicy, Policy, Rate, TokenBucket, Unit, Window};
 pub use store::{DynStore, Store, StoreError, StoreErrorKind, StoreFuture};

@@ -169,7 +169,7 @@ struct Inner {
     digest_key: DigestKey,
     per_shard: Option<usize>,
     cap_policy: CapPolicy,
-    sweep_every: u64,
+    sweep_every: Nanos,
     refused_new_keys: AtomicU64,
     evicted: AtomicU64,
     swept: AtomicU64,

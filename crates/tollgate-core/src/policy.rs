@@ -8,6 +8,8 @@ use std::fmt;
 use std::sync::Arc;
 use std::time::Duration;
 
+use crate::Nanos;
+
 /// A refill rate, named as a rate: `Rate::per_second(10)` is ten per second.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct Rate {
@@ -88,42 +90,84 @@ pub enum Initial {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum Algorithm {
     /// Token bucket: capacity `B`, refill `r`, lazily refilled on arrival.
-    ///
-    /// Credit is kept in units of `1 / denominator` tokens; `numerator` such
-    /// units are added per nanosecond. `numerator / denominator` is the refill
-    /// rate in tokens per nanosecond, reduced to lowest terms.
-    TokenBucket {
-        /// Maximum stored tokens, `B`.
-        capacity: u64,
-        /// Scaled units added per nanosecond.
-        numerator: u64,
-        /// Scaled units per token.
-        denominator: u64,
-        /// Credit for a key with no state.
-        initial: Initial,
-        /// The rate as configured, for headers and docs.
-        rate: Rate,
-    },
-    /// Fixed window anchored at the first admitted request: at most `limit`
-    /// within `window` from that admission; a refusal neither counts nor
-    /// extends the window.
-    FixedWindow {
-        /// Maximum admitted cost per window.
-        limit: u64,
-        /// Window length in nanoseconds.
-        window: u64,
-    },
-    /// Sliding window counter: windows of `window` nanoseconds tiling the
+    TokenBucket(TokenBucket),
+    /// Fixed window anchored at the first admitted request: at most the
+    /// limit within the window from that admission; a refusal neither
+    /// counts nor extends the window.
+    FixedWindow(Window),
+    /// Sliding window counter: windows of the window's length tiling the
     /// time line from the key's first admission; a charge is admitted when
     /// `previous × (window − elapsed) + (current + cost) × window ≤ limit × window`,
     /// i.e. the previous window's admitted cost is weighted by the share of it
     /// still inside the sliding interval. Computed exactly in integers.
-    SlidingWindow {
-        /// Maximum weighted cost per sliding interval.
-        limit: u64,
-        /// Window length in nanoseconds.
-        window: u64,
-    },
+    SlidingWindow(Window),
+}
+
+/// A token bucket's parameters, validated so that credit is exact.
+///
+/// Credit is kept in *scaled units* of `1 / units_per_token` tokens, and
+/// `units_per_nanosecond` such units are added per nanosecond: the refill
+/// rate in tokens per nanosecond, reduced to lowest terms, is
+/// `units_per_nanosecond / units_per_token`. A full bucket holds
+/// `capacity × units_per_token` units, which fits 64 bits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TokenBucket {
+    pub(crate) capacity: u64,
+    pub(crate) numerator: u64,
+    pub(crate) denominator: u64,
+    pub(crate) initial: Initial,
+    pub(crate) rate: Rate,
+}
+
+impl TokenBucket {
+    /// Maximum stored tokens, `B`.
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// The refill rate as configured.
+    pub fn rate(&self) -> Rate {
+        self.rate
+    }
+
+    /// Credit for a key with no state.
+    pub fn initial(&self) -> Initial {
+        self.initial
+    }
+
+    /// Scaled units per token.
+    pub fn units_per_token(&self) -> u64 {
+        self.denominator
+    }
+
+    /// Scaled units added per nanosecond.
+    pub fn units_per_nanosecond(&self) -> u64 {
+        self.numerator
+    }
+}
+
+/// A window algorithm's parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Window {
+    pub(crate) limit: u64,
+    pub(crate) window: Nanos,
+}
+
+impl Window {
+    /// Maximum admitted (or, sliding, weighted) cost per window.
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    /// The window's length.
+    pub fn length(&self) -> Duration {
+        Duration::from_nanos(self.window)
+    }
+
+    /// The window's length in nanoseconds.
+    pub fn nanos(&self) -> Nanos {
+        self.window
+    }
 }
 
 /// A named budget: an algorithm, its numbers and its unit.
@@ -281,13 +325,13 @@ impl Policy {
         Ok(Self::assemble(
             name,
             Unit::Requests,
-            Algorithm::TokenBucket {
+            Algorithm::TokenBucket(TokenBucket {
                 capacity,
                 numerator,
                 denominator,
                 initial: Initial::Full,
                 rate,
-            },
+            }),
         ))
     }
 
@@ -299,7 +343,7 @@ impl Policy {
         window: Duration,
     ) -> Result<Self, InvalidPolicy> {
         Self::windowed(name.into(), limit, window, |limit, window| {
-            Algorithm::FixedWindow { limit, window }
+            Algorithm::FixedWindow(Window { limit, window })
         })
     }
 
@@ -317,7 +361,7 @@ impl Policy {
     ) -> Result<Self, InvalidPolicy> {
         let name = name.into();
         let policy = Self::windowed(name.clone(), limit, window, |limit, window| {
-            Algorithm::SlidingWindow { limit, window }
+            Algorithm::SlidingWindow(Window { limit, window })
         })?;
         let window = policy.window().as_nanos();
         if u128::from(limit)
@@ -379,26 +423,22 @@ impl Policy {
     #[must_use]
     pub fn with_initial(self, initial: Initial) -> Self {
         let mut algorithm = self.inner.algorithm;
-        if let Algorithm::TokenBucket { initial: i, .. } = &mut algorithm {
-            *i = initial;
+        if let Algorithm::TokenBucket(bucket) = &mut algorithm {
+            bucket.initial = initial;
         }
         Self::assemble(self.inner.name.clone(), self.inner.unit.clone(), algorithm)
     }
 
     /// A 64-bit hash of the policy's name, unit and numbers, the same for
-    /// equal policies within one build. Stores use it to keep the state of
-    /// different policies apart without rehashing them per decision.
-    pub fn identity(&self) -> u64 {
+    /// equal policies within one build. `MemoryStore` uses it to keep the
+    /// state of different policies apart without rehashing them per
+    /// decision.
+    pub(crate) fn identity(&self) -> u64 {
         self.inner.identity
     }
 
     /// The policy's name.
     pub fn name(&self) -> &str {
-        &self.inner.name
-    }
-
-    /// The policy's name, shared.
-    pub fn name_arc(&self) -> &Arc<str> {
         &self.inner.name
     }
 
@@ -416,8 +456,8 @@ impl Policy {
     /// the limit for windows.
     pub fn capacity(&self) -> u64 {
         match self.inner.algorithm {
-            Algorithm::TokenBucket { capacity, .. } => capacity,
-            Algorithm::FixedWindow { limit, .. } | Algorithm::SlidingWindow { limit, .. } => limit,
+            Algorithm::TokenBucket(b) => b.capacity,
+            Algorithm::FixedWindow(w) | Algorithm::SlidingWindow(w) => w.limit,
         }
     }
 
@@ -427,20 +467,13 @@ impl Policy {
     /// window algorithms.
     pub fn window(&self) -> Duration {
         match self.inner.algorithm {
-            Algorithm::TokenBucket {
-                capacity,
-                numerator,
-                denominator,
-                ..
-            } => {
+            Algorithm::TokenBucket(b) => {
                 // Time to refill from empty: capacity * denominator / numerator ns.
-                let ns = (u128::from(capacity) * u128::from(denominator))
-                    .div_ceil(u128::from(numerator));
+                let ns = (u128::from(b.capacity) * u128::from(b.denominator))
+                    .div_ceil(u128::from(b.numerator));
                 Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX))
             }
-            Algorithm::FixedWindow { window, .. } | Algorithm::SlidingWindow { window, .. } => {
-                Duration::from_nanos(window)
-            }
+            Algorithm::FixedWindow(w) | Algorithm::SlidingWindow(w) => w.length(),
         }
     }
 }
@@ -449,24 +482,26 @@ impl fmt::Display for Policy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let (name, unit) = (&self.inner.name, self.inner.unit.as_str());
         match &self.inner.algorithm {
-            Algorithm::TokenBucket { capacity, rate, .. } => write!(
+            Algorithm::TokenBucket(b) => write!(
                 f,
-                "{}: token bucket, capacity {capacity} {}, refill {} per {:?}",
-                name, unit, rate.amount, rate.period
+                "{}: token bucket, capacity {} {}, refill {} per {:?}",
+                name, b.capacity, unit, b.rate.amount, b.rate.period
             ),
-            Algorithm::FixedWindow { limit, window } => write!(
+            Algorithm::FixedWindow(w) => write!(
                 f,
-                "{}: fixed window, {limit} {} per {:?} from the first admission",
+                "{}: fixed window, {} {} per {:?} from the first admission",
                 name,
+                w.limit,
                 unit,
-                Duration::from_nanos(*window)
+                w.length()
             ),
-            Algorithm::SlidingWindow { limit, window } => write!(
+            Algorithm::SlidingWindow(w) => write!(
                 f,
-                "{}: sliding window, {limit} {} per {:?}",
+                "{}: sliding window, {} {} per {:?}",
                 name,
+                w.limit,
                 unit,
-                Duration::from_nanos(*window)
+                w.length()
             ),
         }
     }
@@ -480,11 +515,12 @@ mod tests {
     fn rates_are_reduced_to_lowest_terms() {
         let p = Policy::token_bucket("p", 3, Rate::per_second(2)).unwrap();
         match p.algorithm() {
-            Algorithm::TokenBucket {
-                numerator,
-                denominator,
-                ..
-            } => assert_eq!((*numerator, *denominator), (1, 500_000_000)),
+            Algorithm::TokenBucket(b) => {
+                assert_eq!(
+                    (b.units_per_nanosecond(), b.units_per_token()),
+                    (1, 500_000_000)
+                )
+            }
             other => panic!("unexpected {other:?}"),
         }
         assert_eq!(p.window(), Duration::from_millis(1500));

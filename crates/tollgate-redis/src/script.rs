@@ -42,14 +42,12 @@ pub(crate) fn params(policy: &Policy, cost: u64) -> Result<[u128; 6], StoreError
     };
     let cost = u128::from(cost);
     match *policy.algorithm() {
-        Algorithm::TokenBucket {
-            capacity,
-            numerator,
-            denominator,
-            initial,
-            ..
-        } => {
-            let (num, den) = (u128::from(numerator), u128::from(denominator));
+        Algorithm::TokenBucket(b) => {
+            let (capacity, initial) = (b.capacity(), b.initial());
+            let (num, den) = (
+                u128::from(b.units_per_nanosecond()),
+                u128::from(b.units_per_token()),
+            );
             let cap = u128::from(capacity) * den;
             if cap + num >= EXACT {
                 return Err(unsupported(format!(
@@ -66,7 +64,8 @@ pub(crate) fn params(policy: &Policy, cost: u64) -> Result<[u128; 6], StoreError
             let full = u128::from(initial == Initial::Full);
             Ok([1, cap, num, den, full, cost * den])
         }
-        Algorithm::FixedWindow { limit, window } => {
+        Algorithm::FixedWindow(w) => {
+            let (limit, window) = (w.limit(), w.nanos());
             if u128::from(window) > MAX_HORIZON_NS || u128::from(limit) >= EXACT {
                 return Err(unsupported(format!(
                     "window {window} ns or limit {limit} out of range"
@@ -74,7 +73,8 @@ pub(crate) fn params(policy: &Policy, cost: u64) -> Result<[u128; 6], StoreError
             }
             Ok([2, u128::from(limit), u128::from(window), 0, 0, cost])
         }
-        Algorithm::SlidingWindow { limit, window } => {
+        Algorithm::SlidingWindow(sw) => {
+            let (limit, window) = (sw.limit(), sw.nanos());
             let (l, w) = (u128::from(limit), u128::from(window));
             if 2 * w > MAX_HORIZON_NS || 3 * l * w >= EXACT {
                 return Err(unsupported(format!(
@@ -116,19 +116,19 @@ fn fingerprint(policy: &Policy) -> String {
 
 fn numbers(policy: &Policy) -> String {
     match *policy.algorithm() {
-        Algorithm::TokenBucket {
-            capacity,
-            initial,
-            rate,
-            ..
-        } => format!(
-            "tb.{capacity}.{}.{}.{}",
-            rate.amount(),
-            rate.period().as_nanos(),
-            if initial == Initial::Full { "f" } else { "e" }
+        Algorithm::TokenBucket(b) => format!(
+            "tb.{}.{}.{}.{}",
+            b.capacity(),
+            b.rate().amount(),
+            b.rate().period().as_nanos(),
+            if b.initial() == Initial::Full {
+                "f"
+            } else {
+                "e"
+            }
         ),
-        Algorithm::FixedWindow { limit, window } => format!("fw.{limit}.{window}"),
-        Algorithm::SlidingWindow { limit, window } => format!("sw.{limit}.{window}"),
+        Algorithm::FixedWindow(w) => format!("fw.{}.{}", w.limit(), w.nanos()),
+        Algorithm::SlidingWindow(w) => format!("sw.{}.{}", w.limit(), w.nanos()),
     }
 }
 

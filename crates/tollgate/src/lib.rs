@@ -31,22 +31,21 @@ pub mod concurrency;
 pub mod identity;
 mod observe;
 pub mod rate_limit;
-pub mod response;
+mod response;
 
 pub use body::ResponseBody;
 pub use concurrency::{ConcurrencyLimit, ConcurrencyLimitLayer};
 pub use identity::{
     ClientIp, ClientIpError, ClientIpResolver, ForwardedHeader, InvalidPrefix,
-    InvalidTrustedNetwork, Operation, PeerAddr, Principal,
+    InvalidTrustedNetwork, KeyPart, MissingPrincipal, Operation, PeerAddr, Principal,
 };
 pub use rate_limit::{
-    Cost, CostError, InvalidRoute, KeyPart, MissingPrincipal, OnStoreError, RateLimit,
-    RateLimitLayer, Rule,
+    Cost, CostError, InvalidRoute, OnStoreError, RateLimit, RateLimitLayer, Rule,
 };
 pub use tollgate_core::{
-    self as core, Algorithm, CapPolicy, Charge, Clock, Decision, DynStore, Initial, Key,
-    ManualClock, MemoryStore, Outcome, Policy, Rate, Store, StoreError, StoreErrorKind,
-    SystemClock, Unit, Verdict,
+    self as core, Algorithm, CapPolicy, Charge, Clock, Decision, DynStore, Initial, InvalidCharge,
+    InvalidKey, InvalidPolicy, Key, ManualClock, MemoryStore, MemoryStoreBuilder, MemoryStoreStats,
+    Outcome, Policy, Rate, Store, StoreError, StoreErrorKind, SystemClock, Unit, Verdict,
 };
 /// The Redis store (feature `redis`): see [`tollgate_redis`].
 #[cfg(feature = "redis")]

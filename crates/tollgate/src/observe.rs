@@ -14,15 +14,15 @@ use tollgate_core::{Charge, Decision, Outcome, StoreError, Verdict};
 pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome) {
     let verdict = outcome.verdict();
     for (charge, decision) in charges.iter().zip(outcome.limits()) {
-        let name = charge.policy().name_arc();
+        let name = charge.policy().name();
         match (verdict, decision) {
             (Verdict::NeverFits, Decision::NeverFits { .. }) => {
-                tracing::debug!(policy = &**name, cost = charge.cost(), "cost can never fit");
+                tracing::debug!(policy = name, cost = charge.cost(), "cost can never fit");
                 count("tollgate_never_fits_total", name, 1);
             }
             (Verdict::Denied { .. }, Decision::Denied { retry_after, .. }) => {
                 tracing::debug!(
-                    policy = &**name,
+                    policy = name,
                     cost = charge.cost(),
                     ?retry_after,
                     "rate limited"
@@ -43,7 +43,7 @@ pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome) {
 /// the store.
 pub(crate) fn never_fits(policy: &tollgate_core::Policy, cost: u64) {
     tracing::debug!(policy = policy.name(), cost, "cost can never fit");
-    count("tollgate_never_fits_total", policy.name_arc(), 1);
+    count("tollgate_never_fits_total", policy.name(), 1);
 }
 
 pub(crate) fn store_error(error: &StoreError, applied: &'static str) {
@@ -74,9 +74,9 @@ pub(crate) fn store_latency(started: Option<std::time::Instant>) {
     let _ = started;
 }
 
-fn count(metric: &'static str, policy: &std::sync::Arc<str>, by: u64) {
-    // The label shares the policy's name: no allocation per request.
+fn count(metric: &'static str, policy: &str, by: u64) {
+    // Only with the feature: the label is the policy's name, never a key.
     #[cfg(feature = "metrics")]
-    metrics::counter!(metric, "policy" => policy.clone()).increment(by);
+    metrics::counter!(metric, "policy" => policy.to_owned()).increment(by);
     let _ = (metric, policy, by);
 }

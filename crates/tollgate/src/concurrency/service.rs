@@ -2,14 +2,15 @@ use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
-use http::{HeaderValue, Request, Response};
+use http::{Request, Response};
 use tower_service::Service;
 
 use super::ResponseFuture;
 use super::layer::Config;
 use super::limiter::Full;
 use crate::identity::RequestIdentity;
-use crate::response::{Answer, Protocol, Refusal};
+use crate::response::{Answer, FieldWriter, Limit, Protocol, Refusal};
+use tollgate_core::Unit;
 
 /// Bounds requests in flight; made by
 /// [`ConcurrencyLimitLayer`](super::ConcurrencyLimitLayer).
@@ -70,13 +71,17 @@ pub(crate) fn refusal(config: &Config, full: Full) -> Answer {
                     &*l.name
                 ),
             );
-            answer.policy = Some(l.name.clone());
-            let policy = format!("\"{}\";q={max};qu=\"concurrent-requests\"", l.name);
-            let current = format!("\"{}\";r=0", l.name);
-            answer.fields = HeaderValue::from_str(&policy)
-                .ok()
-                .zip(HeaderValue::from_str(&current).ok())
-                .map(Box::new);
+            answer.policy = Some(Limit::InFlight(l.name.clone()));
+            // No window and no reset: no time can be promised.
+            let mut fields = FieldWriter::new();
+            fields.policy(
+                &l.name,
+                u64::try_from(max).unwrap_or(u64::MAX),
+                None,
+                &Unit::ConcurrentRequests,
+            );
+            fields.current(&l.name, 0, None);
+            answer.fields = fields.finish().map(Box::new);
             answer
         }
         Full::Global | Full::Queue => {
@@ -84,7 +89,7 @@ pub(crate) fn refusal(config: &Config, full: Full) -> Answer {
                 Refusal::Overloaded,
                 "the service is at capacity; try again later",
             );
-            answer.policy = Some(l.name.clone());
+            answer.policy = Some(Limit::InFlight(l.name.clone()));
             answer
         }
     }

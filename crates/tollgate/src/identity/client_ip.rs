@@ -222,8 +222,8 @@ enum Mode {
 ///   and take the first address that is not trusted, like nginx's
 ///   `real_ip_recursive on`. If every hop is trusted the leftmost address is
 ///   taken. Every header line is split into entries and each entry is read
-///   on its own, right to left (see [`forwarded`](super::forwarded) for the
-///   limits): an entry that is not an address (`unknown`, obfuscated,
+///   on its own, right to left (at most the last 16 lines, the last 4096
+///   bytes of each and 64 entries are read): an entry that is not an address (`unknown`, obfuscated,
 ///   malformed, non-ASCII, or cut by a limit) stops the walk *at that
 ///   entry*, keyed by the trusted hop that reported it. What a client
 ///   writes to the left of a trusted hop's entry can therefore never

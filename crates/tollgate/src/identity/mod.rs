@@ -8,7 +8,13 @@
 //! forwarded address is believed only from a configured trusted proxy.
 
 mod client_ip;
+/// The forwarding-header parsers, public only for the fuzz targets (feature
+/// `fuzzing`); not a stable API.
+#[cfg(feature = "fuzzing")]
 pub mod forwarded;
+#[cfg(not(feature = "fuzzing"))]
+#[allow(unreachable_pub)]
+mod forwarded;
 mod keys;
 mod operation;
 mod principal;

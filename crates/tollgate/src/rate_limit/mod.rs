@@ -90,7 +90,6 @@ mod route;
 mod rule;
 mod service;
 
-pub use crate::identity::{KeyPart, MissingPrincipal};
 pub use future::ResponseFuture;
 pub use layer::{OnStoreError, RateLimitLayer};
 pub use route::InvalidRoute;

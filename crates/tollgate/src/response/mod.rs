@@ -1,0 +1,20 @@
+//! The answers tollgate gives instead of calling the inner service, and the
+//! `RateLimit-Policy` / `RateLimit` fields on the answers it lets through.
+//!
+//! - [`fields`]: the field writer, shared by the rate-limit and the
+//!   concurrency layer;
+//! - [`refusal`]: the catalogue of refusals (status, problem type, gRPC code)
+//!   and the answer under construction;
+//! - [`problem`]: the `application/problem+json` body (RFC 9457);
+//! - [`grpc`]: recognising gRPC callers, and their trailers-only answers.
+//!
+//! Every refusal carries `Cache-Control: no-store`.
+
+mod fields;
+mod grpc;
+mod problem;
+mod refusal;
+
+pub(crate) use fields::{FieldWriter, RATELIMIT, RATELIMIT_POLICY, ratelimit_fields};
+pub(crate) use grpc::Protocol;
+pub(crate) use refusal::{Answer, Limit, Refusal, polled_after_completion};
