@@ -17,7 +17,7 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::process::ExitCode;
 
-use tollgate::{CapPolicy, Charge, Key, ManualClock, MemoryStore, Policy, Rate};
+use tollgate::{Charge, Key, ManualClock, MemoryStore, OnKeyCap, Policy, Rate};
 
 fn rss_mb() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();
@@ -117,8 +117,8 @@ fn main() -> ExitCode {
     }
     let (n, cap, policy) = match args.as_slice() {
         [n, cap, p] => match (n.parse::<u32>(), cap.parse::<usize>(), p.as_str()) {
-            (Ok(n), Ok(cap), "refuse") => (n, cap, CapPolicy::RefuseNewKeys),
-            (Ok(n), Ok(cap), "evict") => (n, cap, CapPolicy::EvictNearestIdle),
+            (Ok(n), Ok(cap), "refuse") => (n, cap, OnKeyCap::RefuseNewKeys),
+            (Ok(n), Ok(cap), "evict") => (n, cap, OnKeyCap::EvictNearestIdle),
             _ => {
                 eprintln!("usage: flood <addresses> <key cap> <refuse|evict>");
                 return ExitCode::from(2);

@@ -13,7 +13,7 @@ use common::{ip, send, serve};
 use http::StatusCode;
 use tokio::net::TcpListener;
 use tollgate::{
-    CapPolicy, ClientIpResolver, Cost, DynStore, KeyPart, MemoryStore, MissingPrincipal,
+    ClientIpResolver, Cost, DynStore, KeyPart, MemoryStore, MissingPrincipal, OnKeyCap,
     OnStoreError, Policy, Principal, Rate, RateLimitLayer, Rule,
 };
 
@@ -25,7 +25,7 @@ fn bucket(name: &str, capacity: u64) -> Policy {
 /// new keys, so every client after the first gets a store error.
 fn full_store() -> MemoryStore {
     let store = MemoryStore::builder()
-        .max_keys(1, CapPolicy::RefuseNewKeys)
+        .max_keys(1, OnKeyCap::RefuseNewKeys)
         .shards(1)
         .build();
     let first = tollgate::Charge::new(tollgate::Key::new("occupied"), bucket("x", 1), 1).unwrap();

@@ -43,8 +43,8 @@ pub use rate_limit::{
     Cost, CostError, InvalidRoute, OnStoreError, RateLimit, RateLimitLayer, Rule,
 };
 pub use tollgate_core::{
-    self as core, Algorithm, CapPolicy, Charge, Clock, Decision, DynStore, Initial, InvalidCharge,
-    InvalidKey, InvalidPolicy, Key, ManualClock, MemoryStore, MemoryStoreBuilder, MemoryStoreStats,
+    self as core, Algorithm, Charge, Clock, Decision, DynStore, Initial, InvalidCharge, InvalidKey,
+    InvalidPolicy, Key, ManualClock, MemoryStore, MemoryStoreBuilder, MemoryStoreStats, OnKeyCap,
     Outcome, Policy, Rate, Store, StoreError, StoreErrorKind, SystemClock, Unit, Verdict,
 };
 /// The Redis store (feature `redis`): see [`tollgate_redis`].

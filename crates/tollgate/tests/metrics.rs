@@ -8,7 +8,7 @@ use std::net::SocketAddr;
 use http::{Request, Response, StatusCode};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use tollgate::{
-    CapPolicy, Cost, KeyPart, MemoryStore, PeerAddr, Policy, Rate, RateLimitLayer, Rule,
+    Cost, KeyPart, MemoryStore, OnKeyCap, PeerAddr, Policy, Rate, RateLimitLayer, Rule,
 };
 use tower::{Layer, Service, ServiceExt};
 
@@ -28,7 +28,7 @@ fn counters_are_labelled_by_policy_name_only() {
         let per_ip = Policy::token_bucket("m-ip", 2, Rate::per_hour(1)).unwrap();
         let bytes = Policy::token_bucket("m-bytes", 10, Rate::per_hour(1)).unwrap();
         let store = MemoryStore::builder()
-            .max_keys(2, CapPolicy::RefuseNewKeys)
+            .max_keys(2, OnKeyCap::RefuseNewKeys)
             .shards(1)
             .build();
         let layer = RateLimitLayer::new(store)

@@ -1,0 +1,291 @@
+//! The all-or-nothing decision: every charge of a call is decided under
+//! the locks of the shards it touches, and written only if all fit.
+
+use std::sync::MutexGuard;
+
+use super::MemoryStore;
+use super::shard::{Compact, Shard};
+use crate::algorithm::{self, State, Step};
+use crate::{Charge, Decision, Nanos, Outcome, Policy, StoreError};
+
+impl MemoryStore {
+    /// Charges `charges` all-or-nothing, synchronously. [`Store::charge`]
+    /// calls this; it never blocks on anything but the shard locks.
+    pub fn charge_now(&self, charges: &[Charge]) -> Result<Outcome, StoreError> {
+        let inner = &*self.inner;
+        let now = inner.clock.now();
+        if charges.iter().any(|c| !c.can_fit()) {
+            return Ok(never_fits(charges));
+        }
+        if let [charge] = charges {
+            return self.charge_one(charge, now);
+        }
+        let digests: Vec<u128> = charges.iter().map(|c| inner.digest(c)).collect();
+        let mut order: Vec<usize> = digests.iter().map(|d| inner.shard_of(*d)).collect();
+        order.sort_unstable();
+        order.dedup();
+        let mut guards: Vec<MutexGuard<'_, Shard>> = order.iter().map(|&i| inner.lock(i)).collect();
+        for g in &mut guards {
+            inner.maybe_sweep(g, now);
+        }
+        let guard_of = |d: u128| order.binary_search(&inner.shard_of(d)).unwrap_or(0);
+
+        let mut steps: Vec<(u128, Step, &Policy)> = Vec::with_capacity(charges.len());
+        let mut before: Vec<Option<State>> = Vec::with_capacity(charges.len());
+        for (charge, &digest) in charges.iter().zip(&digests) {
+            let policy = charge.policy();
+            // A repeated key in one call sees the earlier charge's effect.
+            let state = steps
+                .iter()
+                .rev()
+                .find(|(d, s, _)| *d == digest && s.next.is_some())
+                .and_then(|(_, s, _)| s.next)
+                .or_else(|| guards[guard_of(digest)].state(&digest, policy));
+            before.push(state);
+            steps.push((
+                digest,
+                algorithm::decide(policy, state, now, charge.cost()),
+                policy,
+            ));
+        }
+        let mut outcome = Outcome::new(steps.iter().map(|(_, s, _)| s.decision).collect());
+        let admitted = outcome.is_admitted();
+        if !admitted {
+            outcome = unspent(charges, &before, outcome, now);
+        }
+        // Admissions are written only together; a refusal's state (the
+        // creation of an initially-empty bucket) is written regardless.
+        steps.retain(|(_, s, _)| s.next.is_some() && (admitted || !s.decision.is_admitted()));
+        if inner.per_shard.is_some() {
+            // Room for every new key of this call, counted before any is
+            // written: one call must not take a shard past its cap. A key
+            // that appears twice is one key.
+            let mut fresh: Vec<u128> = steps
+                .iter()
+                .map(|(d, _, _)| *d)
+                .filter(|d| !guards[guard_of(*d)].contains(d))
+                .collect();
+            fresh.sort_unstable();
+            fresh.dedup();
+            for (i, &g) in order.iter().enumerate() {
+                let new_here = fresh.iter().filter(|d| inner.shard_of(**d) == g).count();
+                if new_here > 0 {
+                    inner.make_room_for(&mut guards[i], new_here, &digests, now)?;
+                }
+            }
+        }
+        for (digest, step, policy) in steps {
+            if let Some(state) = step.next {
+                guards[guard_of(digest)].put(digest, policy, state, step.idle_at);
+            }
+        }
+        Ok(outcome)
+    }
+
+    /// The common case, one charge: one shard lock and no scratch vectors.
+    fn charge_one(&self, charge: &Charge, now: Nanos) -> Result<Outcome, StoreError> {
+        let inner = &*self.inner;
+        let digest = inner.digest(charge);
+        let (policy, cost) = (charge.policy(), charge.cost());
+        let mut shard = inner.lock(inner.shard_of(digest));
+        inner.maybe_sweep(&mut shard, now);
+        // A tracked key is decided and written in place: one probe.
+        if let Some(slot) = shard.compact.get_mut(&digest) {
+            let step = algorithm::decide(policy, Some(slot.unpack(policy)), now, cost);
+            if let Some(next) = step.next {
+                match Compact::pack(policy, next, step.idle_at) {
+                    Some(packed) => *slot = packed,
+                    None => shard.put(digest, policy, next, step.idle_at),
+                }
+            }
+            return Ok(Outcome::one(step.decision));
+        }
+        let state = shard.wide.get(&digest).map(|e| e.state);
+        let step = algorithm::decide(policy, state, now, cost);
+        if let Some(next) = step.next {
+            if state.is_none() && inner.per_shard.is_some_and(|cap| shard.len() >= cap) {
+                inner.make_room_for(&mut shard, 1, &[], now)?;
+            }
+            shard.put(digest, policy, next, step.idle_at);
+        }
+        Ok(Outcome::one(step.decision))
+    }
+
+    /// The budgets of `charges` as they stand now, without charging or
+    /// writing anything: each decision is [`Decision::Admitted`] with the
+    /// units available and the time until the budget is full (the costs
+    /// are not looked at). For status pages and tests; a decision made on
+    /// it can be stale by the time it is acted on.
+    pub fn peek(&self, charges: &[Charge]) -> Outcome {
+        let inner = &*self.inner;
+        let now = inner.clock.now();
+        Outcome::new(
+            charges
+                .iter()
+                .map(|c| {
+                    let digest = inner.digest(c);
+                    let state = inner
+                        .lock(inner.shard_of(digest))
+                        .state(&digest, c.policy());
+                    algorithm::describe(c.policy(), state, now)
+                })
+                .collect(),
+        )
+    }
+}
+
+/// In a refused outcome nothing was spent: admitted entries describe their
+/// budget as it stands, not as it would be after the charge.
+fn unspent(charges: &[Charge], before: &[Option<State>], outcome: Outcome, now: Nanos) -> Outcome {
+    Outcome::new(
+        outcome
+            .limits()
+            .iter()
+            .zip(charges.iter().zip(before))
+            .map(|(d, (c, s))| match d {
+                Decision::Admitted { .. } => algorithm::describe(c.policy(), *s, now),
+                other => *other,
+            })
+            .collect(),
+    )
+}
+
+/// The outcome of a call with a charge that can never fit: that charge is
+/// never-fits, the others are not evaluated, and nothing is read or written
+/// (as every store answers it, see the conformance table).
+fn never_fits(charges: &[Charge]) -> Outcome {
+    Outcome::new(
+        charges
+            .iter()
+            .map(|c| {
+                if c.can_fit() {
+                    Decision::Unevaluated
+                } else {
+                    Decision::NeverFits {
+                        cost: c.cost(),
+                        capacity: c.policy().capacity(),
+                    }
+                }
+            })
+            .collect(),
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{Key, ManualClock, Rate, Verdict};
+
+    fn charge(key: &str, policy: &Policy, cost: u64) -> Charge {
+        Charge::new(Key::new(policy.name()).with(key), policy.clone(), cost).unwrap()
+    }
+
+    #[test]
+    fn never_fits_touches_nothing() {
+        let store = MemoryStore::builder().clock(ManualClock::new(0)).build();
+        let p = Policy::token_bucket("p", 3, Rate::per_second(2)).unwrap();
+        let o = store
+            .charge_now(&[charge("a", &p, 1), charge("b", &p, 4)])
+            .unwrap();
+        assert_eq!(o.verdict(), Verdict::NeverFits);
+        assert_eq!(store.stats().keys, 0);
+    }
+
+    /// A token bucket whose idle deadline saturates cannot be kept compact:
+    /// it moves to the wide map and stays exact, and back when it can.
+    #[test]
+    fn saturated_deadlines_stay_exact_in_the_wide_map() {
+        let clock = ManualClock::new(2_000_000_000_000_000_000);
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let p = Policy::token_bucket("huge", 1_800_000_000, Rate::new(1, Duration::from_secs(10)))
+            .unwrap();
+        let spent = store.charge_now(&[charge("k", &p, 1_700_000_000)]).unwrap();
+        assert!(spent.is_admitted());
+        let inner = &*store.inner;
+        let shard = |d| inner.lock(inner.shard_of(d));
+        let digest = inner.digest(&charge("k", &p, 1));
+        assert!(shard(digest).wide.contains_key(&digest));
+        assert!(!shard(digest).compact.contains_key(&digest));
+        let rest = store.charge_now(&[charge("k", &p, 100_000_000)]).unwrap();
+        assert_eq!(rest.limits()[0].remaining(), 0);
+        assert!(rest.is_admitted());
+        assert!(
+            !store
+                .charge_now(&[charge("k", &p, 1)])
+                .unwrap()
+                .is_admitted()
+        );
+        assert_eq!(store.stats().keys, 1);
+        // Ten seconds refill one token: admitted again, exactly once.
+        clock.advance(Duration::from_secs(10));
+        assert!(
+            store
+                .charge_now(&[charge("k", &p, 1)])
+                .unwrap()
+                .is_admitted()
+        );
+        assert!(
+            !store
+                .charge_now(&[charge("k", &p, 1)])
+                .unwrap()
+                .is_admitted()
+        );
+        assert_eq!(store.stats().keys, 1);
+    }
+
+    /// Token buckets and fixed windows are kept in 32-byte slots, sliding
+    /// windows in 48-byte ones; one store holds both, each key once.
+    #[test]
+    fn compact_and_wide_entries_live_side_by_side() {
+        let clock = ManualClock::new(0);
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .shards(1)
+            .build();
+        let bucket = Policy::token_bucket("b", 2, Rate::per_second(1)).unwrap();
+        let fixed = Policy::fixed_window("f", 2, Duration::from_secs(1)).unwrap();
+        let sliding = Policy::sliding_window("s", 2, Duration::from_secs(1)).unwrap();
+        for p in [&bucket, &fixed, &sliding] {
+            for _ in 0..2 {
+                assert!(
+                    store
+                        .charge_now(&[charge("k", p, 1)])
+                        .unwrap()
+                        .is_admitted()
+                );
+            }
+            assert!(
+                !store
+                    .charge_now(&[charge("k", p, 1)])
+                    .unwrap()
+                    .is_admitted()
+            );
+        }
+        {
+            let shard = store.inner.lock(0);
+            assert_eq!((shard.compact.len(), shard.wide.len()), (2, 1));
+        }
+        assert_eq!(store.stats().keys, 3);
+        clock.advance(Duration::from_secs(3));
+        store.sweep();
+        assert_eq!(store.stats().keys, 0);
+    }
+
+    #[test]
+    fn repeated_key_in_one_call_sees_its_own_charge() {
+        let store = MemoryStore::builder().clock(ManualClock::new(0)).build();
+        let p = Policy::token_bucket("p", 3, Rate::per_second(2)).unwrap();
+        let o = store
+            .charge_now(&[charge("a", &p, 2), charge("a", &p, 2)])
+            .unwrap();
+        assert!(!o.is_admitted());
+        assert!(
+            store
+                .charge_now(&[charge("a", &p, 3)])
+                .unwrap()
+                .is_admitted()
+        );
+    }
+}
