@@ -120,18 +120,11 @@ pub fn describe(policy: &Policy, state: Option<State>, now: Nanos) -> Decision {
                 }
             }
         }
-        Algorithm::SlidingWindow(_) => {
-            // A cost of one unit shows the same weighted state; undo it.
-            let step = decide(policy, Some(s), now, 1);
-            match step.decision {
-                Decision::Admitted { remaining, .. } => Decision::Admitted {
-                    remaining: remaining + 1,
-                    reset: Duration::from_nanos(idle_at(policy, Some(s), now).saturating_sub(now)),
-                },
-                Decision::Denied {
-                    remaining, reset, ..
-                } => Decision::Admitted { remaining, reset },
-                other => other,
+        Algorithm::SlidingWindow(w) => {
+            let sl = Slide::new(w.limit, w.window, Some(s), now);
+            Decision::Admitted {
+                remaining: sl.remaining(sl.prev, sl.cur),
+                reset: ns(sl.until(sl.prev, sl.cur)),
             }
         }
     }
@@ -299,66 +292,105 @@ fn fixed_window(limit: u64, window: Nanos, state: Option<State>, now: Nanos, cos
     }
 }
 
-fn sliding_window(limit: u64, window: Nanos, state: Option<State>, now: Nanos, cost: u64) -> Step {
-    let w = u128::from(window);
-    let l = u128::from(limit);
-    // Windows tile the time line from the key's first admission.
-    let (mut prev, mut cur, stored_start) = match state {
-        Some(s) => (u128::from(s.prior), u128::from(s.level), s.at),
-        None => (0, 0, now),
-    };
-    // A clock behind the stored window is read as that window's start.
-    let eff_now = now.max(stored_start);
-    let windows_on = u128::from(eff_now - stored_start) / w;
-    if windows_on == 1 {
-        prev = cur;
-        cur = 0;
-    } else if windows_on > 1 {
-        prev = 0;
-        cur = 0;
+/// A sliding window's state rolled forward to `now`: the previous and
+/// current windows' admitted cost, where the current window starts, and how
+/// far into it `now` is.
+struct Slide {
+    w: u128,
+    l: u128,
+    prev: u128,
+    cur: u128,
+    start: u128,
+    /// Elapsed time in the current window.
+    e: u128,
+    /// How far the clock is behind the stored window (read as its start).
+    lead: u128,
+    now: u128,
+}
+
+impl Slide {
+    fn new(limit: u64, window: Nanos, state: Option<State>, now: Nanos) -> Self {
+        let w = u128::from(window);
+        // Windows tile the time line from the key's first admission.
+        let (mut prev, mut cur, stored_start) = match state {
+            Some(s) => (u128::from(s.prior), u128::from(s.level), s.at),
+            None => (0, 0, now),
+        };
+        // A clock behind the stored window is read as that window's start.
+        let eff_now = now.max(stored_start);
+        let windows_on = u128::from(eff_now - stored_start) / w;
+        if windows_on == 1 {
+            prev = cur;
+            cur = 0;
+        } else if windows_on > 1 {
+            prev = 0;
+            cur = 0;
+        }
+        let start = u128::from(stored_start) + windows_on * w;
+        Self {
+            w,
+            l: u128::from(limit),
+            prev,
+            cur,
+            start,
+            e: u128::from(eff_now) - start,
+            lead: u128::from(eff_now - now),
+            now: u128::from(now),
+        }
     }
-    let start = u128::from(stored_start) + windows_on * w;
-    let e = u128::from(eff_now) - start;
-    let lead = u128::from(eff_now - now);
-    let c = u128::from(cost);
-    let weighted = |prev: u128, cur: u128| prev * (w - e) + cur * w;
-    let until = |prev: u128, cur: u128| -> u128 {
-        // Time from `now` until both windows' cost has slid out.
+
+    fn weighted(&self, prev: u128, cur: u128) -> u128 {
+        prev * (self.w - self.e) + cur * self.w
+    }
+
+    /// Whole units left with these counts.
+    fn remaining(&self, prev: u128, cur: u128) -> u64 {
+        sat((self.l * self.w).saturating_sub(self.weighted(prev, cur)) / self.w)
+    }
+
+    /// Time from `now` until both windows' cost has slid out.
+    fn until(&self, prev: u128, cur: u128) -> u128 {
         let end = if cur > 0 {
-            start + 2 * w
+            self.start + 2 * self.w
         } else if prev > 0 {
-            start + w
+            self.start + self.w
         } else {
             return 0;
         };
-        end.saturating_sub(u128::from(now))
-    };
-    if weighted(prev, cur) + c * w <= l * w {
+        end.saturating_sub(self.now)
+    }
+}
+
+fn sliding_window(limit: u64, window: Nanos, state: Option<State>, now: Nanos, cost: u64) -> Step {
+    let sl = Slide::new(limit, window, state, now);
+    let (prev, cur, w, l) = (sl.prev, sl.cur, sl.w, sl.l);
+    let c = u128::from(cost);
+    if sl.weighted(prev, cur) + c * w <= l * w {
         let cur = cur + c;
-        let reset = until(prev, cur);
+        let reset = sl.until(prev, cur);
         Step {
             decision: Decision::Admitted {
-                remaining: sat((l * w).saturating_sub(weighted(prev, cur)) / w),
+                remaining: sl.remaining(prev, cur),
                 reset: ns(reset),
             },
             next: Some(State {
                 level: sat(cur),
                 prior: sat(prev),
-                at: sat(start),
+                at: sat(sl.start),
             }),
-            idle_at: sat(u128::from(now) + reset),
+            idle_at: sat(sl.now + reset),
         }
     } else {
-        let wait = sliding_wait(prev, cur, e, c, l, w);
-        let reset = until(prev, cur);
+        let wait = sliding_wait(prev, cur, sl.e, c, l, w);
+        let reset = sl.until(prev, cur);
         Step {
             decision: Decision::Denied {
-                retry_after: ns(lead + wait),
-                remaining: sat((l * w).saturating_sub(weighted(prev, cur)) / w),
+                retry_after: ns(sl.lead + wait),
+                remaining: sl.remaining(prev, cur),
                 reset: ns(reset),
             },
             next: None,
-            idle_at: sat(u128::from(now) + reset),
+            idle_at: sat(sl.now + reset),
         }
     }
 }

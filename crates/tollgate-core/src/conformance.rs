@@ -1,7 +1,13 @@
-//! A trace table every [`Store`] must reproduce exactly.
+//! A trace table every [`Store`] must reproduce exactly (feature
+//! `conformance`).
 //!
 //! Each [`Case`] is a list of timed charge sets with the verdict each must
-//! get. A store crate runs them with [`run_case`], supplying a function that
+//! get and, for most steps, what each limit must answer: its remaining
+//! units, reset time and wait, the values behind the `RateLimit` fields, so
+//! that no two stores can show a client different headers. A call refused
+//! as a whole describes its other limits as they stand; a call with a
+//! charge that can never fit answers never-fits for it and leaves the
+//! others unevaluated. A store crate runs them with [`run_case`], supplying a function that
 //! sets the time its store will read next (a [`crate::ManualClock`] for
 //! [`crate::MemoryStore`]; injected time for a server-side store). Keys are
 //! prefixed with a caller-chosen namespace so that one server can host many
@@ -10,7 +16,7 @@
 use std::fmt;
 use std::time::Duration;
 
-use crate::{Charge, Initial, Key, Nanos, Policy, Rate, Store, Verdict};
+use crate::{Charge, Decision, Initial, Key, Nanos, Outcome, Policy, Rate, Store, Verdict};
 
 const MS: Nanos = 1_000_000;
 const S: Nanos = 1_000 * MS;
@@ -24,6 +30,9 @@ pub struct Step {
     pub charges: Vec<(&'static str, usize, u64)>,
     /// The verdict the store must return.
     pub expect: Verdict,
+    /// What each charge's limit must answer, in charge order, where the
+    /// table binds it; `None` binds the verdict only.
+    pub limits: Option<Vec<Decision>>,
 }
 
 /// A named trace over a set of policies.
@@ -38,7 +47,7 @@ pub struct Case {
     pub steps: Vec<Step>,
 }
 
-/// A step whose verdict differed from the table.
+/// A step whose answer differed from the table.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Mismatch {
     /// The case's name.
@@ -46,16 +55,16 @@ pub struct Mismatch {
     /// Index of the step in the case.
     pub step: usize,
     /// What the table says.
-    pub expected: Verdict,
+    pub expected: String,
     /// What the store said, or its error.
-    pub got: Result<Verdict, String>,
+    pub got: String,
 }
 
 impl fmt::Display for Mismatch {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(
             f,
-            "case {} step {}: expected {}, got {:?}",
+            "case {} step {}: expected {}, got {}",
             self.case, self.step, self.expected, self.got
         )
     }
@@ -66,8 +75,43 @@ fn step(at: Nanos, charges: &[(&'static str, usize, u64)], expect: Verdict) -> S
         at,
         charges: charges.to_vec(),
         expect,
+        limits: None,
     }
 }
+
+/// A step that binds every limit's answer too.
+fn bound(
+    at: Nanos,
+    charges: &[(&'static str, usize, u64)],
+    expect: Verdict,
+    limits: &[Decision],
+) -> Step {
+    Step {
+        limits: Some(limits.to_vec()),
+        ..step(at, charges, expect)
+    }
+}
+
+const fn adm(remaining: u64, reset: Nanos) -> Decision {
+    Decision::Admitted {
+        remaining,
+        reset: Duration::from_nanos(reset),
+    }
+}
+
+const fn den(retry: Nanos, remaining: u64, reset: Nanos) -> Decision {
+    Decision::Denied {
+        retry_after: Duration::from_nanos(retry),
+        remaining,
+        reset: Duration::from_nanos(reset),
+    }
+}
+
+const fn never(cost: u64, capacity: u64) -> Decision {
+    Decision::NeverFits { cost, capacity }
+}
+
+const UNEVALUATED: Decision = Decision::Unevaluated;
 
 const fn denied(ns: Nanos) -> Verdict {
     Verdict::Denied {
@@ -92,20 +136,31 @@ pub fn cases() -> Vec<Case> {
             name: "seed-bucket",
             policies: vec![seed.clone()],
             steps: vec![
-                step(0, &a, OK),
-                step(0, &a, OK),
-                step(0, &a, OK),
-                step(0, &a, denied(500 * MS)),
-                step(250 * MS, &a, denied(250 * MS)),
-                step(500 * MS, &a, OK),
-                step(1500 * MS, &[("k", 0, 2)], OK),
+                bound(0, &a, OK, &[adm(2, 500 * MS)]),
+                bound(0, &a, OK, &[adm(1, S)]),
+                bound(0, &a, OK, &[adm(0, 1500 * MS)]),
+                bound(0, &a, denied(500 * MS), &[den(500 * MS, 0, 1500 * MS)]),
+                // Half a token is there: none whole; full in 1.25 s.
+                bound(
+                    250 * MS,
+                    &a,
+                    denied(250 * MS),
+                    &[den(250 * MS, 0, 1250 * MS)],
+                ),
+                bound(500 * MS, &a, OK, &[adm(0, 1500 * MS)]),
+                bound(1500 * MS, &[("k", 0, 2)], OK, &[adm(0, 1500 * MS)]),
+                bound(100 * S, &a, OK, &[adm(2, 500 * MS)]),
                 step(100 * S, &a, OK),
                 step(100 * S, &a, OK),
-                step(100 * S, &a, OK),
-                step(100 * S, &a, denied(500 * MS)),
+                bound(
+                    100 * S,
+                    &a,
+                    denied(500 * MS),
+                    &[den(500 * MS, 0, 1500 * MS)],
+                ),
                 // Cost above capacity never fits and spends nothing.
-                step(200 * S, &[("k", 0, 4)], NEVER),
-                step(200 * S, &[("k", 0, 3)], OK),
+                bound(200 * S, &[("k", 0, 4)], NEVER, &[never(4, 3)]),
+                bound(200 * S, &[("k", 0, 3)], OK, &[adm(0, 1500 * MS)]),
             ],
         },
         Case {
@@ -145,10 +200,10 @@ pub fn cases() -> Vec<Case> {
             name: "fixed-window-anchored",
             policies: vec![Policy::fixed_window("fw", 5, Duration::from_secs(60)).expect("valid")],
             steps: vec![
-                step(10 * S, &a, OK),
-                step(11 * S, &a, OK),
-                step(12 * S, &[("k", 0, 3)], OK),
-                step(20 * S, &a, denied(50 * S)),
+                bound(10 * S, &a, OK, &[adm(4, 60 * S)]),
+                bound(11 * S, &a, OK, &[adm(3, 59 * S)]),
+                bound(12 * S, &[("k", 0, 3)], OK, &[adm(0, 58 * S)]),
+                bound(20 * S, &a, denied(50 * S), &[den(50 * S, 0, 50 * S)]),
                 // The refusal did not extend the window: it still ends at 70 s.
                 step(69 * S, &a, denied(S)),
                 step(70 * S, &[("k", 0, 5)], OK),
@@ -164,8 +219,13 @@ pub fn cases() -> Vec<Case> {
             name: "sliding-window",
             policies: vec![Policy::sliding_window("sw", 4, Duration::from_secs(1)).expect("valid")],
             steps: vec![
-                step(0, &[("k", 0, 4)], OK),
-                step(500 * MS, &a, denied(500 * MS + 250 * MS)),
+                bound(0, &[("k", 0, 4)], OK, &[adm(0, 2 * S)]),
+                bound(
+                    500 * MS,
+                    &a,
+                    denied(750 * MS),
+                    &[den(750 * MS, 0, 1500 * MS)],
+                ),
                 // At 1.5 s the previous window weighs 2 of 4.
                 step(1500 * MS, &[("k", 0, 2)], OK),
                 step(1500 * MS, &a, denied(250 * MS)),
@@ -208,11 +268,16 @@ pub fn cases() -> Vec<Case> {
                 tb("first", 3, Rate::per_hour(1)),
             ],
             steps: vec![
-                step(0, &[("k", 0, 2)], OK),
+                bound(0, &[("k", 0, 2)], OK, &[adm(0, 7200 * S)]),
                 step(0, &[("k", 1, 2)], OK),
                 step(0, &[("k", 2, 2)], OK),
                 step(0, &[("k", 3, 3)], OK),
-                step(0, &[("k", 0, 1)], denied(3600 * S)),
+                bound(
+                    0,
+                    &[("k", 0, 1)],
+                    denied(3600 * S),
+                    &[den(3600 * S, 0, 7200 * S)],
+                ),
                 step(0, &[("k", 1, 1)], denied(3600 * S)),
                 step(0, &[("k", 2, 1)], denied(3600 * S)),
             ],
@@ -225,27 +290,56 @@ pub fn cases() -> Vec<Case> {
                 tb("per-account", 3, Rate::per_second(2)),
             ],
             steps: vec![
-                step(0, &[("ip", 0, 1), ("alice", 1, 1)], OK),
-                step(0, &[("ip", 0, 1), ("alice", 1, 2)], OK),
-                step(0, &[("ip", 0, 1), ("alice", 1, 1)], denied(500 * MS)),
+                bound(
+                    0,
+                    &[("ip", 0, 1), ("alice", 1, 1)],
+                    OK,
+                    &[adm(4, S), adm(2, 500 * MS)],
+                ),
+                bound(
+                    0,
+                    &[("ip", 0, 1), ("alice", 1, 2)],
+                    OK,
+                    &[adm(3, 2 * S), adm(0, 1500 * MS)],
+                ),
+                // Refused as a whole: per-ip is described as it stands.
+                bound(
+                    0,
+                    &[("ip", 0, 1), ("alice", 1, 1)],
+                    denied(500 * MS),
+                    &[adm(3, 2 * S), den(500 * MS, 0, 1500 * MS)],
+                ),
                 // The refused step spent nothing from per-ip: 3 are left.
-                step(0, &[("ip", 0, 3)], OK),
-                step(0, &[("ip", 0, 1), ("bob", 1, 1)], denied(S)),
-                step(0, &[("bob", 1, 3)], OK),
-                step(0, &[("ip", 0, 1), ("bob", 1, 4)], NEVER),
+                bound(0, &[("ip", 0, 3)], OK, &[adm(0, 5 * S)]),
+                bound(
+                    0,
+                    &[("ip", 0, 1), ("bob", 1, 1)],
+                    denied(S),
+                    &[den(S, 0, 5 * S), adm(3, 0)],
+                ),
+                bound(0, &[("bob", 1, 3)], OK, &[adm(0, 1500 * MS)]),
+                // Never fits: nothing is read for the other limit.
+                bound(
+                    0,
+                    &[("ip", 0, 1), ("bob", 1, 4)],
+                    NEVER,
+                    &[UNEVALUATED, never(4, 3)],
+                ),
             ],
         },
     ]
 }
 
-/// Runs one case against `store`, calling `set_time(at)` before each step.
-/// Keys are `namespace:case:key`, whatever the policy.
+/// Runs one case against `store`, calling `set_time(at)` before each step,
+/// and returns every step's outcome. Keys are `namespace:case:key`,
+/// whatever the policy.
 pub async fn run_case<S: Store>(
     store: &S,
     namespace: &str,
     case: &Case,
     mut set_time: impl FnMut(Nanos),
-) -> Result<(), Mismatch> {
+) -> Result<Vec<Outcome>, Mismatch> {
+    let mut outcomes = Vec::with_capacity(case.steps.len());
     for (i, s) in case.steps.iter().enumerate() {
         set_time(s.at);
         let charges: Vec<Charge> = s
@@ -259,19 +353,31 @@ pub async fn run_case<S: Store>(
                 Charge::new(key, policy, cost).expect("conformance costs are positive")
             })
             .collect();
-        let got = store
+        let mismatch = |expected: String, got: String| Mismatch {
+            case: case.name,
+            step: i,
+            expected,
+            got,
+        };
+        let outcome = store
             .charge(&charges)
             .await
-            .map(|o| o.verdict())
-            .map_err(|e| e.to_string());
-        if got.as_ref() != Ok(&s.expect) {
-            return Err(Mismatch {
-                case: case.name,
-                step: i,
-                expected: s.expect,
-                got,
-            });
+            .map_err(|e| mismatch(s.expect.to_string(), format!("error: {e}")))?;
+        if outcome.verdict() != s.expect {
+            return Err(mismatch(
+                s.expect.to_string(),
+                outcome.verdict().to_string(),
+            ));
         }
+        if let Some(limits) = &s.limits {
+            if outcome.limits() != limits.as_slice() {
+                return Err(mismatch(
+                    format!("{limits:?}"),
+                    format!("{:?}", outcome.limits()),
+                ));
+            }
+        }
+        outcomes.push(outcome);
     }
-    Ok(())
+    Ok(outcomes)
 }

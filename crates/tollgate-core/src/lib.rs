@@ -11,7 +11,8 @@
 //! - [`Charge`], [`Decision`], [`Outcome`]: what is asked and answered;
 //! - [`Store`]: one atomic, all-or-nothing decision for a set of charges, with
 //!   [`MemoryStore`] as the embedded default;
-//! - [`conformance`]: a trace table every store must reproduce.
+//! - `conformance` (feature `conformance`): a trace table every store
+//!   must reproduce.
 //!
 //! ```
 //! use tollgate_core::{Charge, Key, ManualClock, MemoryStore, Policy, Rate, Verdict};
@@ -42,6 +43,7 @@
 
 pub mod algorithm;
 mod clock;
+#[cfg(feature = "conformance")]
 pub mod conformance;
 mod decision;
 mod key;

@@ -25,7 +25,10 @@
 -- text states "level:prior:era:offset" written by earlier versions are
 -- still read.
 --
--- Reply: per charge {admitted 1/0, remaining, reset ns, retry ns, era, offset}.
+-- Reply: per charge {admitted 1/0, remaining, reset ns, retry ns, era, offset,
+-- remaining before, reset before}: the last two describe the budget as it
+-- stood before this charge, for a call that is refused as a whole (nothing
+-- was spent, and every store describes its limits as they stand).
 
 local ERA_SEC = 4000000
 local ERA_NS = 4000000000000000
@@ -145,6 +148,7 @@ for i = 1, n do
   local algo, p1, p2, p3, p4, need, re, ro = charge_args(ARGV[5 + i])
   local level, prior, se, so = load(key)
   local ok, remaining, reset, retry, we, wo = 0, 0, 0, 0, 0, 0
+  local br, bt = 0, 0
   local write, idle_e, idle_o = nil, nil, nil
 
   if algo == 1 then
@@ -167,6 +171,7 @@ for i = 1, n do
     if missing > 0 then
       if el >= cdiv(missing, num) then credit = cap else credit = credit + el * num end
     end
+    br, bt = idiv(credit, den), lead + cdiv(cap - credit, num)
     if mode == "refund" then
       credit = math.min(cap, credit + need)
       write = state(credit, 0, te, to)
@@ -198,6 +203,7 @@ for i = 1, n do
     local ee, eo = add(ws_e, ws_o, w)
     local left_ns = 0
     if before(NE, NO, ee, eo) then left_ns = diff(ee, eo, NE, NO) end
+    br, bt = math.max(0, limit - count), left_ns
     if mode == "refund" then
       ok = 1
       if level ~= nil and re == ws_e and ro == ws_o and count >= need then
@@ -240,6 +246,8 @@ for i = 1, n do
       return d, xe, xo
     end
     local weighted = prev * (w - e) + cur * w
+    br = idiv(math.max(0, limit * w - weighted), w)
+    bt = until_idle(prev, cur)
     if mode == "refund" then
       ok = 1
       if level ~= nil then
@@ -290,7 +298,8 @@ for i = 1, n do
   end
   replies[nr + 1], replies[nr + 2], replies[nr + 3] = ok, remaining, reset
   replies[nr + 4], replies[nr + 5], replies[nr + 6] = retry, we, wo
-  nr = nr + 6
+  replies[nr + 7], replies[nr + 8] = br, bt
+  nr = nr + 8
 end
 
 if (mode == "charge" and all) or mode == "refund" then

@@ -31,7 +31,9 @@
 //! - **Cluster**: charges whose keys share a slot run in one script. Keys
 //!   in different slots (e.g. a per-address and a global limit) cannot be
 //!   one atomic step in Redis Cluster: they are charged slot by slot in a
-//!   fixed order, and if one refuses, the earlier admissions are refunded.
+//!   fixed order, and if one refuses, the earlier admissions are refunded
+//!   (and the later slots are read without writing, so that the outcome
+//!   describes every limit as one script would).
 //!   Between the charge and the refund other requests may be refused that
 //!   would have fitted, but nothing is ever admitted beyond a budget.
 //! - **Failures**: the store starts even when Redis is unreachable and
@@ -337,7 +339,7 @@ impl RedisStore {
             }
         };
         match tokio::time::timeout(inner.timeout, call).await {
-            Ok(Ok(reply)) if reply.len() == 6 * prepared.len() => Ok(reply),
+            Ok(Ok(reply)) if reply.len() == script::REPLY * prepared.len() => Ok(reply),
             Ok(Ok(reply)) => Err(StoreError::new(
                 StoreErrorKind::Protocol,
                 format!(
@@ -404,8 +406,10 @@ impl RedisStore {
             .map(|group| Prepared::new(group.iter().map(|&i| (&keys[i], &charges[i]))))
             .collect::<Result<_, _>>()?;
         let mut decisions = vec![Decision::Unevaluated; charges.len()];
+        let mut before = vec![Decision::Unevaluated; charges.len()];
         let mut admitted: Vec<(Prepared, Vec<i64>)> = Vec::new();
-        for (group, prepared) in groups.into_iter().zip(prepared) {
+        let mut groups = groups.into_iter().zip(prepared);
+        while let Some((group, prepared)) = groups.next() {
             let sent = Instant::now();
             let reply = match self.invoke(&prepared, Mode::Charge).await {
                 Ok(reply) => reply,
@@ -416,7 +420,8 @@ impl RedisStore {
             };
             let mut all = true;
             for (slot, &i) in group.iter().enumerate() {
-                let d = script::decision(&reply[slot * 6..slot * 6 + 6], charges[i].policy());
+                let values = &reply[slot * script::REPLY..(slot + 1) * script::REPLY];
+                let (d, b) = script::decision(values, charges[i].policy());
                 // A key charged again in the same call was decided against
                 // the earlier charge's unwritten effect: that refusal is not
                 // what Redis would answer for the charge alone, so only a
@@ -427,11 +432,30 @@ impl RedisStore {
                 }
                 all &= d.is_admitted();
                 decisions[i] = d;
+                before[i] = b;
             }
             if all {
                 admitted.push((prepared, reply));
             } else {
                 self.refund(admitted).await;
+                // The slots not charged yet are read without writing, so
+                // that every limit is described as in a single script.
+                for (group, prepared) in groups {
+                    let Ok(reply) = self.invoke(&prepared, Mode::Peek).await else {
+                        continue;
+                    };
+                    for (slot, &i) in group.iter().enumerate() {
+                        let values = &reply[slot * script::REPLY..(slot + 1) * script::REPLY];
+                        (decisions[i], before[i]) = script::decision(values, charges[i].policy());
+                    }
+                }
+                // Refused as a whole: nothing was spent, and the limits that
+                // would have admitted are described as they stand.
+                for (d, b) in decisions.iter_mut().zip(before) {
+                    if d.is_admitted() {
+                        *d = b;
+                    }
+                }
                 return Ok(Outcome::new(decisions));
             }
         }

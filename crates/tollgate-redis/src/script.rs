@@ -25,6 +25,8 @@ pub(crate) fn script() -> Script {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Mode {
     Charge,
+    /// Decide without writing anything.
+    Peek,
     Refund,
 }
 
@@ -180,7 +182,7 @@ impl Prepared {
     /// The same charges, to be refunded against the windows `reply` reported.
     pub(crate) fn with_windows(mut self, reply: &[i64]) -> Self {
         for (i, w) in self.windows.iter_mut().enumerate() {
-            *w = (reply[i * 6 + 4], reply[i * 6 + 5]);
+            *w = (reply[i * REPLY + 4], reply[i * REPLY + 5]);
         }
         self
     }
@@ -202,6 +204,7 @@ impl Prepared {
         inv.arg(EPOCH_UNIX_SECS);
         inv.arg(match mode {
             Mode::Charge => "charge",
+            Mode::Peek => "peek",
             Mode::Refund => "refund",
         });
         for (p, w) in self.params.iter().zip(&self.windows) {
@@ -211,12 +214,16 @@ impl Prepared {
     }
 }
 
-/// One charge's decision from its six reply values.
-pub(crate) fn decision(values: &[i64], policy: &Policy) -> Decision {
+/// Reply values per charge.
+pub(crate) const REPLY: usize = 8;
+
+/// One charge's decision from its reply values: as charged, and the
+/// budget as it stood before the charge (for a call refused as a whole).
+pub(crate) fn decision(values: &[i64], policy: &Policy) -> (Decision, Decision) {
     let n = |i: usize| u64::try_from(values[i]).unwrap_or(0);
     let remaining = n(1).min(policy.capacity());
     let reset = Duration::from_nanos(n(2));
-    if values[0] == 1 {
+    let charged = if values[0] == 1 {
         Decision::Admitted { remaining, reset }
     } else {
         Decision::Denied {
@@ -224,7 +231,12 @@ pub(crate) fn decision(values: &[i64], policy: &Policy) -> Decision {
             remaining,
             reset,
         }
-    }
+    };
+    let before = Decision::Admitted {
+        remaining: n(6).min(policy.capacity()),
+        reset: Duration::from_nanos(n(7)),
+    };
+    (charged, before)
 }
 
 /// Charge indices grouped by cluster slot, groups in slot order.
