@@ -476,3 +476,76 @@ async fn a_reused_retry_service_retries_every_request_afresh() {
         "one deposit per request"
     );
 }
+
+/// Found in review: the first-sent mark of an outer retry layer reached an
+/// inner one on a retry, which took the outer's start time (and skipped its
+/// budget deposit) as if the request were its own.
+#[tokio::test]
+async fn nested_retry_layers_each_see_a_new_request() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tollgate::ManualClock;
+    use tower::{Service, ServiceExt};
+
+    #[derive(Clone)]
+    struct ClockSleep(ManualClock);
+    impl Sleep for ClockSleep {
+        fn sleep(
+            &self,
+            d: Duration,
+        ) -> std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>> {
+            self.0.advance(d);
+            Box::pin(std::future::ready(()))
+        }
+    }
+    #[derive(Default)]
+    struct Deposits(AtomicUsize);
+    impl tower::retry::budget::Budget for Deposits {
+        fn deposit(&self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+        fn withdraw(&self) -> bool {
+            true
+        }
+    }
+
+    let clock = ManualClock::new(0);
+    let calls = Arc::new(AtomicUsize::new(0));
+    let unavailable = {
+        let calls = calls.clone();
+        tower::service_fn(move |_req: http::Request<()>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async {
+                Ok::<_, std::convert::Infallible>(
+                    http::Response::builder().status(503).body(()).unwrap(),
+                )
+            }
+        })
+    };
+    let deposits = Arc::new(Deposits::default());
+    let inner = RetryPolicy::new(
+        RetryConfig::new()
+            .max_attempts(2)
+            .deadline(Duration::from_secs(5))
+            .backoff(Duration::from_secs(1), Duration::from_secs(1)),
+    )
+    .with_clocks(clock.clone(), std::time::SystemTime::now)
+    .with_jitter(NoJitter)
+    .with_sleep(ClockSleep(clock.clone()))
+    .with_budget(deposits.clone());
+    let outer = RetryPolicy::new(
+        RetryConfig::new()
+            .max_attempts(2)
+            .deadline(Duration::from_secs(100))
+            .backoff(Duration::from_secs(10), Duration::from_secs(10)),
+    )
+    .with_clocks(clock.clone(), std::time::SystemTime::now)
+    .with_jitter(NoJitter)
+    .with_sleep(ClockSleep(clock.clone()));
+    let mut svc = tower::retry::Retry::new(outer, tower::retry::Retry::new(inner, unavailable));
+    let req = http::Request::get("http://x/").body(()).unwrap();
+    let res = svc.ready().await.unwrap().call(req).await.unwrap();
+    assert_eq!(res.status(), StatusCode::SERVICE_UNAVAILABLE);
+    // Two outer attempts, each retried once inside: four calls, two deposits.
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
+    assert_eq!(deposits.0.load(Ordering::SeqCst), 2);
+}

@@ -392,3 +392,39 @@ async fn an_upgraded_connection_holds_its_slot_while_it_lives() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
 }
+
+/// Found in review: a second concurrency layer replaced the first one's
+/// `InFlight`, so with a global layer on the app and a per-route one, the
+/// upgraded connection stayed counted by the inner layer only.
+#[tokio::test]
+async fn nested_layers_all_count_an_upgraded_connection() {
+    use axum::extract::Request;
+    use tollgate::concurrency::InFlight;
+    use tower::ServiceExt;
+
+    static KEPT: Mutex<Vec<InFlight>> = Mutex::new(Vec::new());
+    async fn upgrade(mut req: Request) -> axum::response::Response {
+        if let Some(slot) = req.extensions_mut().remove::<InFlight>() {
+            KEPT.lock().unwrap().push(slot);
+        }
+        axum::response::Response::builder()
+            .status(StatusCode::SWITCHING_PROTOCOLS)
+            .body(axum::body::Body::empty())
+            .unwrap()
+    }
+    let outer = ConcurrencyLimitLayer::new("outer").unwrap().global(n(10));
+    let inner = ConcurrencyLimitLayer::new("inner").unwrap().global(n(10));
+    let app: Router = Router::new()
+        .route("/ws", get(upgrade).route_layer(inner.clone()))
+        .layer(outer.clone());
+    let req = http::Request::get("/ws")
+        .header("upgrade", "echo")
+        .header("connection", "upgrade")
+        .body(axum::body::Body::empty())
+        .unwrap();
+    let res = app.oneshot(req).await.unwrap();
+    let _ = http_body_util::BodyExt::collect(res.into_body()).await;
+    assert_eq!((outer.stats().in_flight, inner.stats().in_flight), (1, 1));
+    KEPT.lock().unwrap().clear();
+    assert_eq!((outer.stats().in_flight, inner.stats().in_flight), (0, 0));
+}

@@ -266,12 +266,16 @@ pub fn cases() -> Vec<Case> {
                 tb("second", 2, Rate::per_hour(1)),
                 tb("first", 2, Rate::per_hour(1)).with_unit(crate::Unit::Bytes),
                 tb("first", 3, Rate::per_hour(1)),
+                // A unit of your own named like a built-in one is still
+                // another unit.
+                tb("first", 2, Rate::per_hour(1)).with_unit(crate::Unit::Other("requests".into())),
             ],
             steps: vec![
                 bound(0, &[("k", 0, 2)], OK, &[adm(0, 7200 * S)]),
                 step(0, &[("k", 1, 2)], OK),
                 step(0, &[("k", 2, 2)], OK),
                 step(0, &[("k", 3, 3)], OK),
+                step(0, &[("k", 4, 2)], OK),
                 bound(
                     0,
                     &[("k", 0, 1)],

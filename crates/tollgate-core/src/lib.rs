@@ -55,5 +55,8 @@ pub use clock::{Clock, ManualClock, Nanos, SystemClock};
 pub use decision::{Charge, Decision, InvalidCharge, Outcome, Verdict};
 pub use key::{InvalidKey, Key};
 pub use memory::{MemoryStore, MemoryStoreBuilder, MemoryStoreStats, OnKeyCap};
-pub use policy::{Algorithm, Initial, InvalidPolicy, Policy, Rate, TokenBucket, Unit, Window};
+pub use policy::{
+    Algorithm, Initial, InvalidName, InvalidPolicy, Policy, Rate, TokenBucket, Unit, Window,
+    check_name,
+};
 pub use store::{DynStore, Store, StoreError, StoreErrorKind, StoreFuture};

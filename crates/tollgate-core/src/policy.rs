@@ -229,25 +229,55 @@ impl InvalidPolicy {
 
 const MAX_NAME_LEN: usize = 64;
 
-fn validate_name(name: &str) -> Result<(), InvalidPolicy> {
-    if name.is_empty() || name.len() > MAX_NAME_LEN {
-        return Err(InvalidPolicy::new(
-            name,
-            format!("name must be 1..={MAX_NAME_LEN} bytes, got {}", name.len()),
-        ));
+/// A name that headers and metric labels cannot carry: names of policies
+/// and of in-flight limits are 1 to 64 ASCII letters, digits, `-`, `_` or
+/// `.`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("invalid name {name:?}: {reason}")]
+pub struct InvalidName {
+    name: String,
+    reason: String,
+}
+
+impl InvalidName {
+    /// The name that was refused.
+    pub fn name(&self) -> &str {
+        &self.name
     }
-    // Names appear as structured-field strings in `RateLimit` headers and as
-    // metric labels; restricting them keeps both unambiguous.
+
+    /// What was wrong, with the offending value.
+    pub fn reason(&self) -> &str {
+        &self.reason
+    }
+}
+
+/// Checks a name of a policy or an in-flight limit. Names appear as
+/// structured-field strings in `RateLimit` headers and as metric labels;
+/// restricting them keeps both unambiguous.
+pub fn check_name(name: &str) -> Result<(), InvalidName> {
+    let refuse = |reason: String| InvalidName {
+        name: name.to_owned(),
+        reason,
+    };
+    if name.is_empty() || name.len() > MAX_NAME_LEN {
+        return Err(refuse(format!(
+            "a name must be 1..={MAX_NAME_LEN} bytes, got {}",
+            name.len()
+        )));
+    }
     if let Some(bad) = name
         .chars()
         .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '-' | '_' | '.')))
     {
-        return Err(InvalidPolicy::new(
-            name,
-            format!("name may contain only ASCII letters, digits, '-', '_' and '.', found {bad:?}"),
-        ));
+        return Err(refuse(format!(
+            "a name may contain only ASCII letters, digits, '-', '_' and '.', found {bad:?}"
+        )));
     }
     Ok(())
+}
+
+fn validate_name(name: &str) -> Result<(), InvalidPolicy> {
+    check_name(name).map_err(|e| InvalidPolicy::new(name, e.reason))
 }
 
 fn nanos(name: &str, what: &str, d: Duration) -> Result<u64, InvalidPolicy> {

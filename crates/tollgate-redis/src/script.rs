@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use redis::{Script, ScriptInvocation};
 use tollgate_core::{
-    Algorithm, Charge, Decision, Initial, Nanos, Policy, StoreError, StoreErrorKind,
+    Algorithm, Charge, Decision, Initial, Nanos, Policy, StoreError, StoreErrorKind, Unit,
 };
 
 /// Unix time of the store epoch, 2026-01-01T00:00:00Z. Server time is
@@ -109,11 +109,15 @@ pub(crate) fn redis_key(prefix: &str, charge: &Charge) -> String {
 }
 
 /// `NAME/UNIT/NUMBERS`: every part of a policy that `MemoryStore` tells
-/// states apart by. Names are `[A-Za-z0-9._-]`; a unit is escaped like a
-/// key component.
+/// states apart by. Names are `[A-Za-z0-9._-]`; a unit of your own is
+/// `o.` and its name escaped like a key component, so that it can never
+/// read as one of the built-in units.
 fn fingerprint(policy: &Policy) -> String {
-    let unit = tollgate_core::Key::new(policy.unit().as_str());
-    format!("{}/{}/{}", policy.name(), unit.as_str(), numbers(policy))
+    let unit = match policy.unit() {
+        Unit::Other(name) => format!("o.{}", tollgate_core::Key::new(&**name)),
+        built_in => built_in.as_str().to_owned(),
+    };
+    format!("{}/{unit}/{}", policy.name(), numbers(policy))
 }
 
 fn numbers(policy: &Policy) -> String {

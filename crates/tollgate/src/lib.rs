@@ -44,8 +44,9 @@ pub use rate_limit::{
 };
 pub use tollgate_core::{
     self as core, Algorithm, Charge, Clock, Decision, DynStore, Initial, InvalidCharge, InvalidKey,
-    InvalidPolicy, Key, ManualClock, MemoryStore, MemoryStoreBuilder, MemoryStoreStats, OnKeyCap,
-    Outcome, Policy, Rate, Store, StoreError, StoreErrorKind, SystemClock, Unit, Verdict,
+    InvalidName, InvalidPolicy, Key, ManualClock, MemoryStore, MemoryStoreBuilder,
+    MemoryStoreStats, OnKeyCap, Outcome, Policy, Rate, Store, StoreError, StoreErrorKind,
+    SystemClock, Unit, Verdict,
 };
 /// The Redis store (feature `redis`): see [`tollgate_redis`].
 #[cfg(feature = "redis")]

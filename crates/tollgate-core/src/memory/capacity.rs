@@ -30,54 +30,65 @@ impl Inner {
         shard.next_sweep = now.saturating_add(self.sweep_every);
     }
 
-    /// Makes room in `shard` for `new` keys not yet in it, or refuses (by
-    /// the cap policy). Eviction never picks one of `keep`, the keys this
-    /// call is about to write.
-    pub(super) fn make_room_for(
+    /// Whether `shard` has room for `new` keys not yet in it, evicting if
+    /// the cap policy allows: how many entries must be evicted, or the
+    /// refusal. Nothing is evicted yet, so that a call refused in one of
+    /// its shards changes nothing in the others; `keep` (the keys the call
+    /// writes) are never counted as evictable.
+    pub(super) fn room_for(
         &self,
         shard: &mut Shard,
         new: usize,
         keep: &[u128],
         now: Nanos,
-    ) -> Result<(), StoreError> {
+    ) -> Result<usize, StoreError> {
         // At most one sweep per interval even here: under a flood of new
         // keys a sweep per request would make every refusal O(shard size).
+        // (A sweep removes only idle entries: it changes no decision.)
         self.maybe_sweep(shard, now);
         let cap = self.per_shard.unwrap_or(usize::MAX);
-        let refuse = || {
+        let over = (shard.len() + new).saturating_sub(cap);
+        if over == 0 {
+            return Ok(0);
+        }
+        let evictable = match self.cap_policy {
+            OnKeyCap::RefuseNewKeys => 0,
+            OnKeyCap::EvictNearestIdle => {
+                let kept = keep.iter().filter(|d| shard.contains(d)).count();
+                shard.len() - kept
+            }
+        };
+        if new > cap || over > evictable {
             self.refused_new_keys.fetch_add(1, Ordering::Relaxed);
-            Err(StoreError::new(
+            return Err(StoreError::new(
                 StoreErrorKind::CapacityExhausted,
                 format!("memory store shard is at its cap of {cap} keys"),
-            ))
-        };
-        if new > cap {
-            // More new keys than the shard may ever hold: no eviction helps.
-            return refuse();
+            ));
         }
-        while shard.len() + new > cap {
-            match self.cap_policy {
-                OnKeyCap::RefuseNewKeys => return refuse(),
-                OnKeyCap::EvictNearestIdle => {
-                    const SAMPLE: usize = 8;
-                    let compact = shard.compact.iter().map(|(d, c)| (*d, c.idle_at));
-                    let wide = shard.wide.iter().map(|(d, e)| (*d, e.idle_at));
-                    let Some(victim) = compact
-                        .chain(wide)
-                        .filter(|(d, _)| !keep.contains(d))
-                        .take(SAMPLE)
-                        .min_by_key(|(_, idle_at)| *idle_at)
-                        .map(|(d, _)| d)
-                    else {
-                        return refuse();
-                    };
-                    shard.compact.remove(&victim);
-                    shard.wide.remove(&victim);
-                    self.evicted.fetch_add(1, Ordering::Relaxed);
-                }
-            }
+        Ok(over)
+    }
+
+    /// Evicts `count` entries, each the nearest to idle among a small
+    /// sample, never one of `keep`. [`Inner::room_for`] said there are
+    /// enough.
+    pub(super) fn evict(&self, shard: &mut Shard, count: usize, keep: &[u128]) {
+        const SAMPLE: usize = 8;
+        for _ in 0..count {
+            let compact = shard.compact.iter().map(|(d, c)| (*d, c.idle_at));
+            let wide = shard.wide.iter().map(|(d, e)| (*d, e.idle_at));
+            let Some(victim) = compact
+                .chain(wide)
+                .filter(|(d, _)| !keep.contains(d))
+                .take(SAMPLE)
+                .min_by_key(|(_, idle_at)| *idle_at)
+                .map(|(d, _)| d)
+            else {
+                return;
+            };
+            shard.compact.remove(&victim);
+            shard.wide.remove(&victim);
+            self.evicted.fetch_add(1, Ordering::Relaxed);
         }
-        Ok(())
     }
 }
 
@@ -159,6 +170,44 @@ mod tests {
     /// Audit finding 4: the cap was checked against the shard as it was
     /// before any of the call's keys were written, so one call of three
     /// new keys left three keys under a cap of one.
+    /// Found in review: room was made shard by shard, so a call could
+    /// evict in one shard and then be refused in another, leaving an
+    /// exhausted key reset although the call changed nothing.
+    #[test]
+    fn a_refused_call_evicts_nothing_anywhere() {
+        let store = MemoryStore::builder()
+            .clock(ManualClock::new(0))
+            .shards(2)
+            .max_keys(2, OnKeyCap::EvictNearestIdle)
+            .build();
+        let p = Policy::token_bucket("p", 1, Rate::per_hour(1)).unwrap();
+        // Fill both shards with exhausted keys.
+        let mut k = 0;
+        while store.stats().keys < 2 {
+            store
+                .charge_now(&[charge(&format!("old{k}"), &p, 1)])
+                .unwrap();
+            k += 1;
+        }
+        let before = store.stats();
+        // One new key for the first shard (room by eviction), two for the
+        // second (more than it may ever hold): refused as a whole.
+        let shard = |c: &Charge| store.inner.shard_of(store.inner.digest(c));
+        let fresh: Vec<Charge> = (0..64).map(|i| charge(&format!("new{i}"), &p, 1)).collect();
+        let first = fresh.iter().find(|c| shard(c) == 0).unwrap().clone();
+        let second: Vec<Charge> = fresh
+            .iter()
+            .filter(|c| shard(c) == 1)
+            .take(2)
+            .cloned()
+            .collect();
+        let call = [first, second[0].clone(), second[1].clone()];
+        assert!(store.charge_now(&call).is_err());
+        let after = store.stats();
+        assert_eq!(after.evicted, before.evicted, "a refused call evicted");
+        assert_eq!(after.keys, 2);
+    }
+
     #[test]
     fn one_call_cannot_take_a_shard_past_its_cap() {
         for policy in [OnKeyCap::RefuseNewKeys, OnKeyCap::EvictNearestIdle] {

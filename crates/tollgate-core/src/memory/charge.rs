@@ -67,11 +67,19 @@ impl MemoryStore {
                 .collect();
             fresh.sort_unstable();
             fresh.dedup();
+            // Every shard is checked before any is changed: a call refused
+            // in one shard evicts nothing in another.
+            let mut evictions = Vec::with_capacity(order.len());
             for (i, &g) in order.iter().enumerate() {
                 let new_here = fresh.iter().filter(|d| inner.shard_of(**d) == g).count();
-                if new_here > 0 {
-                    inner.make_room_for(&mut guards[i], new_here, &digests, now)?;
-                }
+                evictions.push(if new_here > 0 {
+                    inner.room_for(&mut guards[i], new_here, &digests, now)?
+                } else {
+                    0
+                });
+            }
+            for (guard, count) in guards.iter_mut().zip(evictions) {
+                inner.evict(guard, count, &digests);
             }
         }
         for (digest, step, policy) in steps {
@@ -104,7 +112,8 @@ impl MemoryStore {
         let step = algorithm::decide(policy, state, now, cost);
         if let Some(next) = step.next {
             if state.is_none() && inner.per_shard.is_some_and(|cap| shard.len() >= cap) {
-                inner.make_room_for(&mut shard, 1, &[], now)?;
+                let count = inner.room_for(&mut shard, 1, &[], now)?;
+                inner.evict(&mut shard, count, &[]);
             }
             shard.put(digest, policy, next, step.idle_at);
         }

@@ -2,9 +2,11 @@
 //! throttled requests no earlier than the server asked (feature `client`).
 //!
 //! This lives in `tollgate` behind a feature rather than in its own crate:
-//! it is small, shares the HTTP vocabulary of the server side, and a
-//! feature keeps tower's retry machinery and tokio's timer out of server
-//! builds that do not want them.
+//! it is small, shares the HTTP vocabulary of the server side, and the
+//! feature keeps tower's retry machinery out of server builds that do not
+//! want it. (tokio's timer is there either way: the concurrency limit's
+//! bounded waiting uses it; the client sleeps with it through
+//! [`TokioSleep`], or with any [`Sleep`] you give it.)
 //!
 //! ```
 //! use std::time::Duration;

@@ -247,6 +247,8 @@ pub struct RetryPolicy {
     jitter: Arc<dyn Jitter>,
     sleep: Arc<dyn Sleep>,
     budget: Option<Arc<dyn Budget + Send + Sync>>,
+    /// Which policy this is (copies share it), for [`FirstSent`].
+    id: u64,
     /// Attempts made by the request this copy belongs to. Only the copy in
     /// a request's response future counts (tower calls `retry` on that
     /// copy); the service's own policy is never changed by a request.
@@ -255,13 +257,21 @@ pub struct RetryPolicy {
     last_wait: Option<Duration>,
 }
 
-/// When a request was first sent, on the policy's monotonic clock. Carried
-/// in the extensions of the copy tower keeps for retries: tower 0.5 calls
-/// `clone_request` for a new request on the *service's* policy, before
-/// copying that policy into the response future, so a start time kept in
-/// the policy would be shared by every later request of the service.
+/// When a request was first sent, on the policy's monotonic clock, and by
+/// which policy. Carried in the extensions of the copy tower keeps for
+/// retries: tower 0.5 calls `clone_request` for a new request on the
+/// *service's* policy, before copying that policy into the response future,
+/// so a start time kept in the policy would be shared by every later
+/// request of the service. The policy's id keeps nested retry layers apart:
+/// a retried request reaching an inner layer is new to that layer.
 #[derive(Debug, Clone, Copy)]
-struct FirstSent(Nanos);
+struct FirstSent {
+    policy: u64,
+    at: Nanos,
+}
+
+/// Ids of policies made by [`RetryPolicy::new`]; copies share theirs.
+static POLICY_IDS: AtomicU64 = AtomicU64::new(1);
 
 impl fmt::Debug for RetryPolicy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -284,6 +294,7 @@ impl RetryPolicy {
             jitter: Arc::new(RandomJitter::default()),
             sleep: Arc::new(TokioSleep),
             budget: None,
+            id: POLICY_IDS.fetch_add(1, Ordering::Relaxed),
             attempts: 0,
             last_wait: None,
         }
@@ -340,7 +351,11 @@ impl<B: Clone, Rb, E> tower::retry::Policy<Request<B>, Response<Rb>, E> for Retr
         let response = result.as_ref().ok()?;
         self.attempts += 1;
         let now = self.clock.now();
-        let started = req.extensions().get::<FirstSent>().map_or(now, |f| f.0);
+        let started = req
+            .extensions()
+            .get::<FirstSent>()
+            .filter(|f| f.policy == self.id)
+            .map_or(now, |f| f.at);
         let elapsed = Duration::from_nanos(now.saturating_sub(started));
         let attempt = Attempt {
             status: response.status(),
@@ -363,14 +378,18 @@ impl<B: Clone, Rb, E> tower::retry::Policy<Request<B>, Response<Rb>, E> for Retr
     }
 
     fn clone_request(&mut self, req: &Request<B>) -> Option<Request<B>> {
-        // A request without the mark is new: this is its first attempt.
+        // A request without this policy's mark is new to it: this is its
+        // first attempt here.
         let first = match req.extensions().get::<FirstSent>() {
-            Some(first) => *first,
-            None => {
+            Some(first) if first.policy == self.id => *first,
+            _ => {
                 if let Some(budget) = &self.budget {
                     budget.deposit();
                 }
-                FirstSent(self.clock.now())
+                FirstSent {
+                    policy: self.id,
+                    at: self.clock.now(),
+                }
             }
         };
         let mut clone = Request::new(req.body().clone());

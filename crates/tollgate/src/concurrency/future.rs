@@ -12,12 +12,12 @@ use tower_service::Service;
 use super::PermitBody;
 use super::in_flight::{Held, hold};
 use super::layer::Config;
-use super::limiter::{Full, Permit};
+use super::limiter::{Permit, Saturated};
 use super::service::refusal;
 use crate::ResponseBody;
 use crate::response::Protocol;
 
-type Acquire = Pin<Box<dyn Future<Output = Result<Permit, Full>> + Send>>;
+type Acquire = Pin<Box<dyn Future<Output = Result<Permit, Saturated>> + Send>>;
 
 pin_project! {
     /// Response future of [`ConcurrencyLimit`](super::ConcurrencyLimit).
@@ -92,6 +92,22 @@ where
                 response: Some(response),
             },
         }
+    }
+}
+
+impl<S, ReqB> std::fmt::Debug for ResponseFuture<S, ReqB>
+where
+    S: Service<Request<ReqB>>,
+{
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = match &self.state {
+            State::Waiting { .. } => "waiting",
+            State::Calling { .. } => "calling",
+            State::Refused { .. } => "refused",
+        };
+        f.debug_struct("ResponseFuture")
+            .field("state", &state)
+            .finish_non_exhaustive()
     }
 }
 

@@ -19,8 +19,9 @@ use super::limiter::Permit;
 /// life, the layer puts an `InFlight` into the extensions of every request
 /// that asks for an upgrade (an `Upgrade` header, or method `CONNECT`):
 /// take it in the handler and keep it in the task that serves the upgraded
-/// connection. The slot is freed when both the response body and every
-/// clone of the `InFlight` are gone.
+/// connection. Nested layers add their slots to the same `InFlight`. A
+/// slot is freed when both the response body and every clone of the
+/// `InFlight` are gone.
 ///
 /// ```
 /// use axum::{extract::Request, http::StatusCode, response::Response};
@@ -46,8 +47,10 @@ use super::limiter::Permit;
 /// ```
 #[derive(Clone)]
 pub struct InFlight {
-    // Never read: holding it is the point.
-    _slot: Arc<Permit>,
+    // Never read: holding them is the point. One per concurrency layer the
+    // request passed through (layers nest: a global one on the app and a
+    // per-key one on the route each add their slot to the same handle).
+    _slots: Vec<Arc<Permit>>,
 }
 
 impl fmt::Debug for InFlight {
@@ -73,8 +76,13 @@ pub(crate) fn hold<B>(permit: Permit, req: &mut Request<B>) -> Held {
         return Held::Own { _slot: permit };
     }
     let shared = Arc::new(permit);
-    req.extensions_mut().insert(InFlight {
-        _slot: shared.clone(),
-    });
+    match req.extensions_mut().get_mut::<InFlight>() {
+        Some(outer) => outer._slots.push(shared.clone()),
+        None => {
+            req.extensions_mut().insert(InFlight {
+                _slots: vec![shared.clone()],
+            });
+        }
+    }
     Held::Shared { _slot: shared }
 }

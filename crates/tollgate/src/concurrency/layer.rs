@@ -3,18 +3,15 @@ use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
+use tollgate_core::{InvalidName, check_name};
 use tower_layer::Layer;
 
 use super::ConcurrencyLimit;
-use super::limiter::{ConcurrencyStats, Limiter};
+use super::limiter::{ConcurrencyStats, Limiter, Limits};
 use crate::ClientIpResolver;
 use crate::identity::{KeyPart, MissingPrincipal};
 
-/// A concurrency limit's name was not usable in headers and metrics.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("invalid concurrency limit name {0:?}: use 1..=64 ASCII letters, digits, '-', '_' or '.'")]
-pub struct InvalidLimitName(String);
-
+#[derive(Clone)]
 pub(crate) struct Config {
     pub(crate) limiter: Arc<Limiter>,
     pub(crate) key: Vec<KeyPart>,
@@ -41,7 +38,7 @@ pub struct ConcurrencyLimitLayer {
 
 impl fmt::Debug for ConcurrencyLimitLayer {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let l = &self.config.limiter;
+        let l = &self.config.limiter.limits;
         f.debug_struct("ConcurrencyLimitLayer")
             .field("name", &l.name)
             .field("global", &l.global_max)
@@ -54,18 +51,17 @@ impl fmt::Debug for ConcurrencyLimitLayer {
 
 impl ConcurrencyLimitLayer {
     /// A limit named `name` (used in headers and metrics) with no bounds
-    /// yet.
-    pub fn new(name: &str) -> Result<Self, InvalidLimitName> {
-        let ok = (1..=64).contains(&name.len())
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'));
-        if !ok {
-            return Err(InvalidLimitName(name.to_owned()));
-        }
+    /// yet. Names follow the rule of policy names ([`check_name`]).
+    pub fn new(name: &str) -> Result<Self, InvalidName> {
+        check_name(name)?;
         Ok(Self {
             config: Arc::new(Config {
-                limiter: Arc::new(Limiter::new(name.into(), None, None, None)),
+                limiter: Arc::new(Limiter::new(Limits {
+                    name: name.into(),
+                    global_max: None,
+                    per_key_max: None,
+                    waiting: None,
+                })),
                 key: Vec::new(),
                 missing: MissingPrincipal::Reject,
                 resolver: ClientIpResolver::peer_only(),
@@ -73,75 +69,53 @@ impl ConcurrencyLimitLayer {
         })
     }
 
-    fn rebuild(self, f: impl FnOnce(&mut Settings)) -> Self {
-        let c = &*self.config;
-        let l = &*c.limiter;
-        let mut s = Settings {
-            name: l.name.clone(),
-            global: l.global_max,
-            per_key: l.per_key_max,
-            waiting: l.waiting,
-            key: c.key.clone(),
-            missing: c.missing,
-            resolver: c.resolver.clone(),
-        };
-        f(&mut s);
-        Self {
-            config: Arc::new(Config {
-                limiter: Arc::new(Limiter::new(s.name, s.global, s.per_key, s.waiting)),
-                key: s.key,
-                missing: s.missing,
-                resolver: s.resolver,
-            }),
-        }
+    /// Copy-on-change, as [`RateLimitLayer`](crate::RateLimitLayer)'s
+    /// builders: services already made keep their configuration. The
+    /// limiter (and its counts) is made afresh from the new limits.
+    fn edit(mut self, f: impl FnOnce(&mut Config, &mut Limits)) -> Self {
+        let config = Arc::make_mut(&mut self.config);
+        let mut limits = config.limiter.limits.clone();
+        f(config, &mut limits);
+        config.limiter = Arc::new(Limiter::new(limits));
+        self
     }
 
     /// At most `max` requests in flight through this layer in all (503 beyond).
     pub fn global(self, max: NonZeroUsize) -> Self {
-        self.rebuild(|s| s.global = Some(max.get()))
+        self.edit(|_, l| l.global_max = Some(max.get()))
     }
 
     /// At most `max` requests in flight per key built from `parts` (429
     /// beyond), e.g. `[KeyPart::Account]`.
     pub fn per_key(self, max: NonZeroUsize, parts: impl IntoIterator<Item = KeyPart>) -> Self {
         let parts: Vec<KeyPart> = parts.into_iter().collect();
-        self.rebuild(|s| {
-            s.per_key = Some(max.get());
-            s.key = parts;
+        self.edit(|c, l| {
+            l.per_key_max = Some(max.get());
+            c.key = parts;
         })
     }
 
     /// Lets at most `max_waiters` requests wait, each at most `max_wait`,
     /// for a permit before being refused. Without it, refusal is immediate.
     pub fn wait(self, max_waiters: usize, max_wait: Duration) -> Self {
-        self.rebuild(|s| s.waiting = Some((max_waiters, max_wait)))
+        self.edit(|_, l| l.waiting = Some((max_waiters, max_wait)))
     }
 
     /// What to do when the per-key parts need a principal and there is none
     /// (default: 401).
     pub fn when_no_principal(self, what: MissingPrincipal) -> Self {
-        self.rebuild(|s| s.missing = what)
+        self.edit(|c, _| c.missing = what)
     }
 
     /// How client addresses are resolved for [`KeyPart::ClientIp`].
     pub fn client_ip(self, resolver: ClientIpResolver) -> Self {
-        self.rebuild(|s| s.resolver = resolver)
+        self.edit(|c, _| c.resolver = resolver)
     }
 
     /// The counters: in flight, waiting, refused.
     pub fn stats(&self) -> ConcurrencyStats {
         self.config.limiter.stats()
     }
-}
-
-struct Settings {
-    name: Arc<str>,
-    global: Option<usize>,
-    per_key: Option<usize>,
-    waiting: Option<(usize, Duration)>,
-    key: Vec<KeyPart>,
-    missing: MissingPrincipal,
-    resolver: ClientIpResolver,
 }
 
 impl<S> Layer<S> for ConcurrencyLimitLayer {

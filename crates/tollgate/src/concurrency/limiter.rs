@@ -11,7 +11,7 @@ use tokio::sync::oneshot;
 
 /// Which limit refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Full {
+pub(crate) enum Saturated {
     Global,
     PerKey,
     /// Bounded waiting is on, but every waiting slot is taken.
@@ -35,14 +35,18 @@ struct Waiter {
 }
 
 impl Counts {
-    fn fits(&self, limiter: &Limiter, key: Option<&str>) -> Result<(), Full> {
-        if let (Some(max), Some(key)) = (limiter.per_key_max, key) {
+    fn fits(&self, limiter: &Limiter, key: Option<&str>) -> Result<(), Saturated> {
+        if let (Some(max), Some(key)) = (limiter.limits.per_key_max, key) {
             if self.per_key.get(key).copied().unwrap_or(0) >= max {
-                return Err(Full::PerKey);
+                return Err(Saturated::PerKey);
             }
         }
-        if limiter.global_max.is_some_and(|max| self.global >= max) {
-            return Err(Full::Global);
+        if limiter
+            .limits
+            .global_max
+            .is_some_and(|max| self.global >= max)
+        {
+            return Err(Saturated::Global);
         }
         Ok(())
     }
@@ -82,12 +86,18 @@ pub struct ConcurrencyStats {
     pub refused_global: u64,
 }
 
-pub(crate) struct Limiter {
+/// What a limiter bounds.
+#[derive(Debug, Clone)]
+pub(crate) struct Limits {
     pub(crate) name: Arc<str>,
     pub(crate) global_max: Option<usize>,
     pub(crate) per_key_max: Option<usize>,
     /// At most this many requests wait, each at most `max_wait`.
     pub(crate) waiting: Option<(usize, Duration)>,
+}
+
+pub(crate) struct Limiter {
+    pub(crate) limits: Limits,
     /// Counts and the waiting queue, under one lock: a release hands its
     /// slot to the first waiter that fits before any new arrival can see
     /// it, so waiting is first come, first served, and each freed slot
@@ -121,17 +131,9 @@ impl Drop for Permit {
 }
 
 impl Limiter {
-    pub(crate) fn new(
-        name: Arc<str>,
-        global_max: Option<usize>,
-        per_key_max: Option<usize>,
-        waiting: Option<(usize, Duration)>,
-    ) -> Self {
+    pub(crate) fn new(limits: Limits) -> Self {
         Self {
-            name,
-            global_max,
-            per_key_max,
-            waiting,
+            limits,
             counts: Mutex::new(Counts::default()),
             peak_waiters: AtomicUsize::new(0),
             refused_per_key: AtomicU64::new(0),
@@ -162,7 +164,7 @@ impl Limiter {
         Some((waiter.grant, self.permit(waiter.key)))
     }
 
-    pub(crate) fn try_acquire(self: &Arc<Self>, key: Option<&str>) -> Result<Permit, Full> {
+    pub(crate) fn try_acquire(self: &Arc<Self>, key: Option<&str>) -> Result<Permit, Saturated> {
         let mut counts = self.lock();
         counts.fits(self, key)?;
         counts.take(key);
@@ -173,8 +175,11 @@ impl Limiter {
 
     /// Acquires at once, or (if waiting is configured) waits in a bounded
     /// first-come-first-served queue for at most the configured time.
-    pub(crate) async fn acquire(self: Arc<Self>, key: Option<Box<str>>) -> Result<Permit, Full> {
-        let Some((max_waiters, max_wait)) = self.waiting else {
+    pub(crate) async fn acquire(
+        self: Arc<Self>,
+        key: Option<Box<str>>,
+    ) -> Result<Permit, Saturated> {
+        let Some((max_waiters, max_wait)) = self.limits.waiting else {
             return self
                 .try_acquire(key.as_deref())
                 .map_err(|full| self.refused(full));
@@ -192,7 +197,7 @@ impl Limiter {
             };
             if counts.queue.len() >= max_waiters {
                 drop(counts);
-                return Err(self.refused(Full::Queue));
+                return Err(self.refused(Saturated::Queue));
             }
             let (grant, granted) = oneshot::channel();
             let id = counts.next_waiter;
@@ -217,17 +222,17 @@ impl Limiter {
         }
     }
 
-    pub(crate) fn refused(&self, full: Full) -> Full {
+    pub(crate) fn refused(&self, full: Saturated) -> Saturated {
         let counter = match full {
-            Full::PerKey => &self.refused_per_key,
-            Full::Global | Full::Queue => &self.refused_global,
+            Saturated::PerKey => &self.refused_per_key,
+            Saturated::Global | Saturated::Queue => &self.refused_global,
         };
         counter.fetch_add(1, Ordering::Relaxed);
         #[cfg(feature = "metrics")]
         metrics::counter!(
             "tollgate_concurrency_refused_total",
-            "layer" => self.name.to_string(),
-            "scope" => match full { Full::PerKey => "per_key", Full::Global => "global", Full::Queue => "queue" }
+            "layer" => self.limits.name.to_string(),
+            "scope" => match full { Saturated::PerKey => "per_key", Saturated::Global => "global", Saturated::Queue => "queue" }
         )
         .increment(1);
         full
@@ -237,9 +242,9 @@ impl Limiter {
         #[cfg(feature = "metrics")]
         {
             let stats = self.stats();
-            metrics::gauge!("tollgate_in_flight", "layer" => self.name.to_string())
+            metrics::gauge!("tollgate_in_flight", "layer" => self.limits.name.to_string())
                 .set(stats.in_flight as f64);
-            metrics::gauge!("tollgate_waiting", "layer" => self.name.to_string())
+            metrics::gauge!("tollgate_waiting", "layer" => self.limits.name.to_string())
                 .set(stats.waiting as f64);
         }
     }
@@ -279,12 +284,12 @@ mod tests {
     use super::*;
 
     fn limiter(global: usize, waiting: usize) -> Arc<Limiter> {
-        Arc::new(Limiter::new(
-            "fifo".into(),
-            Some(global),
-            Some(1),
-            Some((waiting, Duration::from_secs(60))),
-        ))
+        Arc::new(Limiter::new(Limits {
+            name: "fifo".into(),
+            global_max: Some(global),
+            per_key_max: Some(1),
+            waiting: Some((waiting, Duration::from_secs(60))),
+        }))
     }
 
     /// Audit finding 7: a freed slot woke every waiter and could be taken
@@ -312,7 +317,7 @@ mod tests {
         }
         drop(held);
         // The slot went to the first waiter: a newcomer finds none free.
-        assert_eq!(l.try_acquire(None).err(), Some(Full::Global));
+        assert_eq!(l.try_acquire(None).err(), Some(Saturated::Global));
         for t in tasks {
             t.await.unwrap();
         }
@@ -336,7 +341,7 @@ mod tests {
         }
         let b = l.try_acquire(Some("b")).unwrap();
         drop(a);
-        assert_eq!(l.try_acquire(Some("a")).err(), Some(Full::PerKey));
+        assert_eq!(l.try_acquire(Some("a")).err(), Some(Saturated::PerKey));
         waiting.await.unwrap().unwrap();
         drop(b);
         assert_eq!(l.stats().in_flight, 0);

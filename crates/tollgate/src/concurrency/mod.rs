@@ -50,6 +50,6 @@ mod service;
 pub use body::PermitBody;
 pub use future::ResponseFuture;
 pub use in_flight::InFlight;
-pub use layer::{ConcurrencyLimitLayer, InvalidLimitName};
+pub use layer::ConcurrencyLimitLayer;
 pub use limiter::ConcurrencyStats;
 pub use service::ConcurrencyLimit;

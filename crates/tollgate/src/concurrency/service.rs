@@ -7,7 +7,7 @@ use tower_service::Service;
 
 use super::ResponseFuture;
 use super::layer::Config;
-use super::limiter::Full;
+use super::limiter::Saturated;
 use crate::identity::RequestIdentity;
 use crate::response::{Answer, FieldWriter, Limit, Protocol, Refusal};
 use tollgate_core::Unit;
@@ -32,7 +32,7 @@ impl<S: fmt::Debug> fmt::Debug for ConcurrencyLimit<S> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("ConcurrencyLimit")
             .field("inner", &self.inner)
-            .field("limit", &self.config.limiter.name)
+            .field("limit", &self.config.limiter.limits.name)
             .finish_non_exhaustive()
     }
 }
@@ -59,10 +59,10 @@ impl<S> ConcurrencyLimit<S> {
 }
 
 /// The refusal for a full limit.
-pub(crate) fn refusal(config: &Config, full: Full) -> Answer {
-    let l = &config.limiter;
+pub(crate) fn refusal(config: &Config, full: Saturated) -> Answer {
+    let l = &config.limiter.limits;
     match full {
-        Full::PerKey => {
+        Saturated::PerKey => {
             let max = l.per_key_max.unwrap_or(0);
             let mut answer = Answer::new(
                 Refusal::TooManyInFlight,
@@ -84,7 +84,7 @@ pub(crate) fn refusal(config: &Config, full: Full) -> Answer {
             answer.fields = fields.finish().map(Box::new);
             answer
         }
-        Full::Global | Full::Queue => {
+        Saturated::Global | Saturated::Queue => {
             let mut answer = Answer::new(
                 Refusal::Overloaded,
                 "the service is at capacity; try again later",
@@ -115,12 +115,17 @@ where
         let config = &self.config;
         let (parts, body) = req.into_parts();
         let protocol = Protocol::of(&parts.headers);
-        let key: Option<Box<str>> = if config.limiter.per_key_max.is_some() {
+        let key: Option<Box<str>> = if config.limiter.limits.per_key_max.is_some() {
             let mut who = RequestIdentity::new(&parts, &config.resolver);
-            match who.key(&config.limiter.name, &config.key, config.missing, None) {
+            match who.key(
+                &config.limiter.limits.name,
+                &config.key,
+                config.missing,
+                None,
+            ) {
                 Ok(key) => key.map(|k| k.as_str().into()),
                 Err(error) => {
-                    let answer = Answer::for_key(error, &config.limiter.name);
+                    let answer = Answer::for_key(error, &config.limiter.limits.name);
                     return ResponseFuture::refused(answer.into_response(protocol));
                 }
             }
@@ -130,7 +135,7 @@ where
         let req = Request::from_parts(parts, body);
         match config.limiter.try_acquire(key.as_deref()) {
             Ok(permit) => ResponseFuture::calling(inner, req, permit),
-            Err(_) if config.limiter.waiting.is_some() => {
+            Err(_) if config.limiter.limits.waiting.is_some() => {
                 let waiting = Box::pin(config.limiter.clone().acquire(key));
                 ResponseFuture::waiting(waiting, inner, req, config.clone(), protocol)
             }

@@ -12,11 +12,12 @@ use super::pipeline::Fields;
 use crate::ResponseBody;
 use crate::response::{Answer, Protocol, RATELIMIT, RATELIMIT_POLICY, polled_after_completion};
 
-type Decision = Pin<Box<dyn Future<Output = Result<Fields, Answer>> + Send>>;
+/// The pipeline's answer, once the store has decided.
+type PendingAnswer = Pin<Box<dyn Future<Output = Result<Fields, Answer>> + Send>>;
 
 /// The store's pending decision, with what to do once it is known.
 struct Deciding<S, ReqB> {
-    decision: Decision,
+    decision: PendingAnswer,
     // The inner service and request, taken when the store admits.
     pending: Option<(S, Request<ReqB>)>,
     protocol: Protocol,
@@ -62,7 +63,7 @@ where
     S: Service<Request<ReqB>>,
 {
     pub(crate) fn deciding(
-        decision: Decision,
+        decision: PendingAnswer,
         inner: S,
         req: Request<ReqB>,
         protocol: Protocol,
@@ -93,6 +94,22 @@ where
                 response: Some(response),
             },
         }
+    }
+}
+
+impl<S, ReqB> std::fmt::Debug for ResponseFuture<S, ReqB>
+where
+    S: Service<Request<ReqB>>,
+{
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let state = match &self.state {
+            State::Deciding { .. } => "deciding",
+            State::Calling { .. } => "calling",
+            State::Refused { .. } => "refused",
+        };
+        f.debug_struct("ResponseFuture")
+            .field("state", &state)
+            .finish_non_exhaustive()
     }
 }
 

@@ -32,6 +32,20 @@ impl fmt::Debug for OnStoreError {
     }
 }
 
+/// A copy starts with nothing reported: it may be a different layer.
+impl<St> Clone for Config<St> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            rules: self.rules.clone(),
+            resolver: self.resolver.clone(),
+            on_store_error: self.on_store_error.clone(),
+            headers_on_admitted: self.headers_on_admitted,
+            reported_no_matched_path: AtomicBool::new(false),
+        }
+    }
+}
+
 pub(crate) struct Config<St> {
     pub(crate) store: Arc<St>,
     pub(crate) rules: Vec<Rule>,
@@ -94,23 +108,10 @@ impl<St: Store> RateLimitLayer<St> {
         }
     }
 
+    /// Copy-on-change, as [`ConcurrencyLimitLayer`](crate::ConcurrencyLimitLayer)'s
+    /// builders: services already made keep their configuration.
     fn edit(mut self, f: impl FnOnce(&mut Config<St>)) -> Self {
-        match Arc::get_mut(&mut self.config) {
-            Some(config) => f(config),
-            None => {
-                let old = &*self.config;
-                let mut config = Config {
-                    store: old.store.clone(),
-                    rules: old.rules.clone(),
-                    resolver: old.resolver.clone(),
-                    on_store_error: old.on_store_error.clone(),
-                    headers_on_admitted: old.headers_on_admitted,
-                    reported_no_matched_path: AtomicBool::new(false),
-                };
-                f(&mut config);
-                self.config = Arc::new(config);
-            }
-        }
+        f(Arc::make_mut(&mut self.config));
         self
     }
 
