@@ -141,7 +141,9 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// The time limit for each decision, connection included (default 200 ms).
+    /// The time limit for each decision, connection included (default
+    /// 200 ms), also when its keys span slots: refunds still owed when it
+    /// runs out are sent in the background.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -149,6 +151,14 @@ impl RedisStoreBuilder {
 
     /// Remembers up to `max_keys` denials locally until the time Redis said
     /// the cost would fit, refusing repeats without a round trip.
+    ///
+    /// It relies on credit only growing with time between charges. A store
+    /// that charges slot by slot (a cluster, or [`split_by_slot`]) refunds
+    /// earlier slots when a later one refuses, so a refusal it sees may be
+    /// undone a moment later: such a store remembers no refusal. Every
+    /// store sharing keys should run in the same mode.
+    ///
+    /// [`split_by_slot`]: RedisStoreBuilder::split_by_slot
     pub fn over_limit_cache(mut self, max_keys: usize) -> Self {
         self.cache = Some(max_keys);
         self
@@ -303,7 +313,13 @@ impl RedisStore {
             .unwrap_or_default()
     }
 
-    async fn invoke(&self, prepared: &Prepared, mode: Mode) -> Result<Vec<i64>, StoreError> {
+    /// Runs the script for `prepared` in `mode`, answering by `deadline`.
+    async fn invoke(
+        &self,
+        prepared: &Prepared,
+        mode: Mode,
+        deadline: tokio::time::Instant,
+    ) -> Result<Vec<i64>, StoreError> {
         let inner = &*self.inner;
         let now = match &inner.time {
             TimeSource::Server => None,
@@ -322,15 +338,27 @@ impl RedisStore {
                         .get_or_try_init(|| cluster.client.get_async_connection())
                         .await?;
                     let mut attempt = 0;
+                    let mut result = invocation.invoke_async::<Vec<i64>>(&mut c.clone()).await;
                     loop {
-                        let mut c = c.clone();
-                        match invocation.invoke_async::<Vec<i64>>(&mut c).await {
-                            // Refused before running (the slot moved, the
-                            // cluster is re-forming): safe to send again
-                            // once redis-rs has refreshed its slot map.
+                        match result {
                             Err(e) if attempt < 3 && not_run(&e) => {
                                 attempt += 1;
-                                tokio::time::sleep(Duration::from_millis(10 << attempt)).await;
+                                result = match e.kind() {
+                                    // The key has moved to the node importing
+                                    // its slot: ask that node directly.
+                                    redis::ErrorKind::Server(redis::ServerErrorKind::Ask) => {
+                                        ask(&mut c.clone(), &e, prepared, now, mode).await
+                                    }
+                                    // Refused before running (the slot moved,
+                                    // the cluster is re-forming): safe to
+                                    // send again once redis-rs has refreshed
+                                    // its slot map.
+                                    _ => {
+                                        tokio::time::sleep(Duration::from_millis(10 << attempt))
+                                            .await;
+                                        invocation.invoke_async::<Vec<i64>>(&mut c.clone()).await
+                                    }
+                                };
                             }
                             result => break result,
                         }
@@ -338,7 +366,7 @@ impl RedisStore {
                 }
             }
         };
-        match tokio::time::timeout(inner.timeout, call).await {
+        match tokio::time::timeout_at(deadline, call).await {
             Ok(Ok(reply)) if reply.len() == script::REPLY * prepared.len() => Ok(reply),
             Ok(Ok(reply)) => Err(StoreError::new(
                 StoreErrorKind::Protocol,
@@ -393,6 +421,9 @@ impl RedisStore {
             (Some(outcome), _) => return Ok(outcome),
             (None, keys) => keys,
         };
+        // One time limit for the whole decision, however many slot groups
+        // it takes (and refunds and reads after a refusal).
+        let deadline = tokio::time::Instant::now() + self.inner.timeout;
         let groups = if self.inner.split {
             script::slot_groups(&keys)
         } else {
@@ -411,10 +442,10 @@ impl RedisStore {
         let mut groups = groups.into_iter().zip(prepared);
         while let Some((group, prepared)) = groups.next() {
             let sent = Instant::now();
-            let reply = match self.invoke(&prepared, Mode::Charge).await {
+            let reply = match self.invoke(&prepared, Mode::Charge, deadline).await {
                 Ok(reply) => reply,
                 Err(e) => {
-                    self.refund(admitted).await;
+                    self.refund(admitted, deadline).await;
                     return Err(e);
                 }
             };
@@ -427,7 +458,10 @@ impl RedisStore {
                 // what Redis would answer for the charge alone, so only a
                 // key's first charge is remembered.
                 let first = !keys[..i].contains(&keys[i]);
-                if let (Some(cache), true) = (&self.inner.cache, first) {
+                // With slots charged one by one, another call's charge may be
+                // refunded a moment after this refusal saw it: a refusal is
+                // then not a lasting fact, and is not remembered.
+                if let (Some(cache), true, false) = (&self.inner.cache, first, self.inner.split) {
                     cache.remember(&keys[i], charges[i].cost(), sent, d);
                 }
                 all &= d.is_admitted();
@@ -437,11 +471,11 @@ impl RedisStore {
             if all {
                 admitted.push((prepared, reply));
             } else {
-                self.refund(admitted).await;
+                self.refund(admitted, deadline).await;
                 // The slots not charged yet are read without writing, so
                 // that every limit is described as in a single script.
                 for (group, prepared) in groups {
-                    let Ok(reply) = self.invoke(&prepared, Mode::Peek).await else {
+                    let Ok(reply) = self.invoke(&prepared, Mode::Peek, deadline).await else {
                         continue;
                     };
                     for (slot, &i) in group.iter().enumerate() {
@@ -463,15 +497,64 @@ impl RedisStore {
     }
 
     /// Gives back admissions of earlier slot groups after a later refusal.
-    async fn refund(&self, admitted: Vec<(Prepared, Vec<i64>)>) {
-        for (prepared, reply) in admitted {
-            let refund = prepared.with_windows(&reply);
-            if let Err(e) = self.invoke(&refund, Mode::Refund).await {
-                // The budget stays spent: conservative, never over-admits.
-                tracing::warn!(error = %e, "refund after a cross-slot refusal failed");
+    /// Refunds not started by `deadline` are sent in the background, so
+    /// that the decision keeps its time limit; one that times out is not
+    /// sent again (it may have been applied: a second would mint credit).
+    async fn refund(&self, admitted: Vec<(Prepared, Vec<i64>)>, deadline: tokio::time::Instant) {
+        let mut pending = admitted.into_iter();
+        for (prepared, reply) in pending.by_ref() {
+            if tokio::time::Instant::now() >= deadline {
+                let rest: Vec<_> = std::iter::once((prepared, reply)).chain(pending).collect();
+                let store = self.clone();
+                tokio::spawn(async move {
+                    for (prepared, reply) in rest {
+                        let late = tokio::time::Instant::now() + store.inner.timeout;
+                        store.refund_one(prepared, &reply, late).await;
+                    }
+                });
+                return;
             }
+            self.refund_one(prepared, &reply, deadline).await;
         }
     }
+
+    async fn refund_one(&self, prepared: Prepared, reply: &[i64], deadline: tokio::time::Instant) {
+        let refund = prepared.with_windows(reply);
+        if let Err(e) = self.invoke(&refund, Mode::Refund, deadline).await {
+            // The budget stays spent: conservative, never over-admits.
+            tracing::warn!(error = %e, "refund after a cross-slot refusal failed");
+        }
+    }
+}
+
+/// Sends the script to the node an `ASK` redirection names, after
+/// `ASKING`, as the cluster protocol asks during a slot migration. The
+/// script travels whole (`EVAL`): the importing node may not have loaded it.
+async fn ask(
+    conn: &mut ClusterConnection,
+    redirect: &redis::RedisError,
+    prepared: &Prepared,
+    now: Option<Nanos>,
+    mode: Mode,
+) -> redis::RedisResult<Vec<i64>> {
+    let Some((host, port)) = redirect
+        .redirect_node()
+        .and_then(|(addr, _)| addr.rsplit_once(':'))
+        .and_then(|(host, port)| Some((host.to_owned(), port.parse().ok()?)))
+    else {
+        return Err(redis::RedisError::from((
+            redis::ErrorKind::Client,
+            "ASK redirection without a node address",
+        )));
+    };
+    let mut pipe = redis::pipe();
+    pipe.cmd("ASKING").ignore();
+    pipe.add_command(prepared.eval(now, mode));
+    let route = redis::cluster_routing::SingleNodeRoutingInfo::ByAddress { host, port };
+    let mut values = conn.route_pipeline(pipe, 1, 1, route).await?;
+    Ok(redis::from_redis_value(
+        values.pop().unwrap_or(redis::Value::Nil),
+    )?)
 }
 
 /// Whether Redis certainly did not run the command: it refused it for where
@@ -481,7 +564,9 @@ fn not_run(e: &redis::RedisError) -> bool {
     e.is_connection_refusal()
         || matches!(
             e.kind(),
-            redis::ErrorKind::Server(S::Moved | S::TryAgain | S::ClusterDown | S::MasterDown)
+            redis::ErrorKind::Server(
+                S::Moved | S::Ask | S::TryAgain | S::ClusterDown | S::MasterDown
+            )
         )
 }
 

@@ -191,6 +191,18 @@ impl Prepared {
         self
     }
 
+    /// The same call as [`Prepared::invocation`], as an `EVAL` that
+    /// carries the script itself.
+    pub(crate) fn eval(&self, now: Option<Nanos>, mode: Mode) -> redis::Cmd {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(include_str!("decide.lua")).arg(self.keys.len());
+        for k in &self.keys {
+            cmd.arg(k);
+        }
+        self.args(&mut cmd, now, mode);
+        cmd
+    }
+
     pub(crate) fn invocation<'s>(
         &self,
         script: &'s Script,
@@ -201,20 +213,32 @@ impl Prepared {
         for k in &self.keys {
             inv.key(k);
         }
+        let mut args = redis::Cmd::new();
+        self.args(&mut args, now, mode);
+        for arg in args.args_iter() {
+            if let redis::Arg::Simple(bytes) = arg {
+                inv.arg(bytes);
+            }
+        }
+        inv
+    }
+
+    /// The script's arguments: the time source, the epoch, the mode and
+    /// each charge packed.
+    fn args(&self, cmd: &mut redis::Cmd, now: Option<Nanos>, mode: Mode) {
         match now {
-            None => inv.arg("s").arg(0).arg(0),
-            Some(t) => inv.arg("i").arg(t / 1_000_000_000).arg(t % 1_000_000_000),
+            None => cmd.arg("s").arg(0).arg(0),
+            Some(t) => cmd.arg("i").arg(t / 1_000_000_000).arg(t % 1_000_000_000),
         };
-        inv.arg(EPOCH_UNIX_SECS);
-        inv.arg(match mode {
+        cmd.arg(EPOCH_UNIX_SECS);
+        cmd.arg(match mode {
             Mode::Charge => "charge",
             Mode::Peek => "peek",
             Mode::Refund => "refund",
         });
         for (p, w) in self.params.iter().zip(&self.windows) {
-            inv.arg(&packed(p, *w)[..]);
+            cmd.arg(&packed(p, *w)[..]);
         }
-        inv
     }
 }
 

@@ -110,6 +110,9 @@ struct CuttingProxy {
     target: Arc<std::sync::Mutex<Option<u16>>>,
     armed: Arc<std::sync::atomic::AtomicBool>,
     cuts: Arc<std::sync::atomic::AtomicUsize>,
+    /// Script calls still forwarded before the proxy swallows every later
+    /// one (no reply ever comes); `usize::MAX`: never.
+    stall_after: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 impl CuttingProxy {
@@ -121,7 +124,13 @@ impl CuttingProxy {
         let target = Arc::new(std::sync::Mutex::new(None::<u16>));
         let armed = Arc::new(AtomicBool::new(false));
         let cuts = Arc::new(AtomicUsize::new(0));
-        let (t, a, c) = (target.clone(), armed.clone(), cuts.clone());
+        let stall_after = Arc::new(AtomicUsize::new(usize::MAX));
+        let (t, a, c, st) = (
+            target.clone(),
+            armed.clone(),
+            cuts.clone(),
+            stall_after.clone(),
+        );
         tokio::spawn(async move {
             while let Ok((mut client, _)) = listener.accept().await {
                 let Some(to) = *t.lock().unwrap() else {
@@ -130,7 +139,7 @@ impl CuttingProxy {
                 let Ok(mut server) = tokio::net::TcpStream::connect(("127.0.0.1", to)).await else {
                     continue;
                 };
-                let (a, c) = (a.clone(), c.clone());
+                let (a, c, st) = (a.clone(), c.clone(), st.clone());
                 tokio::spawn(async move {
                     let (mut cr, mut cw) = client.split();
                     let (mut sr, mut sw) = server.split();
@@ -142,6 +151,17 @@ impl CuttingProxy {
                             n = cr.read(&mut up) => {
                                 let Ok(n @ 1..) = n else { return };
                                 let sent = &up[..n];
+                                let script = sent.windows(7).any(|w| w.eq_ignore_ascii_case(b"EVALSHA"));
+                                if script
+                                    && st
+                                        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| {
+                                            (left != usize::MAX).then(|| left.saturating_sub(1))
+                                        })
+                                        == Ok(0)
+                                {
+                                    // Swallowed: the client waits for ever.
+                                    continue;
+                                }
                                 if a.load(Ordering::SeqCst)
                                     && sent.windows(7).any(|w| w.eq_ignore_ascii_case(b"EVALSHA"))
                                     && a.swap(false, Ordering::SeqCst)
@@ -170,6 +190,7 @@ impl CuttingProxy {
             target,
             armed,
             cuts,
+            stall_after,
         }
     }
 }
@@ -286,4 +307,155 @@ async fn a_single_node_store_does_not_resend_a_lost_charge() {
     let state = server.get_bytes(&store.redis_key(&five)).unwrap().unwrap();
     let (level, ..) = tollgate_redis::testing::decode_state(&state).unwrap();
     assert_eq!(level, 5 * 3_600_000_000_000);
+}
+
+/// Found in review: a charge whose keys span slots was bounded per Redis
+/// call, not as a whole: with every later call stalled, a four-slot call
+/// took four timeouts. The whole decision now keeps one time limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_cross_slot_decision_keeps_one_time_limit() {
+    use std::sync::atomic::Ordering;
+    use std::time::Instant;
+    use tollgate_redis::testing::RedisServer;
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let proxy = CuttingProxy::start().await;
+    *proxy.target.lock().unwrap() = Some(server.port());
+    server
+        .query(&["SCRIPT", "LOAD", include_str!("../src/decide.lua")])
+        .unwrap();
+    let limit = Duration::from_millis(500);
+    let store = RedisStore::builder(&format!("redis://127.0.0.1:{}", proxy.port))
+        .unwrap()
+        .timeout(limit)
+        .split_by_slot(true)
+        .build()
+        .unwrap();
+    let policy = Policy::token_bucket("slots", 10, Rate::per_hour(1)).unwrap();
+    let charges: Vec<Charge> = ["a", "b", "c", "d"]
+        .iter()
+        .map(|k| Charge::new(Key::new("slots").with(*k), policy.clone(), 1).unwrap())
+        .collect();
+    assert!(store.charge(&charges[..1]).await.unwrap().is_admitted());
+    // The first slot group goes through; every later call stalls.
+    proxy.stall_after.store(1, Ordering::SeqCst);
+    let started = Instant::now();
+    let error = store.charge(&charges).await.unwrap_err();
+    let took = started.elapsed();
+    assert!(error.is_uncertain(), "{error}");
+    assert!(
+        took < 2 * limit,
+        "the decision took {took:?} with a limit of {limit:?}"
+    );
+}
+
+/// Found in review: with slots charged one by one, a refusal may have seen
+/// another call's charge a moment before its refund; the over-limit cache
+/// then refused for the whole wait what Redis admitted after the refund.
+/// A store that charges slot by slot does not remember refusals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slot_by_slot_store_remembers_no_refusal() {
+    use tollgate_redis::testing::RedisServer;
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&server.url())
+        .unwrap()
+        .split_by_slot(true)
+        .over_limit_cache(100)
+        .build()
+        .unwrap();
+    let policy = Policy::token_bucket("once", 1, Rate::per_hour(1)).unwrap();
+    let k = Charge::new(Key::new("once").with("k"), policy, 1).unwrap();
+    assert!(
+        store
+            .charge(std::slice::from_ref(&k))
+            .await
+            .unwrap()
+            .is_admitted()
+    );
+    assert!(
+        !store
+            .charge(std::slice::from_ref(&k))
+            .await
+            .unwrap()
+            .is_admitted()
+    );
+    assert_eq!(store.cache_stats().remembered, 0);
+}
+
+/// Found in review: without redis-rs's resends, an `ASK` redirection
+/// (a key already moved to the node importing its slot) was never
+/// followed, so every charge on such a key failed during a reshard. The
+/// store now asks the importing node itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_charge_on_a_migrating_key_follows_ask() {
+    let Some(cluster) = RedisCluster::start() else {
+        return;
+    };
+    let urls = cluster.urls();
+    let nodes: Vec<&str> = urls.iter().map(String::as_str).collect();
+    let store = RedisStore::cluster_builder(&nodes)
+        .unwrap()
+        .timeout(Duration::from_secs(3))
+        .build()
+        .unwrap();
+    let policy = Policy::token_bucket("moving", 3, Rate::per_hour(1)).unwrap();
+    let k = Charge::new(Key::new("moving").with("k"), policy, 1).unwrap();
+    assert!(
+        store
+            .charge(std::slice::from_ref(&k))
+            .await
+            .unwrap()
+            .is_admitted()
+    );
+    let key = store.redis_key(&k);
+    let slot = cluster.nodes()[0]
+        .query(&["CLUSTER", "KEYSLOT", &key])
+        .unwrap();
+    let owner = cluster
+        .nodes()
+        .iter()
+        .position(|n| n.get_bytes(&key).is_ok())
+        .expect("one node owns the key");
+    let target = (owner + 1) % 3;
+    let id = |i: usize| cluster.nodes()[i].query(&["CLUSTER", "MYID"]).unwrap();
+    let (owner_id, target_id) = (id(owner), id(target));
+    let target_port = cluster.nodes()[target].port().to_string();
+    cluster.nodes()[target]
+        .query(&["CLUSTER", "SETSLOT", &slot, "IMPORTING", &owner_id])
+        .unwrap();
+    cluster.nodes()[owner]
+        .query(&["CLUSTER", "SETSLOT", &slot, "MIGRATING", &target_id])
+        .unwrap();
+    cluster.nodes()[owner]
+        .query(&[
+            "MIGRATE",
+            "127.0.0.1",
+            &target_port,
+            "",
+            "0",
+            "5000",
+            "KEYS",
+            &key,
+        ])
+        .unwrap();
+    // Mid-migration: the owner answers ASK for the moved key.
+    let during = store.charge(std::slice::from_ref(&k)).await.unwrap();
+    assert!(during.is_admitted(), "{during:?}");
+    assert_eq!(during.limits()[0].remaining(), 1);
+    for node in cluster.nodes() {
+        node.query(&["CLUSTER", "SETSLOT", &slot, "NODE", &target_id])
+            .unwrap();
+    }
+    let after = store.charge(std::slice::from_ref(&k)).await.unwrap();
+    assert!(after.is_admitted());
+    assert!(
+        !store
+            .charge(std::slice::from_ref(&k))
+            .await
+            .unwrap()
+            .is_admitted()
+    );
 }

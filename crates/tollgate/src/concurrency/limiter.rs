@@ -195,9 +195,33 @@ impl Limiter {
                 }
                 Err(full) => full,
             };
+            // One key may not have more waiters than it may have in flight:
+            // its waiters cannot use a freed slot until one of its own is
+            // freed, and must not fill the queue that other clients share.
+            let waiting_for_key = |counts: &Counts| match (&key, self.limits.per_key_max) {
+                (Some(key), Some(max)) => {
+                    counts
+                        .queue
+                        .iter()
+                        .filter(|w| w.key.as_deref() == Some(&**key))
+                        .count()
+                        >= max
+                }
+                _ => false,
+            };
+            if full == Saturated::PerKey && waiting_for_key(&counts) {
+                drop(counts);
+                return Err(self.refused(Saturated::PerKey));
+            }
             if counts.queue.len() >= max_waiters {
                 drop(counts);
-                return Err(self.refused(Saturated::Queue));
+                // Refused for the limit it is over: its own key's (429) or
+                // the shared one (503).
+                let why = match full {
+                    Saturated::PerKey => Saturated::PerKey,
+                    _ => Saturated::Queue,
+                };
+                return Err(self.refused(why));
             }
             let (grant, granted) = oneshot::channel();
             let id = counts.next_waiter;
@@ -344,6 +368,41 @@ mod tests {
         assert_eq!(l.try_acquire(Some("a")).err(), Some(Saturated::PerKey));
         waiting.await.unwrap().unwrap();
         drop(b);
+        assert_eq!(l.stats().in_flight, 0);
+    }
+
+    /// Found in review: waiters over their key's limit could fill the
+    /// shared queue (a freed global slot is no use to them), and the next
+    /// request of that key was answered 503 "at capacity" instead of 429.
+    #[tokio::test(flavor = "current_thread")]
+    async fn one_key_cannot_fill_the_waiting_queue() {
+        let l = limiter(2, 2);
+        let a = l.try_acquire(Some("a")).unwrap();
+        let b = l.try_acquire(Some("b")).unwrap();
+        let a2 = tokio::spawn({
+            let l = l.clone();
+            async move { l.acquire(Some("a".into())).await.map(drop) }
+        });
+        while l.stats().waiting < 1 {
+            tokio::task::yield_now().await;
+        }
+        // A second waiter for "a" is refused for its own key at once.
+        assert_eq!(
+            l.clone().acquire(Some("a".into())).await.err(),
+            Some(Saturated::PerKey)
+        );
+        // Another client still finds room to wait, and gets b's slot.
+        let c = tokio::spawn({
+            let l = l.clone();
+            async move { l.acquire(Some("c".into())).await.map(drop) }
+        });
+        while l.stats().waiting < 2 {
+            tokio::task::yield_now().await;
+        }
+        drop(b);
+        c.await.unwrap().unwrap();
+        drop(a);
+        a2.await.unwrap().unwrap();
         assert_eq!(l.stats().in_flight, 0);
     }
 
