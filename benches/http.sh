@@ -15,8 +15,8 @@ CONNS=${CONNS:-32}
 if ! command -v wrk > /dev/null; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq wrk > /dev/null
 fi
-cargo build --quiet --release --example bench_server
-BIN="${CARGO_TARGET_DIR:-target}/release/examples/bench_server"
+cargo build --quiet --release -p tollgate-bench --bin bench_server
+BIN="${CARGO_TARGET_DIR:-target}/release/bench_server"
 TCK=$(getconf CLK_TCK)
 OUT=$(mktemp)
 PORT=38100

@@ -5,8 +5,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RUNS=${RUNS:-3}
-cargo build --quiet --release --example mem_probe
-BIN="${CARGO_TARGET_DIR:-target}/release/examples/mem_probe"
+cargo build --quiet --release -p tollgate-bench --bin mem_probe
+BIN="${CARGO_TARGET_DIR:-target}/release/mem_probe"
 OUT=$(mktemp)
 for n in 1000000 10000000; do
     for r in $(seq "$RUNS"); do

@@ -9,8 +9,8 @@ D=${SECONDS_PER_RUN:-5}
 if ! command -v redis-server > /dev/null || ! command -v redis-benchmark > /dev/null; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools > /dev/null
 fi
-cargo build --quiet --release --example redis_bench
-BENCH="${CARGO_TARGET_DIR:-target}/release/examples/redis_bench"
+cargo build --quiet --release -p tollgate-bench --bin redis_bench
+BENCH="${CARGO_TARGET_DIR:-target}/release/redis_bench"
 PORT=38200
 DIR=$(mktemp -d)
 taskset -c 0 redis-server --port $PORT --bind 127.0.0.1 --save '' --appendonly no --dir "$DIR" > /dev/null &

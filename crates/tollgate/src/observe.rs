@@ -11,8 +11,7 @@
 
 use tollgate_core::{Charge, Decision, Outcome, StoreError, Verdict};
 
-pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome) {
-    let verdict = outcome.verdict();
+pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome, verdict: Verdict) {
     for (charge, decision) in charges.iter().zip(outcome.limits()) {
         let name = charge.policy().name();
         match (verdict, decision) {

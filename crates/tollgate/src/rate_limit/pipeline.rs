@@ -208,8 +208,9 @@ fn conclude<St>(
     outcome: Outcome,
     refusal: Option<Answer>,
 ) -> Result<Fields, Answer> {
-    observe::outcome(charges, &outcome);
-    match outcome.verdict() {
+    let verdict = outcome.verdict();
+    observe::outcome(charges, &outcome, verdict);
+    match verdict {
         Verdict::Admitted => {
             let fields = if config.headers_on_admitted || refusal.is_some() {
                 ratelimit_fields(charges, &outcome)
@@ -218,7 +219,7 @@ fn conclude<St>(
             };
             admitted(fields, refusal)
         }
-        _ => Err(Answer::from_outcome(charges, &outcome)),
+        _ => Err(Answer::from_outcome(charges, &outcome, verdict)),
     }
 }
 

@@ -145,7 +145,7 @@ impl Answer {
 
     /// The answer to a denied outcome (or, defensively, a never-fitting
     /// one: the layer does not send those to the store).
-    pub(crate) fn from_outcome(charges: &[Charge], outcome: &Outcome) -> Self {
+    pub(crate) fn from_outcome(charges: &[Charge], outcome: &Outcome, verdict: Verdict) -> Self {
         let idx = outcome.most_restrictive().unwrap_or(0);
         let policy = charges.get(idx).map(|c| Limit::Policy(c.policy().clone()));
         let fields = ratelimit_fields(charges, outcome).map(Box::new);
@@ -155,7 +155,7 @@ impl Answer {
                 ..Self::never_fits(charge.policy(), *cost, StatusCode::BAD_REQUEST)
             },
             _ => {
-                let wait = match outcome.verdict() {
+                let wait = match verdict {
                     Verdict::Denied { retry_after } => retry_after,
                     _ => Duration::ZERO,
                 };

@@ -3,14 +3,13 @@
 //! that admits everything or refuses everything.
 //!
 //! ```text
-//! cargo run --release --example bench_server -- --mode tollgate --addr 127.0.0.1:8080 [--refuse]
+//! cargo run --release -p tollgate-bench --bin bench_server -- --mode tollgate --addr 127.0.0.1:8080 [--refuse]
 //! ```
 
 use std::net::SocketAddr;
 use std::process::ExitCode;
 
-#[path = "support/bench_app.rs"]
-mod bench_app;
+use tollgate_bench::bench_app;
 
 fn main() -> ExitCode {
     let mut mode = String::from("bare");

@@ -5,7 +5,7 @@
 //! million prepared keys do not fit criterion's sampling in one run.
 //!
 //! ```text
-//! cargo run --release --example scaling -- [--keys 1000,100000,1000000,10000000] [--passes 5]
+//! cargo run --release -p tollgate-bench --bin scaling -- [--keys 1000,100000,1000000,10000000] [--passes 5]
 //! ```
 //!
 //! Two tollgate columns. "prepared": as in `benches/decision.rs`, tollgate

@@ -2,7 +2,7 @@
 //! tasks share one RedisStore (one multiplexed connection) for S seconds.
 //!
 //! ```text
-//! cargo run --release --example redis_bench -- --redis redis://127.0.0.1:6379 \
+//! cargo run --release -p tollgate-bench --bin redis_bench -- --redis redis://127.0.0.1:6379 \
 //!     --concurrency 32 --seconds 5 --mode allow|deny [--cache]
 //! ```
 //!

@@ -2,9 +2,9 @@
 //! harness, not the network) against a MemoryStore with a key cap.
 //!
 //! ```text
-//! cargo run --release --example flood -- 10000000 1000000 refuse
-//! cargo run --release --example flood -- 10000000 1000000 evict
-//! cargo run --release --example flood -- 10000000 redis://127.0.0.1:6379
+//! cargo run --release -p tollgate-bench --bin flood -- 10000000 1000000 refuse
+//! cargo run --release -p tollgate-bench --bin flood -- 10000000 1000000 evict
+//! cargo run --release -p tollgate-bench --bin flood -- 10000000 redis://127.0.0.1:6379
 //! ```
 //!
 //! With a Redis URL instead of a cap, the flood goes through a RedisStore

@@ -7,11 +7,11 @@
 //! first request.
 //!
 //! ```text
-//! cargo build --release --example profile_layer
-//! valgrind --tool=callgrind target/release/examples/profile_layer bare
-//! valgrind --tool=callgrind target/release/examples/profile_layer tollgate
-//! valgrind --tool=callgrind target/release/examples/profile_layer governor
-//! valgrind --tool=callgrind target/release/examples/profile_layer tollgate refuse
+//! cargo build --release -p tollgate-bench --bin profile_layer
+//! valgrind --tool=callgrind target/release/profile_layer bare
+//! valgrind --tool=callgrind target/release/profile_layer tollgate
+//! valgrind --tool=callgrind target/release/profile_layer governor
+//! valgrind --tool=callgrind target/release/profile_layer tollgate refuse
 //! ```
 
 use std::net::SocketAddr;
@@ -22,8 +22,7 @@ use axum::extract::ConnectInfo;
 use http::Request;
 use tower::ServiceExt;
 
-#[path = "support/bench_app.rs"]
-mod bench_app;
+use tollgate_bench::bench_app;
 
 const REQUESTS: u32 = 100_000;
 

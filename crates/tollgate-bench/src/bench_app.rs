@@ -11,7 +11,7 @@ use tower_governor::GovernorLayer;
 use tower_governor::governor::GovernorConfigBuilder;
 
 /// The app for `mode` (`bare`, `tollgate` or `governor`), or why not.
-pub(crate) fn app(mode: &str, refuse: bool) -> Result<Router, String> {
+pub fn app(mode: &str, refuse: bool) -> Result<Router, String> {
     let hello = Router::new().route("/", get(|| async { "hello" }));
     match mode {
         "bare" => Ok(hello),

@@ -2,8 +2,8 @@
 //! N client addresses, in this fresh process.
 //!
 //! ```text
-//! cargo run --release --example mem_probe -- tollgate 1000000
-//! cargo run --release --example mem_probe -- governor 1000000
+//! cargo run --release -p tollgate-bench --bin mem_probe -- tollgate 1000000
+//! cargo run --release -p tollgate-bench --bin mem_probe -- governor 1000000
 //! ```
 //!
 //! Prints `impl keys bytes_per_key rss_idle_delta_bytes`. For tollgate the

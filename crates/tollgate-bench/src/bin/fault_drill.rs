@@ -6,7 +6,7 @@
 //! more than the budget was ever admitted (errors admit nothing: fail closed).
 //!
 //! ```text
-//! cargo run --release --example fault_drill
+//! cargo run --release -p tollgate-bench --bin fault_drill
 //! ```
 
 use std::process::ExitCode;

@@ -4,9 +4,9 @@
 //! through governor's keyed limiter, so the two can be profiled alike.
 //!
 //! ```text
-//! cargo build --release --example profile_hot_key
-//! valgrind --tool=callgrind target/release/examples/profile_hot_key
-//! valgrind --tool=callgrind target/release/examples/profile_hot_key governor
+//! cargo build --release -p tollgate-bench --bin profile_hot_key
+//! valgrind --tool=callgrind target/release/profile_hot_key
+//! valgrind --tool=callgrind target/release/profile_hot_key governor
 //! ```
 
 use std::hint::black_box;
