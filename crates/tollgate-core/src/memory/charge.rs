@@ -9,7 +9,7 @@ use crate::algorithm::{self, State, Step};
 use crate::{Charge, Decision, Nanos, Outcome, Policy, StoreError};
 
 impl MemoryStore {
-    /// Charges `charges` all-or-nothing, synchronously. [`Store::charge`]
+    /// Charges `charges` all-or-nothing, synchronously. [`Store::charge`](crate::Store::charge)
     /// calls this; it never blocks on anything but the shard locks.
     pub fn charge_now(&self, charges: &[Charge]) -> Result<Outcome, StoreError> {
         let inner = &*self.inner;

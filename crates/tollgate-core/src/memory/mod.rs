@@ -43,7 +43,7 @@ use shard::Shard;
 /// a charge needs a new key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum OnKeyCap {
-    /// Refuse: the charge fails with [`StoreErrorKind::CapacityExhausted`]
+    /// Refuse: the charge fails with [`StoreErrorKind::CapacityExhausted`](crate::StoreErrorKind::CapacityExhausted)
     /// (counted), so the layer applies its store-failure outcome. Keys already
     /// tracked are unaffected. Never creates extra allowance (default).
     #[default]

@@ -16,6 +16,8 @@
 //! [`MAX_LINE_BYTES`] bytes of each line, and [`MAX_ENTRIES`] entries in
 //! all are looked at; what lies beyond a limit is one [`Node::Invalid`], so
 //! a walk can never run past it.
+//!
+//! Public only for the fuzz targets (feature `fuzzing`); not a stable API.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 

@@ -8,8 +8,6 @@
 //! forwarded address is believed only from a configured trusted proxy.
 
 mod client_ip;
-/// The forwarding-header parsers, public only for the fuzz targets (feature
-/// `fuzzing`); not a stable API.
 #[cfg(feature = "fuzzing")]
 pub mod forwarded;
 #[cfg(not(feature = "fuzzing"))]
