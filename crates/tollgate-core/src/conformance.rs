@@ -132,7 +132,7 @@ pub fn cases() -> Vec<Case> {
     let a = [("k", 0, 1)];
     vec![
         Case {
-            // The field notes' bucket_check.py trace, with exact waits.
+            // A bucket of 3 refilling 2 per second: a burst, then exact waits.
             name: "seed-bucket",
             policies: vec![seed.clone()],
             steps: vec![

@@ -1,4 +1,18 @@
 //! Charges and decisions: what is asked of a budget and what it answered.
+//!
+//! Three types answer at three levels, and each has one job:
+//!
+//! | type | answers | who reads it |
+//! |---|---|---|
+//! | [`Decision`] | one policy, for one charge: admitted (units left, time to full), denied (exact wait), never fits, or not evaluated | the `RateLimit` fields, which describe every limit |
+//! | [`Outcome`] | one all-or-nothing call to a store: a [`Decision`] per charge, in charge order | the caller that made the call |
+//! | [`Verdict`] | the outcome as one word: admitted, denied (the longest refusing wait) or never fits | the code that admits or refuses the request |
+//!
+//! A store returns an [`Outcome`]; [`Outcome::verdict`] derives the
+//! [`Verdict`] from it, so the two can never disagree. Nothing in a
+//! [`Decision`] says whether the *call* was admitted: in a refused
+//! multi-charge, an `Admitted` decision describes a budget that fitted but
+//! was not spent.
 
 use std::fmt;
 use std::time::Duration;

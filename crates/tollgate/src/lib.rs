@@ -13,8 +13,87 @@
 //! - The budget arithmetic, keys and stores come from [`tollgate_core`],
 //!   re-exported here.
 //!
-//! See the [`rate_limit`] module for the full table of answers and an axum
-//! example.
+//! # Example: an axum API
+//!
+//! An authentication middleware verifies the caller and inserts a
+//! [`Principal`]; the limiter never reads a credential itself. Every
+//! request is charged to its client address, and `POST /export` also to
+//! the account, per operation. The server is served with connect info so
+//! the layer sees the peer address.
+//!
+//! ```no_run
+//! use std::net::SocketAddr;
+//!
+//! use axum::{
+//!     Router,
+//!     extract::Request,
+//!     http::StatusCode,
+//!     middleware::{self, Next},
+//!     response::Response,
+//!     routing::{get, post},
+//! };
+//! use tollgate::{MemoryStore, Policy, Principal, Rate, RateLimitLayer, Rule};
+//!
+//! /// Your authentication: verify the bearer key, then say who the caller is.
+//! async fn authenticate(mut req: Request, next: Next) -> Result<Response, StatusCode> {
+//!     let bearer = req
+//!         .headers()
+//!         .get("authorization")
+//!         .and_then(|v| v.to_str().ok())
+//!         .and_then(|v| v.strip_prefix("Bearer "));
+//!     match bearer {
+//!         // Look the key up in your own store; never use the secret as an id.
+//!         Some("demo-key") => {
+//!             let who = Principal::new("north", "alice").with_credential("key-1");
+//!             req.extensions_mut().insert(who);
+//!             Ok(next.run(req).await)
+//!         }
+//!         _ => Err(StatusCode::UNAUTHORIZED),
+//!     }
+//! }
+//!
+//! #[tokio::main(flavor = "current_thread")]
+//! async fn main() -> std::io::Result<()> {
+//!     let per_ip = Policy::token_bucket("per-ip", 20, Rate::per_second(10)).unwrap();
+//!     let export = Policy::token_bucket("export", 3, Rate::per_minute(6)).unwrap();
+//!
+//!     // Address rules go outside authentication, so a `401` for a guessed
+//!     // key still spends from the guesser's address.
+//!     let by_address = RateLimitLayer::new(MemoryStore::new()).rule(Rule::per_client_ip(per_ip));
+//!     let by_account = RateLimitLayer::new(MemoryStore::new())
+//!         .rule(Rule::per_account_operation(export).on_route("/export"));
+//!
+//!     let app = Router::new()
+//!         .route("/", get(|| async { "hello" }))
+//!         .route("/export", post(|| async { "exported" }))
+//!         .layer(by_account)
+//!         .layer(middleware::from_fn(authenticate))
+//!         .layer(by_address);
+//!
+//!     let listener = tokio::net::TcpListener::bind("127.0.0.1:3000").await?;
+//!     axum::serve(
+//!         listener,
+//!         app.into_make_service_with_connect_info::<SocketAddr>(),
+//!     )
+//!     .await
+//! }
+//! ```
+//!
+//! Behind a reverse proxy, add
+//! `.client_ip(ClientIpResolver::trusting([..])?)` with the proxy's
+//! networks (see [`ClientIpResolver`]); without it, forwarding headers are
+//! ignored and the connected peer is the client.
+//!
+//! # Where things are
+//!
+//! | module | job |
+//! |---|---|
+//! | [`rate_limit`] | [`RateLimitLayer`], [`Rule`], [`Cost`]: the table of answers, the order they are given in, when a charge is made |
+//! | [`identity`] | who is asking: [`Principal`], [`ClientIpResolver`] (the trusted-proxy walk), [`Operation`], [`KeyPart`] |
+//! | [`concurrency`] | [`ConcurrencyLimitLayer`] and the [`concurrency::InFlight`] handle |
+//! | [`client`] | `Retry-After` parsing and a retry policy for callers (feature `client`) |
+//! | [`core`] | [`tollgate_core`]: policies, keys, charges, [`Decision`] / [`Outcome`] / [`Verdict`], [`MemoryStore`], the [`Store`] trait |
+//! | `redis` | the Redis store for fleets (feature `redis`) |
 //!
 //! # Features
 //!

@@ -229,7 +229,7 @@ enum Mode {
 ///   writes to the left of a trusted hop's entry can therefore never
 ///   change the address that hop reported, and a caller can never choose
 ///   its key by sending junk.
-/// - [`ClientIpResolver::single_proxy`]: the field notes' strict contract —
+/// - [`ClientIpResolver::single_proxy`]: the strictest contract —
 ///   one trusted proxy that overwrites one header with exactly one address;
 ///   anything else from it is an error ([`ClientIpError::NotSingleAddress`]).
 ///
