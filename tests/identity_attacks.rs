@@ -101,6 +101,7 @@ async fn raw_bytes_left_of_a_trusted_entry_are_not_read_as_the_line() {
 async fn credential_guessing_is_limited_by_the_address_budget() {
     let q = quickstart(&[]);
     let mut statuses = Vec::new();
+    let started = std::time::Instant::now();
     for i in 0..1000 {
         let key = format!("Bearer guess-{i}");
         let r = send(
@@ -114,16 +115,23 @@ async fn credential_guessing_is_limited_by_the_address_budget() {
         .await;
         statuses.push(r.status);
     }
-    // Five guesses fit the address budget of 5; the rest are refused for it.
+    // The address budget is 5, refilling 1 per second: five guesses are
+    // answered, then one more per second that the run took (a busy
+    // machine takes longer); every other guess is refused for lack of it.
+    let seconds = started.elapsed().as_secs() + 1;
+    let answered = statuses
+        .iter()
+        .filter(|s| **s == StatusCode::UNAUTHORIZED)
+        .count() as u64;
     assert!(statuses[..5].iter().all(|s| *s == StatusCode::UNAUTHORIZED));
     assert!(
-        statuses[5..]
-            .iter()
-            .all(|s| *s == StatusCode::TOO_MANY_REQUESTS)
+        (5..=5 + seconds).contains(&answered),
+        "{answered} guesses answered in {seconds} s"
     );
-    assert_eq!(
-        get_root(q.addr, "127.0.12.1", &[]).await.status,
-        StatusCode::TOO_MANY_REQUESTS
+    assert!(
+        statuses
+            .iter()
+            .all(|s| *s == StatusCode::UNAUTHORIZED || *s == StatusCode::TOO_MANY_REQUESTS)
     );
 }
 

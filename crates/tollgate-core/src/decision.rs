@@ -188,6 +188,30 @@ impl Outcome {
         }
     }
 
+    /// The answer every store gives a call in which some charge can never
+    /// fit ([`Charge::can_fit`]): those charges are [`Decision::NeverFits`],
+    /// the others [`Decision::Unevaluated`], and nothing is read or
+    /// written. `None` when every charge can fit.
+    pub fn never_fits(charges: &[Charge]) -> Option<Self> {
+        if charges.iter().all(Charge::can_fit) {
+            return None;
+        }
+        let limits = charges
+            .iter()
+            .map(|c| {
+                if c.can_fit() {
+                    Decision::Unevaluated
+                } else {
+                    Decision::NeverFits {
+                        cost: c.cost(),
+                        capacity: c.policy().capacity(),
+                    }
+                }
+            })
+            .collect();
+        Some(Self::new(limits))
+    }
+
     /// Per-charge decisions, in the order the charges were given.
     pub fn limits(&self) -> &[Decision] {
         match &self.limits {

@@ -391,21 +391,8 @@ impl RedisStore {
     /// can never fit (nothing is read or written), or a refusal the
     /// over-limit cache still holds. Also gives back the Redis keys.
     fn local_answer(&self, charges: &[Charge]) -> (Option<Outcome>, Vec<String>) {
-        if charges.iter().any(|c| !c.can_fit()) {
-            let decisions = charges
-                .iter()
-                .map(|c| {
-                    if c.can_fit() {
-                        Decision::Unevaluated
-                    } else {
-                        Decision::NeverFits {
-                            cost: c.cost(),
-                            capacity: c.policy().capacity(),
-                        }
-                    }
-                })
-                .collect();
-            return (Some(Outcome::new(decisions)), Vec::new());
+        if let Some(outcome) = Outcome::never_fits(charges) {
+            return (Some(outcome), Vec::new());
         }
         let keys: Vec<String> = charges.iter().map(|c| self.redis_key(c)).collect();
         let cached = self

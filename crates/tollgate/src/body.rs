@@ -86,3 +86,11 @@ where
         }
     }
 }
+
+/// The `Debug` form of both layers' response futures: the state they are
+/// in, nothing of the services they hold.
+pub(crate) fn debug_future(f: &mut std::fmt::Formatter<'_>, state: &str) -> std::fmt::Result {
+    f.debug_struct("ResponseFuture")
+        .field("state", &state)
+        .finish_non_exhaustive()
+}

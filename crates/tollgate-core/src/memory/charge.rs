@@ -14,8 +14,8 @@ impl MemoryStore {
     pub fn charge_now(&self, charges: &[Charge]) -> Result<Outcome, StoreError> {
         let inner = &*self.inner;
         let now = inner.clock.now();
-        if charges.iter().any(|c| !c.can_fit()) {
-            return Ok(never_fits(charges));
+        if let Some(outcome) = Outcome::never_fits(charges) {
+            return Ok(outcome);
         }
         if let [charge] = charges {
             return self.charge_one(charge, now);
@@ -154,27 +154,6 @@ fn unspent(charges: &[Charge], before: &[Option<State>], outcome: Outcome, now: 
             .map(|(d, (c, s))| match d {
                 Decision::Admitted { .. } => algorithm::describe(c.policy(), *s, now),
                 other => *other,
-            })
-            .collect(),
-    )
-}
-
-/// The outcome of a call with a charge that can never fit: that charge is
-/// never-fits, the others are not evaluated, and nothing is read or written
-/// (as every store answers it, see the conformance table).
-fn never_fits(charges: &[Charge]) -> Outcome {
-    Outcome::new(
-        charges
-            .iter()
-            .map(|c| {
-                if c.can_fit() {
-                    Decision::Unevaluated
-                } else {
-                    Decision::NeverFits {
-                        cost: c.cost(),
-                        capacity: c.policy().capacity(),
-                    }
-                }
             })
             .collect(),
     )

@@ -107,9 +107,7 @@ where
             State::Calling { .. } => "calling",
             State::Refused { .. } => "refused",
         };
-        f.debug_struct("ResponseFuture")
-            .field("state", &state)
-            .finish_non_exhaustive()
+        crate::body::debug_future(f, state)
     }
 }
 
