@@ -18,7 +18,12 @@
 //! - `GET /slow?ms=N` (needs a principal): sleeps N ms (default 1000, at most
 //!   10000), then streams a short body; at most 2 in flight per account and 8
 //!   in all (429 / 503 beyond), held until the body has been sent;
+//! - `GET /healthz`: exempt from every rule (200 even while `--store` is down);
 //! - admitted requests get 200 and a short text body.
+//!
+//! Flags: `--exempt CIDR` (repeatable) lets clients in those networks skip
+//! the per-address rule; `--dry-run` makes every rule dry-run (nothing is
+//! refused for lack of budget; would-be refusals are logged).
 //!
 //! Demo authentication (a stand-in for real authentication, not a pattern to
 //! copy): `Authorization: Bearer KEY` with `alice-key-1` or `alice-key-2` is
@@ -44,24 +49,43 @@ use http_body::Frame;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket};
 use tollgate::{
-    ClientIpResolver, ConcurrencyLimitLayer, Cost, DynStore, ForwardedHeader, KeyPart, MemoryStore,
-    Policy, Principal, Rate, RateLimitLayer, RedisStore, Rule,
+    ClientIpResolver, ConcurrencyLimitLayer, Cost, DynStore, Exemption, ForwardedHeader, KeyPart,
+    MemoryStore, Policy, Principal, Rate, RateLimitLayer, RedisStore, Rule,
 };
 use tower_http::timeout::TimeoutLayer;
 
-const USAGE: &str = "usage: quickstart [--addr HOST:PORT] [--trust-proxy CIDR]... [--store redis://HOST:PORT] [--demo]";
+const USAGE: &str = "usage: quickstart [--addr HOST:PORT] [--trust-proxy CIDR]... [--exempt CIDR]... [--dry-run] [--store redis://HOST:PORT] [--demo]";
 
 struct Args {
     addr: SocketAddr,
     trusted: Vec<ipnet::IpNet>,
+    exempt: Vec<ipnet::IpNet>,
+    dry_run: bool,
     store: Option<String>,
     demo: bool,
+}
+
+/// What the command line chose, beyond where to listen.
+struct Options {
+    trusted: Vec<ipnet::IpNet>,
+    exempt: Vec<ipnet::IpNet>,
+    dry_run: bool,
+}
+
+/// A CIDR, or a bare address as its single-address network.
+fn cidr(flag: &str, v: Option<String>) -> Result<ipnet::IpNet, String> {
+    let v = v.ok_or_else(|| format!("{flag} needs a CIDR, e.g. 10.0.0.0/8"))?;
+    v.parse::<ipnet::IpNet>()
+        .or_else(|_| v.parse::<IpAddr>().map(ipnet::IpNet::from))
+        .map_err(|e| format!("{flag} {v:?}: {e}"))
 }
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         addr: SocketAddr::from(([127, 0, 0, 1], 3000)),
         trusted: Vec::new(),
+        exempt: Vec::new(),
+        dry_run: false,
         store: None,
         demo: false,
     };
@@ -72,16 +96,9 @@ fn parse_args() -> Result<Args, String> {
                 let v = it.next().ok_or("--addr needs HOST:PORT")?;
                 args.addr = v.parse().map_err(|e| format!("--addr {v:?}: {e}"))?;
             }
-            "--trust-proxy" => {
-                let v = it
-                    .next()
-                    .ok_or("--trust-proxy needs a CIDR, e.g. 10.0.0.0/8")?;
-                let net = v
-                    .parse::<ipnet::IpNet>()
-                    .or_else(|_| v.parse::<IpAddr>().map(ipnet::IpNet::from))
-                    .map_err(|e| format!("--trust-proxy {v:?}: {e}"))?;
-                args.trusted.push(net);
-            }
+            "--trust-proxy" => args.trusted.push(cidr("--trust-proxy", it.next())?),
+            "--exempt" => args.exempt.push(cidr("--exempt", it.next())?),
+            "--dry-run" => args.dry_run = true,
             "--store" => {
                 let v = it
                     .next()
@@ -172,10 +189,7 @@ async fn slow(uri: Uri) -> Result<axum::response::Response, (StatusCode, String)
     Ok(axum::response::Response::new(axum::body::Body::new(body)))
 }
 
-fn app(
-    trusted: Vec<ipnet::IpNet>,
-    store: Arc<dyn DynStore>,
-) -> Result<Router, Box<dyn std::error::Error>> {
+fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std::error::Error>> {
     let per_ip = Policy::token_bucket("per-ip", 5, Rate::per_second(1))?;
     let export = Policy::token_bucket("export", 3, Rate::per_second(2))?;
     let upload = Policy::token_bucket("upload", 1024, Rate::per_second(256))?
@@ -187,10 +201,13 @@ fn app(
     }
     let limits = RateLimitLayer::new(store)
         .client_ip(ClientIpResolver::trusting(
-            trusted,
+            options.trusted,
             ForwardedHeader::XForwardedFor,
         )?)
-        .rule(Rule::per_client_ip(per_ip))
+        // The health check answers even while the store is down.
+        .exempt(Exemption::when(|req| req.uri.path() == "/healthz"))
+        .dry_run(options.dry_run)
+        .rule(Rule::per_client_ip(per_ip).exempt(Exemption::networks(options.exempt)?))
         .rule(Rule::per_account_operation(export).on_route("/export"))
         .rule(
             Rule::per_account(upload)
@@ -215,6 +232,7 @@ fn app(
 
     Ok(Router::new()
         .route("/", get(|| async { "hello from tollgate\n" }))
+        .route("/healthz", get(|| async { "ok\n" }))
         .route("/slow", slow_route)
         .route("/export", post(|| async { "export started\n" }))
         .route(
@@ -227,6 +245,11 @@ fn app(
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // tollgate's log: warnings, errors, and in --dry-run the would-be refusals.
+    tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_writer(std::io::stderr)
+        .init();
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
@@ -244,7 +267,12 @@ async fn main() -> ExitCode {
             }
         },
     };
-    let app = match app(args.trusted, store) {
+    let options = Options {
+        trusted: args.trusted,
+        exempt: args.exempt,
+        dry_run: args.dry_run,
+    };
+    let app = match app(options, store) {
         Ok(app) => app,
         Err(e) => {
             eprintln!("bad configuration: {e}");

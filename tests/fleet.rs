@@ -72,6 +72,9 @@ async fn redis_outage_fails_closed_with_503_not_429() {
     let r = send(q.addr, ip("127.0.50.1"), "GET", "/", &[], b"").await;
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(r.header("cache-control"), Some("no-store"));
+    // The health check is exempt from every rule: no store call, 200.
+    let r = send(q.addr, ip("127.0.50.1"), "GET", "/healthz", &[], b"").await;
+    assert_eq!(r.status, StatusCode::OK);
     redis.restart();
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     loop {

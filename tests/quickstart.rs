@@ -311,3 +311,105 @@ async fn upload_costs_kib_and_oversized_bodies_never_fit() {
     let retry: u64 = r.header("retry-after").unwrap().parse().unwrap();
     assert!((1..=4).contains(&retry), "{retry}");
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn exempt_networks_skip_the_address_rule_only() {
+    let q = quickstart(&[
+        "--exempt",
+        "127.0.60.0/24",
+        "--exempt",
+        "::ffff:127.0.62.7/128",
+    ]);
+    for from in ["127.0.60.3", "127.0.62.7"] {
+        for _ in 0..12 {
+            let r = send(q.addr, ip(from), "GET", "/", &[], b"").await;
+            assert_eq!(r.status, StatusCode::OK, "{from}");
+        }
+    }
+    // Outside the networks the address budget (5) still holds.
+    let mut outside = Vec::new();
+    for _ in 0..12 {
+        outside.push(
+            send(q.addr, ip("127.0.61.3"), "GET", "/", &[], b"")
+                .await
+                .status,
+        );
+    }
+    assert!(
+        outside.contains(&StatusCode::TOO_MANY_REQUESTS),
+        "{outside:?}"
+    );
+    // Other rules still apply to exempt clients: the export budget is 3.
+    let mut exports = Vec::new();
+    for _ in 0..4 {
+        exports.push(export(q.addr, "127.0.60.4", &[BOB]).await.status);
+    }
+    assert_eq!(exports[3], StatusCode::TOO_MANY_REQUESTS, "{exports:?}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn bad_exempt_flags_are_refused_at_start() {
+    for bad in [
+        &["--exempt"][..],
+        &["--exempt", "not-a-net"],
+        &["--exempt", "::ffff:0.0.0.0/80"],
+    ] {
+        let out = std::process::Command::new(env!("CARGO"))
+            .args(["run", "--quiet", "--example", "quickstart", "--"])
+            .args(bad)
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{bad:?} was accepted");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("--exempt") || err.contains("IPv4-mapped"),
+            "{bad:?}: {err}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dry_run_refuses_nothing_shows_spent_budgets_and_logs() {
+    let q = quickstart(&["--dry-run"]);
+    let mut remaining = Vec::new();
+    for _ in 0..8 {
+        let r = send(q.addr, ip("127.0.63.1"), "GET", "/", &[], b"").await;
+        assert_eq!(r.status, StatusCode::OK);
+        let fields = sf_list(&r.header_joined("ratelimit").unwrap());
+        remaining.push(param(&fields[0], "r").unwrap());
+    }
+    assert!(remaining.contains(&0), "{remaining:?}");
+    for _ in 0..5 {
+        assert_eq!(
+            export(q.addr, "127.0.63.2", &[BOB]).await.status,
+            StatusCode::OK
+        );
+    }
+    // Refusals about the request itself are still given.
+    assert_eq!(
+        export(q.addr, "127.0.63.3", &[]).await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    let log = q.log.lock().unwrap().clone();
+    assert!(log.contains("dry run"), "{log}");
+    assert!(log.contains("per-ip"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn healthz_is_exempt_and_a_401_names_its_scheme() {
+    let q = quickstart(&[]);
+    for _ in 0..12 {
+        let r = send(q.addr, ip("127.0.64.1"), "GET", "/healthz", &[], b"").await;
+        assert_eq!(r.status, StatusCode::OK);
+        assert!(r.header("ratelimit").is_none());
+    }
+    // The health checks spent nothing from the address.
+    let r = send(q.addr, ip("127.0.64.1"), "GET", "/", &[], b"").await;
+    let fields = sf_list(&r.header_joined("ratelimit").unwrap());
+    assert_eq!(param(&fields[0], "r"), Some(4));
+    let r = export(q.addr, "127.0.64.2", &[]).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(r.header("www-authenticate"), Some("Bearer"));
+}

@@ -8,7 +8,7 @@ pub mod nginx;
 use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, SocketAddr};
 use std::process::{Child, Command, Stdio};
-use std::sync::OnceLock;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
@@ -209,6 +209,8 @@ pub fn ip(s: &str) -> IpAddr {
 pub struct Quickstart {
     child: Child,
     pub addr: SocketAddr,
+    /// What the process wrote to stderr so far (its log).
+    pub log: Arc<Mutex<String>>,
 }
 
 impl Drop for Quickstart {
@@ -243,9 +245,20 @@ pub fn quickstart(args: &[&str]) -> Quickstart {
         .args(["--addr", "127.0.0.1:0"])
         .args(args)
         .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
+        .stderr(Stdio::piped())
         .spawn()
         .expect("start quickstart");
+    let log = Arc::new(Mutex::new(String::new()));
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let sink = log.clone();
+    std::thread::spawn(move || {
+        let mut line = String::new();
+        while stderr.read_line(&mut line).map(|n| n > 0).unwrap_or(false) {
+            eprint!("{line}");
+            sink.lock().unwrap().push_str(&line);
+            line.clear();
+        }
+    });
     let stdout = child.stdout.take().unwrap();
     let mut reader = BufReader::new(stdout);
     let mut line = String::new();
@@ -263,7 +276,7 @@ pub fn quickstart(args: &[&str]) -> Quickstart {
             sink.clear();
         }
     });
-    Quickstart { child, addr }
+    Quickstart { child, addr, log }
 }
 
 /// Parses a structured-field List (RFC 9651) and returns each member's

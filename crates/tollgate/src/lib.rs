@@ -115,11 +115,11 @@ mod response;
 pub use body::ResponseBody;
 pub use concurrency::{ConcurrencyLimit, ConcurrencyLimitLayer};
 pub use identity::{
-    ClientIp, ClientIpError, ClientIpResolver, ForwardedHeader, InvalidPrefix,
-    InvalidTrustedNetwork, KeyPart, MissingPrincipal, Operation, PeerAddr, Principal,
+    ClientIp, ClientIpError, ClientIpResolver, ForwardedHeader, InvalidNetwork, InvalidPrefix,
+    KeyPart, MissingPrincipal, Operation, PeerAddr, Principal,
 };
 pub use rate_limit::{
-    Cost, CostError, InvalidRoute, OnStoreError, RateLimit, RateLimitLayer, Rule,
+    Cost, CostError, Exemption, InvalidRoute, OnStoreError, RateLimit, RateLimitLayer, Rule,
 };
 pub use tollgate_core::{
     self as core, Algorithm, Charge, Clock, Decision, DynStore, Initial, InvalidCharge, InvalidKey,

@@ -5,6 +5,10 @@
 //! - `tollgate_admitted_cost_total{policy}`: cost admitted;
 //! - `tollgate_denied_cost_total{policy}`: cost refused (429);
 //! - `tollgate_never_fits_total{policy}`: requests whose cost can never fit;
+//! - `tollgate_requests_total{policy,outcome="exempt"}`: requests a rule
+//!   did not charge because of an exemption;
+//! - `tollgate_dry_run_denied_cost_total{policy}`: cost a dry-run rule would
+//!   have refused (and let through);
 //! - `tollgate_store_errors_total{kind,outcome}`: store failures and the
 //!   outcome applied (`fail_closed`, `fail_open`, `fallback`);
 //! - `tollgate_store_seconds`: store decision latency histogram.
@@ -28,7 +32,7 @@ pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome, verdict: Verdict) {
                 );
                 count("tollgate_denied_cost_total", name, charge.cost());
             }
-            (Verdict::Admitted, _) => {
+            (Verdict::Admitted, Decision::Admitted { .. }) => {
                 count("tollgate_admitted_cost_total", name, charge.cost());
             }
             // Limits of a refused call that did not refuse it spent nothing
@@ -43,6 +47,34 @@ pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome, verdict: Verdict) {
 pub(crate) fn never_fits(policy: &tollgate_core::Policy, cost: u64) {
     tracing::debug!(policy = policy.name(), cost, "cost can never fit");
     count("tollgate_never_fits_total", policy.name(), 1);
+}
+
+/// A request `policy` did not charge because an exemption matched it.
+pub(crate) fn exempt(policy: &tollgate_core::Policy) {
+    tracing::trace!(policy = policy.name(), "exempt");
+    #[cfg(feature = "metrics")]
+    metrics::counter!(
+        "tollgate_requests_total",
+        "policy" => policy.name().to_owned(),
+        "outcome" => "exempt"
+    )
+    .increment(1);
+}
+
+/// A dry-run `policy` would have refused `cost` (after `retry_after`, or
+/// never when `None`); the request goes on without it.
+pub(crate) fn dry_run_denied(
+    policy: &tollgate_core::Policy,
+    cost: u64,
+    retry_after: Option<std::time::Duration>,
+) {
+    tracing::info!(
+        policy = policy.name(),
+        cost,
+        ?retry_after,
+        "dry run: this request would have been refused"
+    );
+    count("tollgate_dry_run_denied_cost_total", policy.name(), cost);
 }
 
 pub(crate) fn store_error(error: &StoreError, applied: &'static str) {

@@ -108,3 +108,64 @@ fn counters_are_labelled_by_policy_name_only() {
         "{seen:?}"
     );
 }
+
+/// Exempt requests are counted with `outcome="exempt"`, dry-run would-be
+/// refusals in `tollgate_dry_run_denied_cost_total`, and neither as denied.
+#[test]
+fn exemptions_and_dry_run_refusals_are_counted() {
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        let inner = tower::service_fn(|_req: Request<String>| async {
+            Ok::<_, Infallible>(Response::new(http_body_util::Full::new(
+                bytes::Bytes::from("ok"),
+            )))
+        });
+        let trial = Policy::token_bucket("d-trial", 1, Rate::per_hour(1)).unwrap();
+        let layer = RateLimitLayer::new(MemoryStore::new()).rule(
+            Rule::per_client_ip(trial)
+                .dry_run(true)
+                .exempt(tollgate::Exemption::when(|req| req.uri.path() == "/free")),
+        );
+        let mut svc = layer.layer(inner);
+        for path in ["/", "/", "/", "/free"] {
+            let mut req = Request::builder().uri(path).body(String::new()).unwrap();
+            req.extensions_mut()
+                .insert(PeerAddr("198.51.100.9:1".parse::<SocketAddr>().unwrap()));
+            let status =
+                rt.block_on(async { svc.ready().await.unwrap().call(req).await.unwrap().status() });
+            assert_eq!(status, StatusCode::OK);
+        }
+    });
+    let mut seen = std::collections::HashMap::new();
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        let mut labels: Vec<String> = key
+            .key()
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        labels.sort();
+        if let DebugValue::Counter(n) = value {
+            seen.insert(format!("{}{{{}}}", key.key().name(), labels.join(",")), n);
+        }
+    }
+    assert_eq!(
+        seen.get("tollgate_admitted_cost_total{policy=d-trial}"),
+        Some(&1),
+        "{seen:?}"
+    );
+    assert_eq!(
+        seen.get("tollgate_dry_run_denied_cost_total{policy=d-trial}"),
+        Some(&2),
+        "{seen:?}"
+    );
+    assert_eq!(
+        seen.get("tollgate_requests_total{outcome=exempt,policy=d-trial}"),
+        Some(&1),
+        "{seen:?}"
+    );
+    assert_eq!(seen.get("tollgate_denied_cost_total{policy=d-trial}"), None);
+}

@@ -172,19 +172,20 @@ pub enum ClientIpError {
     },
 }
 
-/// A trusted network written in IPv4-mapped form with a prefix shorter than
-/// /96 (it names no IPv4 network), refused by [`ClientIpResolver::trusting`].
+/// A network written in IPv4-mapped form with a prefix shorter than /96 (it
+/// names no IPv4 network), refused by [`ClientIpResolver::trusting`] and
+/// [`Exemption::networks`](crate::Exemption::networks).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "trusted network {network} is written as an IPv4-mapped address but its prefix is shorter \
-     than /96, so it names no IPv4 network: peers are compared as IPv4 when they are \
-     IPv4-mapped (write ::ffff:10.0.0.0/104 or 10.0.0.0/8)"
+    "network {network} is written as an IPv4-mapped address but its prefix is shorter \
+     than /96, so it names no IPv4 network: client addresses are compared as IPv4 when \
+     they are IPv4-mapped (write ::ffff:10.0.0.0/104 or 10.0.0.0/8)"
 )]
-pub struct InvalidTrustedNetwork {
+pub struct InvalidNetwork {
     network: IpNet,
 }
 
-impl InvalidTrustedNetwork {
+impl InvalidNetwork {
     /// The network that was refused.
     pub fn network(&self) -> IpNet {
         self.network
@@ -270,7 +271,7 @@ fn canonical(ip: IpAddr) -> IpAddr {
 /// at least /96 is the IPv4 network it names. A mapped network shorter than
 /// /96 could only ever match mapped addresses, which peers never are after
 /// [`canonical`], so it is refused.
-fn canonical_net(net: IpNet) -> Result<IpNet, InvalidTrustedNetwork> {
+fn canonical_net(net: IpNet) -> Result<IpNet, InvalidNetwork> {
     let IpNet::V6(v6) = net else {
         return Ok(net.trunc());
     };
@@ -282,7 +283,27 @@ fn canonical_net(net: IpNet) -> Result<IpNet, InvalidTrustedNetwork> {
         .checked_sub(96)
         .and_then(|prefix| ipnet::Ipv4Net::new(v4, prefix).ok())
         .map(|v4net| IpNet::V4(v4net.trunc()))
-        .ok_or(InvalidTrustedNetwork { network: net })
+        .ok_or(InvalidNetwork { network: net })
+}
+
+/// `nets` in the form client addresses are compared in (see
+/// [`ClientIpResolver::trusting`]): mapped networks become IPv4 ones, and an
+/// IPv6 network that holds the whole IPv4-mapped range (e.g. `::/0`) also
+/// holds every IPv4 address.
+pub(crate) fn canonical_nets(
+    nets: impl IntoIterator<Item = IpNet>,
+) -> Result<Vec<IpNet>, InvalidNetwork> {
+    let mut out = Vec::new();
+    for net in nets {
+        out.push(canonical_net(net)?);
+        if let IpNet::V6(v6) = net {
+            let mapped = Ipv6Addr::new(0, 0, 0, 0, 0, 0xffff, 0, 0);
+            if v6.prefix_len() <= 96 && v6.trunc().contains(&mapped) {
+                out.push(IpNet::V4(ipnet::Ipv4Net::default()));
+            }
+        }
+    }
+    Ok(out)
 }
 
 impl ClientIpResolver {
@@ -304,23 +325,12 @@ impl ClientIpResolver {
     /// mapped, and an IPv6 network that holds the whole mapped range (such
     /// as `::/0`) also holds every IPv4 address. A network written in
     /// mapped form with a prefix shorter than /96 is refused with
-    /// [`InvalidTrustedNetwork`]: it names no IPv4 network.
+    /// [`InvalidNetwork`]: it names no IPv4 network.
     pub fn trusting(
         trusted: impl IntoIterator<Item = IpNet>,
         header: ForwardedHeader,
-    ) -> Result<Self, InvalidTrustedNetwork> {
-        let mut nets = Vec::new();
-        for net in trusted {
-            nets.push(canonical_net(net)?);
-            // An IPv6 network that holds the whole IPv4-mapped range (e.g.
-            // ::/0) holds every IPv4 peer in the canonical form.
-            if let IpNet::V6(v6) = net {
-                let mapped = Ipv6Addr::new(0, 0, 0, 0, 0, 0xffff, 0, 0);
-                if v6.prefix_len() <= 96 && v6.trunc().contains(&mapped) {
-                    nets.push(IpNet::V4(ipnet::Ipv4Net::default()));
-                }
-            }
-        }
+    ) -> Result<Self, InvalidNetwork> {
+        let nets = canonical_nets(trusted)?;
         let trusted: Arc<[IpNet]> = nets.into();
         if trusted.is_empty() {
             return Ok(Self::peer_only());
@@ -387,8 +397,14 @@ impl ClientIpResolver {
 
     /// Resolves the client address of a request.
     pub fn resolve(&self, parts: &Parts) -> Result<ClientIp, ClientIpError> {
+        self.resolve_unmasked(parts).map(|addr| self.mask(addr))
+    }
+
+    /// The client address before aggregation by prefix (in canonical form:
+    /// IPv4-mapped addresses are IPv4).
+    pub(crate) fn resolve_unmasked(&self, parts: &Parts) -> Result<IpAddr, ClientIpError> {
         let peer = Self::peer_of(parts).ok_or(ClientIpError::MissingPeer)?;
-        self.resolve_from(peer, &parts.headers)
+        self.unmasked_from(peer, &parts.headers)
     }
 
     /// Resolves the client address given the peer and the request headers.
@@ -397,6 +413,11 @@ impl ClientIpResolver {
         peer: IpAddr,
         headers: &HeaderMap,
     ) -> Result<ClientIp, ClientIpError> {
+        self.unmasked_from(peer, headers)
+            .map(|addr| self.mask(addr))
+    }
+
+    fn unmasked_from(&self, peer: IpAddr, headers: &HeaderMap) -> Result<IpAddr, ClientIpError> {
         let peer = canonical(peer);
         let addr = match &self.mode {
             Mode::PeerOnly => peer,
@@ -415,10 +436,10 @@ impl ClientIpResolver {
                 }
             }
         };
-        Ok(self.mask(addr))
+        Ok(addr)
     }
 
-    fn mask(&self, addr: IpAddr) -> ClientIp {
+    pub(crate) fn mask(&self, addr: IpAddr) -> ClientIp {
         match addr {
             IpAddr::V4(v4) => {
                 let p = self.v4_prefix;

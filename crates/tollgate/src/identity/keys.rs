@@ -2,6 +2,7 @@
 //! client address and operation become key components, shared by the
 //! rate-limit and concurrency layers.
 
+use std::net::IpAddr;
 use std::sync::Arc;
 
 use http::request::Parts;
@@ -78,7 +79,8 @@ pub(crate) struct RequestIdentity<'a> {
     parts: &'a Parts,
     resolver: &'a ClientIpResolver,
     principal: Option<&'a Principal>,
-    ip: Option<Result<ClientIp, ClientIpError>>,
+    /// The client address before aggregation, resolved once.
+    addr: Option<Result<IpAddr, ClientIpError>>,
     operation: Option<Operation>,
 }
 
@@ -88,15 +90,25 @@ impl<'a> RequestIdentity<'a> {
             parts,
             resolver,
             principal: parts.extensions.get::<Principal>(),
-            ip: None,
+            addr: None,
             operation: None,
         }
     }
 
     fn ip(&mut self) -> Result<ClientIp, ClientIpError> {
-        self.ip
-            .get_or_insert_with(|| self.resolver.resolve(self.parts))
+        self.client_addr().map(|addr| self.resolver.mask(addr))
+    }
+
+    /// The resolved client address, before aggregation by prefix.
+    pub(crate) fn client_addr(&mut self) -> Result<IpAddr, ClientIpError> {
+        self.addr
+            .get_or_insert_with(|| self.resolver.resolve_unmasked(self.parts))
             .clone()
+    }
+
+    /// The principal an authentication layer set, if any.
+    pub(crate) fn principal(&self) -> Option<&'a Principal> {
+        self.principal
     }
 
     /// The key `(first, parts...)`, `Ok(None)` when the request should skip

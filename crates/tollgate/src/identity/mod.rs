@@ -17,9 +17,10 @@ mod keys;
 mod operation;
 mod principal;
 
+pub(crate) use client_ip::canonical_nets;
 pub use client_ip::{
-    ClientIp, ClientIpError, ClientIpResolver, ForwardedHeader, InvalidPrefix,
-    InvalidTrustedNetwork, PeerAddr,
+    ClientIp, ClientIpError, ClientIpResolver, ForwardedHeader, InvalidNetwork, InvalidPrefix,
+    PeerAddr,
 };
 pub(crate) use keys::{KeyError, RequestIdentity};
 pub use keys::{KeyPart, MissingPrincipal};

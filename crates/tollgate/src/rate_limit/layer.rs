@@ -2,10 +2,11 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
+use http::HeaderValue;
 use tollgate_core::{DynStore, Store};
 use tower_layer::Layer;
 
-use super::{RateLimit, Rule};
+use super::{Exemption, RateLimit, Rule};
 use crate::ClientIpResolver;
 
 /// What the layer does when the store fails or times out.
@@ -41,6 +42,9 @@ impl<St> Clone for Config<St> {
             resolver: self.resolver.clone(),
             on_store_error: self.on_store_error.clone(),
             headers_on_admitted: self.headers_on_admitted,
+            exemptions: self.exemptions.clone(),
+            dry_run: self.dry_run,
+            www_authenticate: self.www_authenticate.clone(),
             reported_no_matched_path: AtomicBool::new(false),
         }
     }
@@ -52,6 +56,11 @@ pub(crate) struct Config<St> {
     pub(crate) resolver: ClientIpResolver,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) headers_on_admitted: bool,
+    pub(crate) exemptions: Vec<Exemption>,
+    /// Every rule is dry-run.
+    pub(crate) dry_run: bool,
+    /// The challenge sent with `401` (RFC 9110 requires one).
+    pub(crate) www_authenticate: HeaderValue,
     /// Set once requests without axum's `MatchedPath` were reported, so the
     /// error is logged once per layer, not per request.
     pub(crate) reported_no_matched_path: AtomicBool,
@@ -82,6 +91,8 @@ impl<St> fmt::Debug for RateLimitLayer<St> {
             .field("resolver", &self.config.resolver)
             .field("on_store_error", &self.config.on_store_error)
             .field("headers_on_admitted", &self.config.headers_on_admitted)
+            .field("exemptions", &self.config.exemptions)
+            .field("dry_run", &self.config.dry_run)
             .finish_non_exhaustive()
     }
 }
@@ -103,6 +114,9 @@ impl<St: Store> RateLimitLayer<St> {
                 resolver: ClientIpResolver::peer_only(),
                 on_store_error: OnStoreError::FailClosed,
                 headers_on_admitted: true,
+                exemptions: Vec::new(),
+                dry_run: false,
+                www_authenticate: HeaderValue::from_static("Bearer"),
                 reported_no_matched_path: AtomicBool::new(false),
             }),
         }
@@ -137,6 +151,30 @@ impl<St: Store> RateLimitLayer<St> {
     /// (default: yes). Refusals always carry them.
     pub fn headers_on_admitted(self, yes: bool) -> Self {
         self.edit(|c| c.headers_on_admitted = yes)
+    }
+
+    /// Lets requests that `exemption` matches skip every rule of this layer
+    /// (repeat to add more; any one exempts). An exempt request reaches the
+    /// inner service without a store call, so a health check stays up
+    /// while the store is down:
+    /// `.exempt(Exemption::when(|req| req.uri.path() == "/healthz"))`.
+    pub fn exempt(self, exemption: Exemption) -> Self {
+        self.edit(|c| c.exemptions.push(exemption))
+    }
+
+    /// Makes every rule dry-run ([`Rule::dry_run`]): nothing is refused for
+    /// lack of budget, would-be refusals are logged and counted, and the
+    /// `RateLimit` fields still show each budget (`r=0` once spent).
+    pub fn dry_run(self, yes: bool) -> Self {
+        self.edit(|c| c.dry_run = yes)
+    }
+
+    /// The `WWW-Authenticate` challenge sent with `401` when a rule needs
+    /// a principal and the request has none (default: `Bearer`). RFC 9110
+    /// requires a `401` to carry one; name your scheme and realm, e.g.
+    /// `HeaderValue::from_static("Bearer realm=\"api\"")`.
+    pub fn www_authenticate(self, challenge: HeaderValue) -> Self {
+        self.edit(|c| c.www_authenticate = challenge)
     }
 }
 

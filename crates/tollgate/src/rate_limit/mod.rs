@@ -9,7 +9,7 @@
 //! | denied | `429`, `Retry-After` (whole seconds, rounded up, never 0), `RateLimit-Policy`, `RateLimit`, `Cache-Control: no-store`, problem+json | 8 RESOURCE_EXHAUSTED |
 //! | cost can never fit | `413` for content-length costs, `400` for other costs; no `Retry-After` | 3 INVALID_ARGUMENT |
 //! | store failed, fail-closed | `503`, no-store | 14 UNAVAILABLE |
-//! | rule needs a principal, none present | `401` (configurable per rule) | 16 UNAUTHENTICATED |
+//! | rule needs a principal, none present | `401` with `WWW-Authenticate` ([`RateLimitLayer::www_authenticate`], `Bearer` by default) (configurable per rule) | 16 UNAUTHENTICATED |
 //! | content-length cost without `Content-Length` | `411` | 3 |
 //! | no peer address (server misconfigured) | `500`, logged | 13 INTERNAL |
 //!
@@ -50,6 +50,38 @@
 //! responses, not errors. `poll_ready` only forwards the inner service's
 //! readiness: the limiter never exerts backpressure.
 //!
+//! # Exemptions
+//!
+//! An [`Exemption`] on a rule (or on the layer, for every rule) skips the
+//! requests it matches: by resolved client network, by principal, or by a
+//! predicate over the request head. A skipped rule charges nothing and
+//! refuses nothing; a request exempt from every rule reaches the inner
+//! service without a store call, so a health check answers even while the
+//! store is down.
+//!
+//! # Dry-run rules
+//!
+//! A dry-run rule ([`Rule::dry_run`], or [`RateLimitLayer::dry_run`] for
+//! all) is decided and charged like any other while its budget lasts, but
+//! it never refuses for lack of budget or for a cost that can never fit:
+//! the would-be refusal is logged and counted instead. Mixed with enforced
+//! rules in one request:
+//!
+//! - the store is asked for all of them at once, all-or-nothing;
+//! - if the call is refused and a dry-run limit is among those refusing,
+//!   those dry-run limits are left out (a refused call spent nothing) and
+//!   the rest decided again, until the call is admitted or only enforced
+//!   limits refuse;
+//! - so a request is decided as if the dry-run rules that would refuse it
+//!   did not apply, the dry-run rules that would admit it are charged
+//!   together with the enforced ones, and a `429` comes only from enforced
+//!   limits (its `Retry-After` is theirs).
+//!
+//! The `RateLimit` fields describe every limit, dry-run ones included
+//! (`r=0` once a dry-run budget is spent). Refusals about the request
+//! itself (no principal, no `Content-Length`, an invalid cost) are given
+//! by dry-run rules too: they do not depend on the limit being tried.
+//!
 //! # When the budget is charged
 //!
 //! With a store that needs no I/O ([`tollgate_core::Store::try_charge_now`]
@@ -83,6 +115,7 @@
 //! # let _ = app.into_make_service_with_connect_info::<SocketAddr>();
 //! ```
 
+mod exempt;
 mod future;
 mod layer;
 mod pipeline;
@@ -90,6 +123,7 @@ mod route;
 mod rule;
 mod service;
 
+pub use exempt::Exemption;
 pub use future::ResponseFuture;
 pub use layer::{OnStoreError, RateLimitLayer};
 pub use route::InvalidRoute;

@@ -15,8 +15,9 @@ use std::sync::atomic::Ordering;
 use http::HeaderValue;
 use http::request::Parts;
 use smallvec::SmallVec;
-use tollgate_core::{Charge, Outcome, Store, StoreError, Verdict};
+use tollgate_core::{Charge, Decision, DynStore, Outcome, Store, StoreError, Verdict};
 
+use super::exempt::any_matches;
 use super::layer::{Config, OnStoreError};
 use super::route::RouteMatch;
 use super::rule::{Applies, CostRefusal};
@@ -33,8 +34,11 @@ pub(crate) type Charges = SmallVec<[Charge; 2]>;
 
 /// What the head of a request asks of the store.
 pub(crate) struct Plan {
-    /// Every applicable rule whose key and cost are known.
+    /// Every applicable rule whose key and cost are known: the enforced
+    /// ones first, then the dry-run ones.
     pub(crate) charges: Charges,
+    /// How many of `charges` (from the start) are enforced.
+    pub(crate) enforced: usize,
     /// The layer's own refusal, given once the charges are admitted: the
     /// first in rule order.
     pub(crate) refusal: Option<Answer>,
@@ -43,9 +47,20 @@ pub(crate) struct Plan {
 pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
     let mut who = RequestIdentity::new(parts, &config.resolver);
     let mut charges = Charges::new();
+    let mut dry = Charges::new();
     let mut refusal: Option<Answer> = None;
+    let layer_exempt = any_matches(&config.exemptions, &mut who, parts);
     for rule in &config.rules {
-        let route = match rule.applies_to(parts) {
+        let applies = rule.applies_to(parts);
+        if applies == Applies::No {
+            continue;
+        }
+        if layer_exempt || any_matches(&rule.exemptions, &mut who, parts) {
+            observe::exempt(&rule.policy);
+            continue;
+        }
+        let dry_run = config.dry_run || rule.dry_run;
+        let route = match applies {
             Applies::No => continue,
             Applies::Yes => None,
             Applies::ByFallback { route, how } => {
@@ -61,7 +76,13 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
             Ok(Some(key)) => key,
             Ok(None) => continue,
             Err(error) => {
-                refusal.get_or_insert_with(|| Answer::for_key(error, policy.name()));
+                refusal.get_or_insert_with(|| {
+                    let mut answer = Answer::for_key(error, policy.name());
+                    if answer.challenge.is_some() {
+                        answer.challenge = Some(config.www_authenticate.clone());
+                    }
+                    answer
+                });
                 continue;
             }
         };
@@ -84,6 +105,10 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
                 continue;
             }
         };
+        if cost > policy.capacity() && dry_run {
+            observe::dry_run_denied(policy, cost, None);
+            continue;
+        }
         if cost > policy.capacity() {
             // Waiting cannot help: this rule is not charged, the others are.
             observe::never_fits(policy, cost);
@@ -93,13 +118,20 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
             continue;
         }
         match Charge::new(key, policy.clone(), cost) {
+            Ok(charge) if dry_run => dry.push(charge),
             Ok(charge) => charges.push(charge),
             Err(e) => {
                 refusal.get_or_insert_with(|| Answer::new(Refusal::BadRequest, e.to_string()));
             }
         }
     }
-    Plan { charges, refusal }
+    let enforced = charges.len();
+    charges.extend(dry);
+    Plan {
+        charges,
+        enforced,
+        refusal,
+    }
 }
 
 /// Logs, once per layer, that a rule's route matched a request path that
@@ -137,13 +169,25 @@ pub(crate) enum Now {
 pub(crate) fn decide_now<St: Store>(
     config: &Config<St>,
     charges: &[Charge],
+    enforced: usize,
     refusal: &mut Option<Answer>,
 ) -> Now {
     let started = observe::start();
     match config.store.try_charge_now(charges) {
         Some(Ok(outcome)) => {
             observe::store_latency(started);
-            Now::Decided(conclude(config, charges, outcome, refusal.take()))
+            if Shadowed::would_shadow(charges, enforced, &outcome) {
+                // A dry-run limit would refuse. Nothing was spent (the call
+                // was refused): [`decide`] decides again without it.
+                return Now::Later(None);
+            }
+            Now::Decided(conclude(
+                config,
+                charges,
+                outcome,
+                &Shadowed::default(),
+                refusal.take(),
+            ))
         }
         Some(Err(error)) => Now::Later(Some(error)),
         None => Now::Later(None),
@@ -151,75 +195,146 @@ pub(crate) fn decide_now<St: Store>(
 }
 
 /// Charges the store (unless `failed` says it already failed) and makes the
-/// answer.
+/// answer. Dry-run limits that would refuse are left out and the rest
+/// decided again (see [`Shadowed`]).
 pub(crate) async fn decide<St: Store>(
     config: Arc<Config<St>>,
-    charges: Charges,
-    failed: Option<StoreError>,
+    mut charges: Charges,
+    enforced: usize,
+    mut failed: Option<StoreError>,
     refusal: Option<Answer>,
 ) -> Result<Fields, Answer> {
-    let result = match failed {
-        Some(error) => Err(error),
-        None => {
-            let started = observe::start();
-            let result = config.store.charge(&charges).await;
-            observe::store_latency(started);
-            result
+    let mut shadowed = Shadowed::default();
+    let mut on_fallback: Option<&Arc<dyn DynStore>> = None;
+    let outcome = loop {
+        if charges.is_empty() {
+            // Every limit was a dry-run one that would refuse.
+            break Outcome::new(Vec::new());
+        }
+        let result = match (failed.take(), on_fallback) {
+            (Some(error), _) => Err(error),
+            (None, Some(fallback)) => fallback.charge_boxed(&charges).await,
+            (None, None) => {
+                let started = observe::start();
+                let result = config.store.charge(&charges).await;
+                observe::store_latency(started);
+                result
+            }
+        };
+        let outcome = match result {
+            Ok(outcome) => outcome,
+            Err(error) if on_fallback.is_some() => {
+                observe::store_error(&error, "fail_closed");
+                return Err(unavailable());
+            }
+            Err(error) => match &config.on_store_error {
+                OnStoreError::FailClosed => {
+                    observe::store_error(&error, "fail_closed");
+                    return Err(unavailable());
+                }
+                OnStoreError::FailOpen => {
+                    observe::store_error(&error, "fail_open");
+                    return admitted(None, refusal);
+                }
+                OnStoreError::Fallback(fallback) => {
+                    observe::store_error(&error, "fallback");
+                    on_fallback = Some(fallback);
+                    continue;
+                }
+            },
+        };
+        if !shadowed.take_from(&mut charges, enforced, &outcome) {
+            break outcome;
         }
     };
-    let outcome: Outcome = match result {
-        Ok(outcome) => outcome,
-        Err(error) => match &config.on_store_error {
-            OnStoreError::FailClosed => {
-                observe::store_error(&error, "fail_closed");
-                return Err(Answer::new(
-                    Refusal::StoreUnavailable,
-                    "the rate limiter's store is unavailable; try again later",
-                ));
+    conclude(&config, &charges, outcome, &shadowed, refusal)
+}
+
+fn unavailable() -> Answer {
+    Answer::new(
+        Refusal::StoreUnavailable,
+        "the rate limiter's store is unavailable; try again later",
+    )
+}
+
+/// Dry-run limits that would have refused, left out of the decision.
+///
+/// The rule: while a call is refused and a dry-run limit is among those
+/// refusing, those limits are logged, counted and left out, and the call
+/// is decided again without them (a refused call spent nothing). So the
+/// request is decided as if the dry-run rules that would refuse it did not
+/// apply, and the dry-run rules that would admit it are charged together
+/// with the enforced ones, all-or-nothing.
+#[derive(Default)]
+struct Shadowed {
+    charges: Charges,
+    decisions: Vec<Decision>,
+}
+
+impl Shadowed {
+    /// Whether `outcome` is refused with a dry-run limit among the refusing.
+    fn would_shadow(charges: &[Charge], enforced: usize, outcome: &Outcome) -> bool {
+        matches!(outcome.verdict(), Verdict::Denied { .. })
+            && outcome.limits()[enforced.min(charges.len())..]
+                .iter()
+                .any(|d| matches!(d, Decision::Denied { .. }))
+    }
+
+    /// Moves the refusing dry-run limits of `outcome` out of `charges`;
+    /// whether any were.
+    fn take_from(&mut self, charges: &mut Charges, enforced: usize, outcome: &Outcome) -> bool {
+        if !Self::would_shadow(charges, enforced, outcome) {
+            return false;
+        }
+        for i in (enforced..charges.len()).rev() {
+            let decision = outcome.limits()[i];
+            if let Decision::Denied { retry_after, .. } = decision {
+                let charge = charges.remove(i);
+                observe::dry_run_denied(charge.policy(), charge.cost(), Some(retry_after));
+                self.charges.push(charge);
+                self.decisions.push(decision);
             }
-            OnStoreError::FailOpen => {
-                observe::store_error(&error, "fail_open");
-                return admitted(None, refusal);
-            }
-            OnStoreError::Fallback(fallback) => {
-                observe::store_error(&error, "fallback");
-                match fallback.charge_boxed(&charges).await {
-                    Ok(outcome) => outcome,
-                    Err(second) => {
-                        observe::store_error(&second, "fail_closed");
-                        return Err(Answer::new(
-                            Refusal::StoreUnavailable,
-                            "the rate limiter's stores are unavailable; try again later",
-                        ));
-                    }
-                }
-            }
-        },
-    };
-    conclude(&config, &charges, outcome, refusal)
+        }
+        true
+    }
 }
 
 /// The answer for `outcome`: a refusal for lack of budget, or else the
 /// layer's own `refusal` if there is one, or else admit (with the fields,
-/// if configured).
+/// if configured). The fields describe the `shadowed` dry-run limits too.
 fn conclude<St>(
     config: &Config<St>,
     charges: &[Charge],
     outcome: Outcome,
+    shadowed: &Shadowed,
     refusal: Option<Answer>,
 ) -> Result<Fields, Answer> {
     let verdict = outcome.verdict();
     observe::outcome(charges, &outcome, verdict);
+    let fields = |charges: &[Charge], outcome: &Outcome| {
+        if shadowed.charges.is_empty() {
+            return ratelimit_fields(charges, outcome);
+        }
+        let all: Charges = charges.iter().chain(&shadowed.charges).cloned().collect();
+        let decisions = outcome.limits().iter().chain(&shadowed.decisions).copied();
+        ratelimit_fields(&all, &Outcome::new(decisions.collect()))
+    };
     match verdict {
         Verdict::Admitted => {
             let fields = if config.headers_on_admitted || refusal.is_some() {
-                ratelimit_fields(charges, &outcome)
+                fields(charges, &outcome)
             } else {
                 None
             };
             admitted(fields, refusal)
         }
-        _ => Err(Answer::from_outcome(charges, &outcome, verdict)),
+        _ => {
+            let mut answer = Answer::from_outcome(charges, &outcome, verdict);
+            if !shadowed.charges.is_empty() {
+                answer.fields = fields(charges, &outcome).map(Box::new);
+            }
+            Err(answer)
+        }
     }
 }
 

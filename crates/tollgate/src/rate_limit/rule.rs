@@ -10,6 +10,7 @@ use http::request::Parts;
 use http::{Method, StatusCode};
 use tollgate_core::{Policy, Unit};
 
+use super::exempt::Exemption;
 use super::route::{InvalidRoute, RouteMatch, RoutePattern};
 use crate::identity::{KeyPart, MissingPrincipal, operation_nest, operation_route};
 
@@ -161,6 +162,8 @@ pub struct Rule {
     pub(crate) key: Vec<KeyPart>,
     pub(crate) cost: Cost,
     pub(crate) missing_principal: MissingPrincipal,
+    pub(crate) exemptions: Vec<Exemption>,
+    pub(crate) dry_run: bool,
     /// Set once a misplaced route (matched only by its tail) was reported,
     /// so that the error is logged once per rule, not per request. Shared
     /// by clones of the rule: they are the same rule.
@@ -195,6 +198,8 @@ impl Rule {
             key: Vec::new(),
             cost: Cost::ONE,
             missing_principal: MissingPrincipal::Reject,
+            exemptions: Vec::new(),
+            dry_run: false,
             reported_suffix: Arc::new(AtomicBool::new(false)),
         }
     }
@@ -272,6 +277,28 @@ impl Rule {
     #[must_use]
     pub fn when_no_principal(mut self, what: MissingPrincipal) -> Self {
         self.missing_principal = what;
+        self
+    }
+
+    /// Does not charge requests that `exemption` matches (repeat to add
+    /// more; any one exempts). See [`Exemption`] for what each kind trusts.
+    #[must_use]
+    pub fn exempt(mut self, exemption: Exemption) -> Self {
+        self.exemptions.push(exemption);
+        self
+    }
+
+    /// Dry-run (shadow) mode: the rule is decided and, while its budget
+    /// lasts, charged as usual, but a request it would refuse (for lack of
+    /// budget, or a cost that can never fit) goes through, spends nothing
+    /// from this rule, and is logged and counted in
+    /// `tollgate_dry_run_denied_cost_total{policy}` (see [dry-run
+    /// rules](super#dry-run-rules) for how they mix with enforced ones).
+    /// Refusals about the request itself (no principal, no
+    /// `Content-Length`, an invalid cost) are still given.
+    #[must_use]
+    pub fn dry_run(mut self, yes: bool) -> Self {
+        self.dry_run = yes;
         self
     }
 

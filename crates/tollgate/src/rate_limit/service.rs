@@ -82,6 +82,7 @@ where
         let protocol = Protocol::of(&parts.headers);
         let Plan {
             charges,
+            enforced,
             mut refusal,
         } = pipeline::plan(&self.config, &parts);
         if charges.is_empty() {
@@ -90,7 +91,7 @@ where
                 None => ResponseFuture::calling(inner, Request::from_parts(parts, body), None),
             };
         }
-        match pipeline::decide_now(&self.config, &charges, &mut refusal) {
+        match pipeline::decide_now(&self.config, &charges, enforced, &mut refusal) {
             Now::Decided(Ok(fields)) => {
                 ResponseFuture::calling(inner, Request::from_parts(parts, body), fields)
             }
@@ -99,6 +100,7 @@ where
                 let decision = Box::pin(pipeline::decide(
                     self.config.clone(),
                     charges,
+                    enforced,
                     failed,
                     refusal,
                 ));

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
+use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use http_body_util::Full;
 use tollgate_core::{Charge, Decision, Outcome, Policy, Verdict};
@@ -99,6 +99,8 @@ pub(crate) struct Answer {
     pub(crate) policy: Option<Limit>,
     pub(crate) retry_after: Option<Duration>,
     pub(crate) fields: Option<Box<(HeaderValue, HeaderValue)>>,
+    /// The `WWW-Authenticate` challenge of a `401`.
+    pub(crate) challenge: Option<HeaderValue>,
 }
 
 impl Answer {
@@ -109,6 +111,7 @@ impl Answer {
             policy: None,
             retry_after: None,
             fields: None,
+            challenge: None,
         }
     }
 
@@ -125,16 +128,20 @@ impl Answer {
             policy: Some(Limit::Policy(policy.clone())),
             retry_after: None,
             fields: None,
+            challenge: None,
         }
     }
 
     /// The refusal for a key that could not be built.
     pub(crate) fn for_key(error: KeyError, first: &str) -> Self {
         match error {
-            KeyError::NoPrincipal => Answer::new(
-                Refusal::Unauthenticated,
-                format!("{first:?} needs an authenticated principal"),
-            ),
+            KeyError::NoPrincipal => Answer {
+                challenge: Some(HeaderValue::from_static("Bearer")),
+                ..Answer::new(
+                    Refusal::Unauthenticated,
+                    format!("{first:?} needs an authenticated principal"),
+                )
+            },
             KeyError::ClientIp(e @ ClientIpError::MissingPeer) => {
                 tracing::error!(error = %e, "tollgate cannot key by client address");
                 Answer::new(Refusal::Misconfigured, e.to_string())
@@ -172,6 +179,7 @@ impl Answer {
                     policy,
                     retry_after: Some(wait),
                     fields,
+                    challenge: None,
                 }
             }
         }
@@ -192,6 +200,9 @@ impl Answer {
         let (status, body) = if protocol == Protocol::Http {
             if let Some(wait) = self.retry_after {
                 headers.insert(RETRY_AFTER, HeaderValue::from(ceil_secs(wait).max(1)));
+            }
+            if let Some(challenge) = self.challenge {
+                headers.insert(WWW_AUTHENTICATE, challenge);
             }
             let status = self.refusal.status();
             let body = problem::body(

@@ -1,0 +1,344 @@
+//! Rules for real deployments, over real sockets: exemptions (by network,
+//! principal and request), dry-run rules mixed with enforced ones, and the
+//! `WWW-Authenticate` challenge of a `401`.
+
+mod common;
+
+use std::sync::Arc;
+
+use axum::Router;
+use axum::extract::Request;
+use axum::middleware::{self, Next};
+use axum::response::Response;
+use axum::routing::{get, post};
+use common::{ip, param, send, serve, sf_list};
+use http::{HeaderValue, StatusCode};
+use tollgate::{
+    Charge, ClientIpResolver, Cost, Exemption, ForwardedHeader, Key, KeyPart, MemoryStore,
+    OnKeyCap, Policy, Principal, Rate, RateLimitLayer, Rule,
+};
+
+fn bucket(name: &str, capacity: u64) -> Policy {
+    Policy::token_bucket(name, capacity, Rate::per_hour(1)).unwrap()
+}
+
+/// Test-only authentication: `X-Test-User: tenant/account` becomes the
+/// principal (a stand-in for a verifying middleware).
+async fn test_auth(mut req: Request, next: Next) -> Response {
+    let who = req
+        .headers()
+        .get("x-test-user")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.split_once('/'))
+        .map(|(t, a)| Principal::new(t, a));
+    if let Some(p) = who {
+        req.extensions_mut().insert(p);
+    }
+    next.run(req).await
+}
+
+async fn statuses(
+    addr: std::net::SocketAddr,
+    from: &str,
+    path: &str,
+    headers: &[(&str, &str)],
+    n: usize,
+) -> Vec<StatusCode> {
+    let mut out = Vec::new();
+    for _ in 0..n {
+        out.push(send(addr, ip(from), "GET", path, headers, b"").await.status);
+    }
+    out
+}
+
+const OK: StatusCode = StatusCode::OK;
+const LIMITED: StatusCode = StatusCode::TOO_MANY_REQUESTS;
+
+#[tokio::test(flavor = "multi_thread")]
+async fn exempt_networks_are_checked_against_the_resolved_address() {
+    let layer = RateLimitLayer::new(MemoryStore::new())
+        .client_ip(
+            ClientIpResolver::trusting(
+                ["127.0.30.1/32".parse().unwrap()],
+                ForwardedHeader::XForwardedFor,
+            )
+            .unwrap(),
+        )
+        .rule(Rule::per_client_ip(bucket("per-ip", 2)).exempt(
+            // Written in IPv4-mapped form: the IPv4 network 127.0.31.0/24.
+            Exemption::networks(["::ffff:127.0.31.0/120".parse().unwrap()]).unwrap(),
+        ));
+    let addr = serve(
+        Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(layer),
+    )
+    .await;
+
+    // Inside the network: never limited.
+    assert_eq!(statuses(addr, "127.0.31.7", "/", &[], 5).await, [OK; 5]);
+    // Outside: limited.
+    assert_eq!(
+        statuses(addr, "127.0.32.7", "/", &[], 3).await,
+        [OK, OK, LIMITED]
+    );
+    // An untrusted peer cannot claim an exempt address...
+    let forged = [("X-Forwarded-For", "127.0.31.9")];
+    assert_eq!(
+        statuses(addr, "127.0.32.8", "/", &forged, 3).await,
+        [OK, OK, LIMITED]
+    );
+    // ...but the trusted proxy's report is believed, both ways.
+    assert_eq!(
+        statuses(
+            addr,
+            "127.0.30.1",
+            "/",
+            &[("X-Forwarded-For", "127.0.31.9")],
+            4
+        )
+        .await,
+        [OK; 4]
+    );
+    assert_eq!(
+        statuses(
+            addr,
+            "127.0.30.1",
+            "/",
+            &[("X-Forwarded-For", "198.51.100.4")],
+            3
+        )
+        .await,
+        [OK, OK, LIMITED]
+    );
+}
+
+#[test]
+fn a_mapped_exempt_network_shorter_than_96_is_refused() {
+    let e = Exemption::networks(["::ffff:0.0.0.0/80".parse().unwrap()]).unwrap_err();
+    assert!(e.to_string().contains("IPv4-mapped"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn exempt_principals_skip_only_their_rule() {
+    let layer = RateLimitLayer::new(MemoryStore::new())
+        .rule(Rule::per_client_ip(bucket("per-ip", 4)))
+        .rule(
+            Rule::per_account(bucket("per-account", 1))
+                .exempt(Exemption::principals(|p| p.tenant() == "internal")),
+        );
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer)
+        .layer(middleware::from_fn(test_auth));
+    let addr = serve(app).await;
+    let internal = [("X-Test-User", "internal/ops")];
+    let customer = [("X-Test-User", "north/alice")];
+    // The customer's account budget is 1.
+    assert_eq!(
+        statuses(addr, "127.0.33.1", "/", &customer, 2).await,
+        [OK, LIMITED]
+    );
+    // The internal tenant skips the account rule, not the address rule (4).
+    assert_eq!(
+        statuses(addr, "127.0.33.2", "/", &internal, 5).await,
+        [OK, OK, OK, OK, LIMITED]
+    );
+    // Without a principal the exemption does not apply: the account rule
+    // needs one and answers 401.
+    assert_eq!(
+        statuses(addr, "127.0.33.3", "/", &[], 1).await,
+        [StatusCode::UNAUTHORIZED]
+    );
+}
+
+/// The health check of a fail-closed layer whose store is failing: one line
+/// exempts it, and it is answered without a store call.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_exempt_health_check_answers_while_the_store_fails() {
+    let broken = MemoryStore::builder()
+        .max_keys(1, OnKeyCap::RefuseNewKeys)
+        .shards(1)
+        .build();
+    let occupied = Charge::new(Key::new("occupied"), bucket("x", 1), 1).unwrap();
+    assert!(broken.charge_now(&[occupied]).unwrap().is_admitted());
+    let layer = RateLimitLayer::new(broken)
+        .exempt(Exemption::when(|req| req.uri.path() == "/healthz"))
+        .rule(Rule::per_client_ip(bucket("per-ip", 5)))
+        .rule(Rule::per_account(bucket("per-account", 5)));
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route("/healthz", get(|| async { "up" }))
+        .layer(layer);
+    let addr = serve(app).await;
+    assert_eq!(
+        statuses(addr, "127.0.34.1", "/", &[], 1).await,
+        [StatusCode::SERVICE_UNAVAILABLE]
+    );
+    // No principal, no store: still 200, with no RateLimit fields.
+    let r = send(addr, ip("127.0.34.1"), "GET", "/healthz", &[], b"").await;
+    assert_eq!(r.status, OK);
+    assert!(r.header("ratelimit").is_none());
+    // The predicate sees the path, not the query: `/healthz?x` is exempt
+    // too, `/healthzz` and `/healthz/` are not.
+    for (path, status) in [
+        ("/healthz?probe=1", OK),
+        ("/healthzz", StatusCode::SERVICE_UNAVAILABLE),
+        ("/healthz/", StatusCode::SERVICE_UNAVAILABLE),
+    ] {
+        assert_eq!(
+            send(addr, ip("127.0.34.1"), "GET", path, &[], b"")
+                .await
+                .status,
+            status,
+            "{path}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn layer_wide_dry_run_refuses_nothing_and_shows_the_spent_budget() {
+    let layer = RateLimitLayer::new(MemoryStore::new())
+        .dry_run(true)
+        .rule(Rule::per_client_ip(bucket("per-ip", 2)))
+        .rule(
+            Rule::per_client_ip(bucket("upload", 4))
+                .on_route("/upload")
+                .with_cost(Cost::content_kib()),
+        );
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route("/upload", post(|| async { "stored" }))
+        .layer(layer);
+    let addr = serve(app).await;
+    let mut remaining = Vec::new();
+    for _ in 0..4 {
+        let r = send(addr, ip("127.0.35.1"), "GET", "/", &[], b"").await;
+        assert_eq!(r.status, OK);
+        let fields = sf_list(&r.header_joined("ratelimit").unwrap());
+        remaining.push(param(&fields[0], "r").unwrap());
+    }
+    assert_eq!(remaining, [1, 0, 0, 0]);
+    // A cost that can never fit (8 KiB against 4) is let through as well.
+    let big = vec![b'x'; 8 * 1024];
+    let r = send(addr, ip("127.0.35.2"), "POST", "/upload", &[], &big).await;
+    assert_eq!(r.status, OK);
+}
+
+/// Enforced and dry-run rules in one request: a dry-run limit that would
+/// refuse is left out, one that would admit is charged with the enforced
+/// ones, all-or-nothing, and a 429 comes only from enforced limits.
+#[tokio::test(flavor = "multi_thread")]
+async fn dry_run_and_enforced_rules_mix_all_or_nothing() {
+    let store = Arc::new(MemoryStore::new());
+    let enforced = bucket("enforced", 3);
+    // Refills half as fast as the enforced rule: its wait would be 2 h.
+    let trial = Policy::token_bucket(
+        "trial",
+        2,
+        Rate::new(1, std::time::Duration::from_secs(7200)),
+    )
+    .unwrap();
+    let layer = RateLimitLayer::with_shared_store(store.clone())
+        .rule(Rule::per_client_ip(enforced.clone()))
+        .rule(Rule::per_client_ip(trial.clone()).dry_run(true));
+    let addr = serve(
+        Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(layer),
+    )
+    .await;
+    let trial_left = || {
+        let charge =
+            Charge::new(Key::new("trial").with("ip=127.0.36.1"), trial.clone(), 1).unwrap();
+        store.peek(&[charge]).limits()[0].remaining()
+    };
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let r = send(addr, ip("127.0.36.1"), "GET", "/", &[], b"").await;
+        seen.push((
+            r.status,
+            trial_left(),
+            r.header("retry-after").map(str::to_owned),
+        ));
+    }
+    assert_eq!(
+        seen,
+        [
+            (OK, 1, None),
+            (OK, 0, None),
+            // The trial budget is spent: it would refuse, and is left out.
+            (OK, 0, None),
+            // Now the enforced budget is spent: 429, with its own wait of
+            // an hour (the trial's would be two).
+            (LIMITED, 0, Some("3600".to_owned())),
+        ]
+    );
+
+    // All-or-nothing: when an enforced limit refuses, a dry-run limit that
+    // would admit is not charged.
+    let small = bucket("small", 1);
+    let roomy = bucket("roomy", 5);
+    let store = Arc::new(MemoryStore::new());
+    let layer = RateLimitLayer::with_shared_store(store.clone())
+        .rule(Rule::per_client_ip(small))
+        .rule(Rule::per_client_ip(roomy.clone()).dry_run(true));
+    let addr = serve(
+        Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(layer),
+    )
+    .await;
+    assert_eq!(
+        statuses(addr, "127.0.36.2", "/", &[], 3).await,
+        [OK, LIMITED, LIMITED]
+    );
+    let roomy_key = Charge::new(Key::new("roomy").with("ip=127.0.36.2"), roomy, 1).unwrap();
+    assert_eq!(store.peek(&[roomy_key]).limits()[0].remaining(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn dry_run_rules_still_refuse_requests_that_lack_what_they_need() {
+    let layer = RateLimitLayer::new(MemoryStore::new())
+        .dry_run(true)
+        .rule(Rule::new(bucket("acct", 5)).keyed_by([KeyPart::Account]));
+    let addr = serve(
+        Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(layer),
+    )
+    .await;
+    let r = send(addr, ip("127.0.37.1"), "GET", "/", &[], b"").await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_401_carries_a_configurable_challenge_and_grpc_gets_none() {
+    let app = |layer: RateLimitLayer<MemoryStore>| {
+        Router::new()
+            .route("/", get(|| async { "ok" }).post(|| async { "ok" }))
+            .layer(layer.rule(Rule::per_account(bucket("acct", 5))))
+    };
+    let default = serve(app(RateLimitLayer::new(MemoryStore::new()))).await;
+    let r = send(default, ip("127.0.38.1"), "GET", "/", &[], b"").await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(r.header("www-authenticate"), Some("Bearer"));
+
+    let custom = serve(app(RateLimitLayer::new(MemoryStore::new())
+        .www_authenticate(HeaderValue::from_static("Bearer realm=\"api\""))))
+    .await;
+    let r = send(custom, ip("127.0.38.1"), "GET", "/", &[], b"").await;
+    assert_eq!(r.header("www-authenticate"), Some("Bearer realm=\"api\""));
+
+    let r = send(
+        custom,
+        ip("127.0.38.1"),
+        "POST",
+        "/",
+        &[("Content-Type", "application/grpc")],
+        b"",
+    )
+    .await;
+    assert_eq!(r.header("grpc-status"), Some("16"));
+    assert!(r.header("www-authenticate").is_none());
+}
