@@ -195,10 +195,8 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
     let upload = Policy::token_bucket("upload", 1024, Rate::per_second(256))?
         .with_unit(tollgate::Unit::Other("kib".into()));
 
-    for policy in [&per_ip, &export, &upload] {
-        // A Redis store can refuse numbers it cannot decide exactly: say so now.
-        RedisStore::check_policy(policy)?;
-    }
+    // `try_rule` refuses, here at start, a policy the store cannot hold (a
+    // Redis store refuses numbers it cannot decide exactly).
     let limits = RateLimitLayer::new(store)
         .client_ip(ClientIpResolver::trusting(
             options.trusted,
@@ -207,13 +205,13 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
         // The health check answers even while the store is down.
         .exempt(Exemption::when(|req| req.uri.path() == "/healthz"))
         .dry_run(options.dry_run)
-        .rule(Rule::per_client_ip(per_ip).exempt(Exemption::networks(options.exempt)?))
-        .rule(Rule::per_account_operation(export).on_route("/export"))
-        .rule(
+        .try_rule(Rule::per_client_ip(per_ip).exempt(Exemption::networks(options.exempt)?))?
+        .try_rule(Rule::per_account_operation(export).on_route("/export"))?
+        .try_rule(
             Rule::per_account(upload)
                 .on_route("/upload")
                 .with_cost(Cost::content_kib()),
-        );
+        )?;
 
     // Slow work: per account at most 2 in flight, 8 in all, each bounded by a
     // timeout inside the limit so a stuck request cannot hold its slot.

@@ -342,3 +342,55 @@ async fn a_401_carries_a_configurable_challenge_and_grpc_gets_none() {
     assert_eq!(r.header("grpc-status"), Some("16"));
     assert!(r.header("www-authenticate").is_none());
 }
+
+/// A policy the store cannot hold is a configuration error when the layer
+/// is built, with the reason, not a `503` "store unavailable" at runtime.
+#[tokio::test]
+async fn a_policy_the_store_cannot_hold_is_refused_when_the_rule_is_added() {
+    let redis = tollgate::RedisStore::builder("redis://127.0.0.1:1")
+        .unwrap()
+        .build()
+        .unwrap();
+    let month =
+        Policy::fixed_window("monthly", 1000, std::time::Duration::from_secs(30 * 86_400)).unwrap();
+    let huge = Policy::token_bucket("huge", 1 << 30, Rate::per_second(1)).unwrap();
+    let fine = bucket("fine", 5);
+    let dynamic: Arc<dyn tollgate::DynStore> = Arc::new(redis);
+    for policy in [&month, &huge] {
+        let e = RateLimitLayer::new(dynamic.clone())
+            .try_rule(Rule::per_client_ip(policy.clone()))
+            .unwrap_err();
+        assert_eq!(e.policy(), policy.name());
+        assert!(e.to_string().contains(policy.name()), "{e}");
+    }
+    assert!(
+        RateLimitLayer::new(dynamic.clone())
+            .try_rule(Rule::per_client_ip(fine.clone()))
+            .is_ok()
+    );
+    // `rule` panics with the same reason, as axum's `route` does.
+    let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        RateLimitLayer::new(dynamic.clone()).rule(Rule::per_client_ip(huge.clone()))
+    }))
+    .unwrap_err();
+    let text = panic.downcast_ref::<String>().unwrap();
+    assert!(text.contains("huge"), "{text}");
+    // A fallback store is held to the same, whichever is set first.
+    let e = RateLimitLayer::new(MemoryStore::new())
+        .on_store_error(tollgate::OnStoreError::Fallback(dynamic.clone()))
+        .try_rule(Rule::per_client_ip(huge.clone()))
+        .unwrap_err();
+    assert_eq!(e.policy(), "huge");
+    let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        RateLimitLayer::new(MemoryStore::new())
+            .rule(Rule::per_client_ip(huge.clone()))
+            .on_store_error(tollgate::OnStoreError::Fallback(dynamic.clone()))
+    }));
+    assert!(panic.is_err());
+    // The in-memory store holds every valid policy.
+    assert!(
+        RateLimitLayer::new(MemoryStore::new())
+            .try_rule(Rule::per_client_ip(month))
+            .is_ok()
+    );
+}

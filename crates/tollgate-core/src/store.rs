@@ -6,7 +6,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use crate::{Charge, Outcome};
+use crate::{Charge, Outcome, Policy};
 
 /// A boxed, sendable future, as returned by [`DynStore`].
 pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -41,6 +41,17 @@ pub trait Store: Send + Sync + 'static {
         let _ = charges;
         None
     }
+
+    /// Whether this store can hold and decide `policy` exactly: an error of
+    /// kind [`StoreErrorKind::Unsupported`] says which number is out of
+    /// its range. Callers check every policy once, when they are
+    /// configured (the HTTP layer does so when a rule is added), so that a
+    /// configuration error is never answered at runtime as an outage. The
+    /// default accepts every policy.
+    fn check_policy(&self, policy: &Policy) -> Result<(), StoreError> {
+        let _ = policy;
+        Ok(())
+    }
 }
 
 /// The object-safe form of [`Store`], implemented for every `Store`.
@@ -53,6 +64,9 @@ pub trait DynStore: Send + Sync + 'static {
 
     /// [`Store::try_charge_now`].
     fn try_charge_now_dyn(&self, charges: &[Charge]) -> Option<Result<Outcome, StoreError>>;
+
+    /// [`Store::check_policy`].
+    fn check_policy_dyn(&self, policy: &Policy) -> Result<(), StoreError>;
 }
 
 impl<S: Store> DynStore for S {
@@ -65,6 +79,10 @@ impl<S: Store> DynStore for S {
 
     fn try_charge_now_dyn(&self, charges: &[Charge]) -> Option<Result<Outcome, StoreError>> {
         self.try_charge_now(charges)
+    }
+
+    fn check_policy_dyn(&self, policy: &Policy) -> Result<(), StoreError> {
+        self.check_policy(policy)
     }
 }
 
@@ -79,6 +97,10 @@ impl Store for Arc<dyn DynStore> {
     fn try_charge_now(&self, charges: &[Charge]) -> Option<Result<Outcome, StoreError>> {
         (**self).try_charge_now_dyn(charges)
     }
+
+    fn check_policy(&self, policy: &Policy) -> Result<(), StoreError> {
+        (**self).check_policy_dyn(policy)
+    }
 }
 
 impl<S: Store> Store for Arc<S> {
@@ -91,6 +113,10 @@ impl<S: Store> Store for Arc<S> {
 
     fn try_charge_now(&self, charges: &[Charge]) -> Option<Result<Outcome, StoreError>> {
         (**self).try_charge_now(charges)
+    }
+
+    fn check_policy(&self, policy: &Policy) -> Result<(), StoreError> {
+        (**self).check_policy(policy)
     }
 }
 

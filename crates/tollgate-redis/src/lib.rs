@@ -16,7 +16,8 @@
 //! - **Same algorithms** as `tollgate-core`, with the same results on the
 //!   same traces (the core's conformance table runs against a real Redis).
 //!   Policies whose numbers do not fit the exact range are refused with
-//!   [`StoreErrorKind::Unsupported`]; see [`RedisStore::check_policy`].
+//!   [`StoreErrorKind::Unsupported`] by [`Store::check_policy`], which
+//!   the HTTP layer calls when a rule is added.
 //! - **Keys**: `PREFIX:{KEY}:POLICY`, where `KEY` is the injective text of
 //!   the tuple key (`{`/`}` escaped) and `POLICY` the policy's name, unit
 //!   and numbers (`NAME/UNIT/NUMBERS`): state belongs to the key and the
@@ -291,12 +292,6 @@ impl RedisStore {
             split: false,
             cache: None,
         }
-    }
-
-    /// Whether this store can decide `policy` exactly; the error says which
-    /// number is out of range. Call it at startup for every policy.
-    pub fn check_policy(policy: &Policy) -> Result<(), StoreError> {
-        script::params(policy, 1).map(|_| ())
     }
 
     /// The Redis key that holds `charge`'s state.
@@ -601,5 +596,12 @@ impl Store for RedisStore {
             return None;
         }
         self.local_answer(charges).0.map(Ok)
+    }
+
+    /// Refuses the numbers the script cannot decide exactly (e.g. a window
+    /// or a time to full beyond what Redis's doubles hold to the
+    /// nanosecond); the error names the number.
+    fn check_policy(&self, policy: &Policy) -> Result<(), StoreError> {
+        script::params(policy, 1).map(|_| ())
     }
 }

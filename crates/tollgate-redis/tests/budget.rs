@@ -188,7 +188,12 @@ async fn unsupported_policies_are_refused_with_a_reason() {
     let p = Policy::token_bucket("huge", 1 << 30, Rate::per_second(1)).unwrap();
     let e = s.charge(&[charge("k", &p, 1)]).await.unwrap_err();
     assert_eq!(e.kind(), StoreErrorKind::Unsupported);
-    assert!(RedisStore::check_policy(&p).is_err());
+    let e = s.check_policy(&p).unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Unsupported);
+    assert!(
+        s.check_policy(&Policy::token_bucket("fine", 5, Rate::per_second(1)).unwrap())
+            .is_ok()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

@@ -3,7 +3,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use http::HeaderValue;
-use tollgate_core::{DynStore, Store};
+use tollgate_core::{DynStore, Store, StoreError};
 use tower_layer::Layer;
 
 use super::{Exemption, RateLimit, Rule};
@@ -133,8 +133,33 @@ impl<St: Store> RateLimitLayer<St> {
     /// cost are known is charged in one all-or-nothing store call, also
     /// when the layer then refuses the request for its own reasons (see
     /// [the order of answers](super#the-order-of-answers-every-request-counts-against-its-address)).
+    ///
+    /// # Panics
+    ///
+    /// If the store cannot hold the rule's policy
+    /// ([`Store::check_policy`], e.g. a Redis store and a window longer
+    /// than it can decide exactly), with the reason, as axum's
+    /// `Router::route` panics on an invalid route: a configuration error
+    /// shows when the layer is built, never as a `503` at runtime. Use
+    /// [`RateLimitLayer::try_rule`] when the store or the policies are
+    /// chosen at runtime.
+    #[track_caller]
     pub fn rule(self, rule: Rule) -> Self {
-        self.edit(|c| c.rules.push(rule))
+        match self.try_rule(rule) {
+            Ok(layer) => layer,
+            Err(e) => panic!("{e}"),
+        }
+    }
+
+    /// Like [`RateLimitLayer::rule`], returning an error instead of
+    /// panicking when the store (or the fallback store) cannot hold the
+    /// rule's policy.
+    pub fn try_rule(self, rule: Rule) -> Result<Self, UnsupportedPolicy> {
+        check(&*self.config.store, &rule)?;
+        if let OnStoreError::Fallback(fallback) = &self.config.on_store_error {
+            check(fallback, &rule)?;
+        }
+        Ok(self.edit(|c| c.rules.push(rule)))
     }
 
     /// Sets how client addresses are resolved (default: the peer only).
@@ -143,7 +168,21 @@ impl<St: Store> RateLimitLayer<St> {
     }
 
     /// Sets what a store failure means (default: fail closed, 503).
+    ///
+    /// # Panics
+    ///
+    /// If a fallback store cannot hold the policy of a rule added before
+    /// (see [`RateLimitLayer::rule`]); add the rules after this call with
+    /// [`RateLimitLayer::try_rule`] to get the error instead.
+    #[track_caller]
     pub fn on_store_error(self, what: OnStoreError) -> Self {
+        if let OnStoreError::Fallback(fallback) = &what {
+            for rule in &self.config.rules {
+                if let Err(e) = check(fallback, rule) {
+                    panic!("{e}");
+                }
+            }
+        }
         self.edit(|c| c.on_store_error = what)
     }
 
@@ -176,6 +215,32 @@ impl<St: Store> RateLimitLayer<St> {
     pub fn www_authenticate(self, challenge: HeaderValue) -> Self {
         self.edit(|c| c.www_authenticate = challenge)
     }
+}
+
+/// A rule whose policy the layer's store cannot hold, refused by
+/// [`RateLimitLayer::try_rule`] (or, as a panic, [`RateLimitLayer::rule`]).
+#[derive(Debug, thiserror::Error)]
+#[error("rule {policy:?} cannot be added: the store cannot hold its policy: {source}")]
+pub struct UnsupportedPolicy {
+    policy: String,
+    #[source]
+    source: StoreError,
+}
+
+impl UnsupportedPolicy {
+    /// The name of the policy that was refused.
+    pub fn policy(&self) -> &str {
+        &self.policy
+    }
+}
+
+fn check(store: &(impl Store + ?Sized), rule: &Rule) -> Result<(), UnsupportedPolicy> {
+    store
+        .check_policy(rule.policy())
+        .map_err(|source| UnsupportedPolicy {
+            policy: rule.policy().name().to_owned(),
+            source,
+        })
 }
 
 impl<S, St> Layer<S> for RateLimitLayer<St> {
