@@ -394,3 +394,95 @@ async fn a_policy_the_store_cannot_hold_is_refused_when_the_rule_is_added() {
             .is_ok()
     );
 }
+
+/// Set by the application's own API-key middleware after verifying a key.
+#[derive(Clone)]
+struct ApiKeyId(String);
+
+async fn api_key_auth(mut req: Request, next: Next) -> Response {
+    let id = match req.headers().get("x-api-key").and_then(|v| v.to_str().ok()) {
+        Some("secret-1") => Some("key-1"),
+        Some("secret-2") => Some("key-2"),
+        _ => None,
+    };
+    if let Some(id) = id {
+        req.extensions_mut().insert(ApiKeyId(id.to_owned()));
+    }
+    next.run(req).await
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn custom_key_parts_from_a_trusted_extension_and_from_client_bytes() {
+    let per_key = KeyPart::from_extension("api-key", |k: &ApiKeyId| k.0.clone()).unwrap();
+    // Per tenant-chosen region header, *within* the client address: the
+    // client picks the header, but not its address.
+    let region = KeyPart::unverified("region", |p| {
+        p.headers
+            .get("x-region")
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned)
+    })
+    .unwrap();
+    let layer = RateLimitLayer::new(MemoryStore::new())
+        .rule(
+            Rule::new(bucket("per-api-key", 2))
+                .on_route("/keyed")
+                .keyed_by([per_key]),
+        )
+        .rule(
+            Rule::new(bucket("per-region", 1))
+                .on_route("/region")
+                .keyed_by([KeyPart::ClientIp, region])
+                .when_no_principal(tollgate::MissingPrincipal::Skip),
+        );
+    let app = Router::new()
+        .route("/keyed", get(|| async { "ok" }))
+        .route("/region", get(|| async { "ok" }))
+        .layer(layer)
+        .layer(middleware::from_fn(api_key_auth));
+    let addr = serve(app).await;
+    let one = [("X-Api-Key", "secret-1")];
+    let two = [("X-Api-Key", "secret-2")];
+    // Each verified key has its own budget, whatever address it comes from.
+    assert_eq!(
+        statuses(addr, "127.0.39.1", "/keyed", &one, 2).await,
+        [OK, OK]
+    );
+    assert_eq!(
+        statuses(addr, "127.0.39.2", "/keyed", &one, 1).await,
+        [LIMITED]
+    );
+    assert_eq!(
+        statuses(addr, "127.0.39.2", "/keyed", &two, 3).await,
+        [OK, OK, LIMITED]
+    );
+    // An unknown key carries no extension: 401 with the challenge.
+    let r = send(
+        addr,
+        ip("127.0.39.3"),
+        "GET",
+        "/keyed",
+        &[("X-Api-Key", "guess")],
+        b"",
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(r.header("www-authenticate"), Some("Bearer"));
+    // A client-chosen value splits only its own address's budget.
+    let eu = [("X-Region", "eu")];
+    let us = [("X-Region", "us")];
+    assert_eq!(
+        statuses(addr, "127.0.39.4", "/region", &eu, 2).await,
+        [OK, LIMITED]
+    );
+    assert_eq!(
+        statuses(addr, "127.0.39.4", "/region", &us, 2).await,
+        [OK, LIMITED]
+    );
+    assert_eq!(statuses(addr, "127.0.39.5", "/region", &eu, 1).await, [OK]);
+    // Without the header the rule is skipped, as configured.
+    assert_eq!(
+        statuses(addr, "127.0.39.4", "/region", &[], 3).await,
+        [OK; 3]
+    );
+}

@@ -115,8 +115,8 @@ mod response;
 pub use body::ResponseBody;
 pub use concurrency::{ConcurrencyLimit, ConcurrencyLimitLayer};
 pub use identity::{
-    ClientIp, ClientIpError, ClientIpResolver, ForwardedHeader, InvalidNetwork, InvalidPrefix,
-    KeyPart, MissingPrincipal, Operation, PeerAddr, Principal,
+    ClientIp, ClientIpError, ClientIpResolver, CustomPart, ForwardedHeader, InvalidNetwork,
+    InvalidPrefix, KeyPart, MissingPrincipal, Operation, PeerAddr, Principal,
 };
 pub use rate_limit::{
     Cost, CostError, Exemption, InvalidRoute, OnStoreError, RateLimit, RateLimitLayer, Rule,

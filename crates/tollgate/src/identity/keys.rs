@@ -6,7 +6,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use http::request::Parts;
-use tollgate_core::Key;
+use tollgate_core::{InvalidName, Key, check_name};
 
 use super::{ClientIp, ClientIpError, ClientIpResolver, Operation, Principal};
 
@@ -37,6 +37,9 @@ pub enum KeyPart {
     Operation,
     /// A fixed component, e.g. to group several routes into one budget.
     Literal(Arc<str>),
+    /// A component the application computes from the request
+    /// ([`KeyPart::from_extension`], [`KeyPart::unverified`]).
+    Custom(CustomPart),
 }
 
 impl KeyPart {
@@ -45,6 +48,116 @@ impl KeyPart {
             self,
             KeyPart::Tenant | KeyPart::Account | KeyPart::Credential
         )
+    }
+
+    /// A component read from the request extension `T`, which a layer you
+    /// trust put there after verifying it (an API-key id, an organisation
+    /// id from a verified token, a path parameter your router extracted):
+    /// the safe way to key by something the application knows.
+    ///
+    /// `name` (`[A-Za-z0-9._-]`, 1 to 64 bytes) tags the component
+    /// (`x.NAME=value`), so a custom component never equals a built-in one
+    /// or another custom one. A request without the extension is treated
+    /// like one without a principal ([`crate::Rule::when_no_principal`]:
+    /// `401` by default, or the client address, or skip the rule).
+    ///
+    /// ```
+    /// use tollgate::{KeyPart, Policy, Rate, Rule};
+    /// /// Set by the application's own API-key middleware.
+    /// #[derive(Clone)]
+    /// struct ApiKeyId(String);
+    /// let per_key = Rule::new(Policy::token_bucket("per-api-key", 100, Rate::per_minute(100)).unwrap())
+    ///     .keyed_by([KeyPart::from_extension("api-key", |k: &ApiKeyId| k.0.clone()).unwrap()]);
+    /// ```
+    pub fn from_extension<T: Send + Sync + 'static>(
+        name: &str,
+        read: impl Fn(&T) -> String + Send + Sync + 'static,
+    ) -> Result<Self, InvalidName> {
+        CustomPart::key_part(name, true, move |parts: &Parts| {
+            parts.extensions.get::<T>().map(&read)
+        })
+    }
+
+    /// A component computed by `read` from anything in the request head,
+    /// **including what the client writes** (headers, query, path).
+    ///
+    /// A client chooses such a value: keyed only by it, a client that sends
+    /// a new value each time gets a new budget each time. Use it only with
+    /// another component the client cannot choose (the client address,
+    /// the account), or to split an already-bounded budget further (e.g.
+    /// per repository path within an account). For anything an
+    /// authentication layer verified, use [`KeyPart::from_extension`].
+    /// `None` is treated like a missing principal, and `name` tags the
+    /// component, as there.
+    pub fn unverified(
+        name: &str,
+        read: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> Result<Self, InvalidName> {
+        CustomPart::key_part(name, false, read)
+    }
+}
+
+type ReadFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
+
+/// A key component computed by the application; see
+/// [`KeyPart::from_extension`] and [`KeyPart::unverified`]. Two custom parts
+/// are equal when they are clones of one another.
+#[derive(Clone)]
+pub struct CustomPart {
+    name: Arc<str>,
+    /// `x.NAME=`: the component's tag.
+    tag: Arc<str>,
+    verified: bool,
+    read: Arc<ReadFn>,
+}
+
+impl CustomPart {
+    fn key_part(
+        name: &str,
+        verified: bool,
+        read: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> Result<KeyPart, InvalidName> {
+        check_name(name)?;
+        Ok(KeyPart::Custom(Self {
+            name: name.into(),
+            tag: format!("x.{name}=").into(),
+            verified,
+            read: Arc::new(read),
+        }))
+    }
+
+    /// The name given when the part was made.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Whether the part reads a request extension (set by a trusted layer)
+    /// rather than anything a client writes.
+    pub fn is_verified(&self) -> bool {
+        self.verified
+    }
+}
+
+impl PartialEq for CustomPart {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.read, &other.read) && self.name == other.name
+    }
+}
+
+impl Eq for CustomPart {}
+
+impl std::hash::Hash for CustomPart {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.name.hash(state);
+    }
+}
+
+impl std::fmt::Debug for CustomPart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CustomPart")
+            .field("name", &self.name)
+            .field("verified", &self.verified)
+            .finish_non_exhaustive()
     }
 }
 
@@ -72,6 +185,9 @@ pub(crate) enum KeyError {
     NoPrincipal,
     /// The key needs the client address and it could not be resolved.
     ClientIp(ClientIpError),
+    /// A custom component has no value for this request, and the rule
+    /// says [`MissingPrincipal::Reject`].
+    MissingPart(Arc<str>),
 }
 
 /// Lazily resolved identity of one request.
@@ -172,6 +288,23 @@ impl<'a> RequestIdentity<'a> {
                     }
                 },
                 KeyPart::Literal(s) => key.push_tagged("lit=", s.as_bytes()),
+                KeyPart::Custom(c) => match (c.read)(self.parts) {
+                    Some(value) => key.push_tagged(&c.tag, value),
+                    None => match missing {
+                        MissingPrincipal::Reject => {
+                            return Err(KeyError::MissingPart(c.name.clone()));
+                        }
+                        MissingPrincipal::Skip => return Ok(None),
+                        MissingPrincipal::FallbackToClientIp if ip_done => {}
+                        MissingPrincipal::FallbackToClientIp => match self.ip() {
+                            Ok(ip) => {
+                                ip_done = true;
+                                key.push_tagged("ip=", ip.text());
+                            }
+                            Err(e) => return Err(KeyError::ClientIp(e)),
+                        },
+                    },
+                },
             }
         }
         Ok(Some(key))
@@ -254,5 +387,53 @@ mod tests {
             )
             .unwrap();
         assert_ne!(literal, by_address);
+    }
+
+    /// Custom components are tagged by name: never equal to a built-in
+    /// component, to another name's, or to a value with separators in it.
+    #[test]
+    fn custom_components_keep_keys_injective() {
+        let mut req = http::Request::builder()
+            .uri("/")
+            .header("x-org", "north")
+            .body(())
+            .unwrap();
+        req.extensions_mut()
+            .insert(crate::PeerAddr(([203, 0, 113, 5], 1).into()));
+        req.extensions_mut()
+            .insert(Principal::new("north", "alice"));
+        let (parts, ()) = req.into_parts();
+        let resolver = ClientIpResolver::peer_only();
+        let header = |name: &str| {
+            KeyPart::unverified(name, |p: &Parts| {
+                p.headers
+                    .get("x-org")
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned)
+            })
+            .unwrap()
+        };
+        let key = |part: KeyPart| {
+            RequestIdentity::new(&parts, &resolver)
+                .key("rule", &[part], MissingPrincipal::Reject, None)
+                .unwrap()
+                .unwrap()
+        };
+        let org = key(header("org"));
+        assert_eq!(org, Key::new("rule").with("x.org=north"));
+        assert_ne!(org, key(KeyPart::Tenant));
+        assert_ne!(org, key(header("tenant")));
+        assert_ne!(org, key(KeyPart::Literal("north".into())));
+        assert_ne!(org, key(KeyPart::Literal("x.org=north".into())));
+        // A value with separators stays one component.
+        let odd = KeyPart::unverified("org", |_: &Parts| Some("a:b=c".into())).unwrap();
+        assert_eq!(key(odd).components().len(), 2);
+        // Names are checked once, when the part is made.
+        assert!(KeyPart::unverified("has space", |_: &Parts| None).is_err());
+        assert!(KeyPart::from_extension("", |p: &Principal| p.tenant().to_owned()).is_err());
+        // Clones are equal; two parts with one name and different readers are not.
+        let a = header("org");
+        assert_eq!(a, a.clone());
+        assert_ne!(a, header("org"));
     }
 }

@@ -22,8 +22,8 @@ pub use client_ip::{
     ClientIp, ClientIpError, ClientIpResolver, ForwardedHeader, InvalidNetwork, InvalidPrefix,
     PeerAddr,
 };
+pub use keys::{CustomPart, KeyPart, MissingPrincipal};
 pub(crate) use keys::{KeyError, RequestIdentity};
-pub use keys::{KeyPart, MissingPrincipal};
 pub use operation::Operation;
 pub(crate) use operation::{nested_of as operation_nest, route_of as operation_route};
 pub use principal::Principal;

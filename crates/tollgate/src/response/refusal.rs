@@ -147,6 +147,13 @@ impl Answer {
                 Answer::new(Refusal::Misconfigured, e.to_string())
             }
             KeyError::ClientIp(e) => Answer::new(Refusal::BadRequest, e.to_string()),
+            KeyError::MissingPart(name) => Answer {
+                challenge: Some(HeaderValue::from_static("Bearer")),
+                ..Answer::new(
+                    Refusal::Unauthenticated,
+                    format!("{first:?} is keyed by {name:?}, which this request does not carry"),
+                )
+            },
         }
     }
 
