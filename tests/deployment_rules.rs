@@ -486,3 +486,35 @@ async fn custom_key_parts_from_a_trusted_extension_and_from_client_bytes() {
         [OK; 3]
     );
 }
+
+/// A unit follows its cost: a content or computed cost never reads as
+/// "requests" in refusals or in `RateLimit-Policy`.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_unit_follows_its_cost() {
+    let layer = RateLimitLayer::new(MemoryStore::new())
+        .rule(
+            Rule::per_client_ip(bucket("kib", 2))
+                .on_route("/upload")
+                .with_cost(Cost::content_kib()),
+        )
+        .rule(
+            Rule::per_client_ip(bucket("rows", 5))
+                .on_route("/query")
+                .with_cost(Cost::computed(tollgate::Unit::Other("rows".into()), |_| Ok(9))),
+        );
+    let app = Router::new()
+        .route("/upload", post(|| async { "ok" }))
+        .route("/query", get(|| async { "ok" }))
+        .layer(layer);
+    let addr = serve(app).await;
+    let r = send(addr, ip("127.0.40.1"), "POST", "/upload", &[], &[b'x'; 4096]).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(r.body.contains("costs 4 content-kib"), "{}", r.body);
+    let r = send(addr, ip("127.0.40.1"), "GET", "/query", &[], b"").await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    assert!(r.body.contains("costs 9 rows"), "{}", r.body);
+    let r = send(addr, ip("127.0.40.2"), "POST", "/upload", &[], b"x").await;
+    assert_eq!(r.status, OK);
+    let policy = r.header_joined("ratelimit-policy").unwrap();
+    assert!(policy.contains("qu=\"content-kib\""), "{policy}");
+}

@@ -53,7 +53,7 @@ fn setup() -> &'static (Arc<MemoryStore>, RateLimitLayer<MemoryStore>) {
                 Rule::per_account_operation(Policy::token_bucket("work", 50, Rate::per_second(1)).unwrap())
                     .on_route("/items/{id}")
                     .when_no_principal(tollgate::MissingPrincipal::FallbackToClientIp)
-                    .with_cost(Cost::computed(|parts| {
+                    .with_cost(Cost::computed(tollgate::Unit::Other("work".into()), |parts| {
                         parts
                             .headers
                             .get("x-cost")

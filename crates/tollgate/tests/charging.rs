@@ -101,7 +101,7 @@ proptest! {
                 Rule::per_account(Policy::token_bucket("work", 10, Rate::per_hour(1)).unwrap())
                     .on_route("/compute")
                     .when_no_principal(tollgate::MissingPrincipal::FallbackToClientIp)
-                    .with_cost(Cost::computed(header_cost)),
+                    .with_cost(Cost::computed(tollgate::Unit::Other("work".into()), header_cost)),
             );
         let inner = tower::service_fn(|_req: Request<()>| async {
             Ok::<_, Infallible>(Response::new(http_body_util::Empty::<bytes::Bytes>::new()))

@@ -35,9 +35,14 @@ pub enum Cost {
         /// Bytes per unit of cost (1 for bytes, 1024 for KiB).
         unit_bytes: NonZeroU64,
     },
-    /// A cost computed from the request head. Zero or an error is answered
-    /// `400 Bad Request`.
-    Computed(Arc<CostFn>),
+    /// A cost computed from the request head, in `unit`. Zero or an error
+    /// is answered `400 Bad Request`.
+    Computed {
+        /// What one unit of the computed cost stands for.
+        unit: Unit,
+        /// The computation.
+        cost: Arc<CostFn>,
+    },
 }
 
 impl Cost {
@@ -58,9 +63,32 @@ impl Cost {
         }
     }
 
-    /// A cost computed by `f` from the request head.
-    pub fn computed(f: impl Fn(&Parts) -> Result<u64, CostError> + Send + Sync + 'static) -> Self {
-        Cost::Computed(Arc::new(f))
+    /// A cost computed by `f` from the request head, in `unit` (e.g.
+    /// `Unit::Other("rows".into())`), which names the cost in refusals and
+    /// in the `RateLimit-Policy` field.
+    pub fn computed(
+        unit: Unit,
+        f: impl Fn(&Parts) -> Result<u64, CostError> + Send + Sync + 'static,
+    ) -> Self {
+        Cost::Computed {
+            unit,
+            cost: Arc::new(f),
+        }
+    }
+
+    /// The unit this cost counts in, when it is not one request:
+    /// `content-bytes`, `content-kib` (or `content-N-bytes`) for content
+    /// costs, the named unit for computed ones.
+    pub fn unit(&self) -> Option<Unit> {
+        match self {
+            Cost::Fixed(_) => None,
+            Cost::ContentLength { unit_bytes } => Some(match unit_bytes.get() {
+                1 => Unit::Bytes,
+                1024 => Unit::Other("content-kib".into()),
+                n => Unit::Other(format!("content-{n}-bytes").into()),
+            }),
+            Cost::Computed { unit, .. } => Some(unit.clone()),
+        }
     }
 
     pub(crate) fn of(&self, parts: &Parts) -> Result<u64, CostRefusal> {
@@ -80,7 +108,7 @@ impl Cost {
                     })?;
                 Ok(len.div_ceil(unit_bytes.get()).max(1))
             }
-            Cost::Computed(f) => match f(parts) {
+            Cost::Computed { cost: f, .. } => match f(parts) {
                 Ok(0) => Err(CostRefusal::Invalid(
                     "computed cost is 0; a cost must be positive".into(),
                 )),
@@ -112,7 +140,7 @@ impl fmt::Debug for Cost {
             Cost::ContentLength { unit_bytes } => {
                 write!(f, "ContentLength({unit_bytes} bytes per unit)")
             }
-            Cost::Computed(_) => f.write_str("Computed(..)"),
+            Cost::Computed { unit, .. } => write!(f, "Computed(in {})", unit.as_str()),
         }
     }
 }
@@ -260,13 +288,14 @@ impl Rule {
         self
     }
 
-    /// Sets the cost of a request. A content-length cost also sets the
-    /// policy's unit to `content-bytes` when counting bytes.
+    /// Sets the cost of a request. The policy takes the cost's unit
+    /// ([`Cost::unit`]) unless it names a unit of its own, so that refusals
+    /// and the `RateLimit-Policy` field never call bytes "requests".
     #[must_use]
     pub fn with_cost(mut self, cost: Cost) -> Self {
-        if let Cost::ContentLength { unit_bytes } = &cost {
-            if unit_bytes.get() == 1 && *self.policy.unit() == Unit::Requests {
-                self.policy = self.policy.clone().with_unit(Unit::Bytes);
+        if let Some(unit) = cost.unit() {
+            if *self.policy.unit() == Unit::Requests {
+                self.policy = self.policy.clone().with_unit(unit);
             }
         }
         self.cost = cost;
