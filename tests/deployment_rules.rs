@@ -500,14 +500,24 @@ async fn a_unit_follows_its_cost() {
         .rule(
             Rule::per_client_ip(bucket("rows", 5))
                 .on_route("/query")
-                .with_cost(Cost::computed(tollgate::Unit::Other("rows".into()), |_| Ok(9))),
+                .with_cost(Cost::computed(tollgate::Unit::Other("rows".into()), |_| {
+                    Ok(9)
+                })),
         );
     let app = Router::new()
         .route("/upload", post(|| async { "ok" }))
         .route("/query", get(|| async { "ok" }))
         .layer(layer);
     let addr = serve(app).await;
-    let r = send(addr, ip("127.0.40.1"), "POST", "/upload", &[], &[b'x'; 4096]).await;
+    let r = send(
+        addr,
+        ip("127.0.40.1"),
+        "POST",
+        "/upload",
+        &[],
+        &[b'x'; 4096],
+    )
+    .await;
     assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
     assert!(r.body.contains("costs 4 content-kib"), "{}", r.body);
     let r = send(addr, ip("127.0.40.1"), "GET", "/query", &[], b"").await;

@@ -326,7 +326,14 @@ impl Slide {
             prev = 0;
             cur = 0;
         }
-        let start = u128::from(stored_start) + windows_on * w;
+        // Two windows on, nothing counts any more: the key starts over,
+        // anchored now, exactly as a key never seen (or swept) would. So an
+        // idle state decides like no state, whether or not it was swept.
+        let start = if windows_on > 1 {
+            u128::from(eff_now)
+        } else {
+            u128::from(stored_start) + windows_on * w
+        };
         Self {
             w,
             l: u128::from(limit),

@@ -52,6 +52,31 @@ pub trait Store: Send + Sync + 'static {
         let _ = policy;
         Ok(())
     }
+
+    /// Decides `charges` as [`Store::charge`] would now, without spending
+    /// or writing anything: for limits charged only after the fact (e.g.
+    /// on a response's status), which are checked before the request. The
+    /// answer can be stale by the time it is acted on.
+    ///
+    /// The default answers [`StoreErrorKind::Unsupported`]; a store that
+    /// implements it says so in [`Store::can_check`].
+    fn check<'a>(
+        &'a self,
+        charges: &'a [Charge],
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send + 'a {
+        let _ = charges;
+        std::future::ready(Err(StoreError::new(
+            StoreErrorKind::Unsupported,
+            "this store cannot decide without charging",
+        )))
+    }
+
+    /// Whether [`Store::check`] is implemented (the default: no). The HTTP
+    /// layer refuses, when it is built, rules that need it on a store
+    /// without it.
+    fn can_check(&self) -> bool {
+        false
+    }
 }
 
 /// The object-safe form of [`Store`], implemented for every `Store`.
@@ -67,6 +92,15 @@ pub trait DynStore: Send + Sync + 'static {
 
     /// [`Store::check_policy`].
     fn check_policy_dyn(&self, policy: &Policy) -> Result<(), StoreError>;
+
+    /// [`Store::check`], boxed.
+    fn check_boxed<'a>(
+        &'a self,
+        charges: &'a [Charge],
+    ) -> StoreFuture<'a, Result<Outcome, StoreError>>;
+
+    /// [`Store::can_check`].
+    fn can_check_dyn(&self) -> bool;
 }
 
 impl<S: Store> DynStore for S {
@@ -83,6 +117,17 @@ impl<S: Store> DynStore for S {
 
     fn check_policy_dyn(&self, policy: &Policy) -> Result<(), StoreError> {
         self.check_policy(policy)
+    }
+
+    fn check_boxed<'a>(
+        &'a self,
+        charges: &'a [Charge],
+    ) -> StoreFuture<'a, Result<Outcome, StoreError>> {
+        Box::pin(self.check(charges))
+    }
+
+    fn can_check_dyn(&self) -> bool {
+        self.can_check()
     }
 }
 
@@ -101,6 +146,17 @@ impl Store for Arc<dyn DynStore> {
     fn check_policy(&self, policy: &Policy) -> Result<(), StoreError> {
         (**self).check_policy_dyn(policy)
     }
+
+    fn check<'a>(
+        &'a self,
+        charges: &'a [Charge],
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send + 'a {
+        (**self).check_boxed(charges)
+    }
+
+    fn can_check(&self) -> bool {
+        (**self).can_check_dyn()
+    }
 }
 
 impl<S: Store> Store for Arc<S> {
@@ -117,6 +173,17 @@ impl<S: Store> Store for Arc<S> {
 
     fn check_policy(&self, policy: &Policy) -> Result<(), StoreError> {
         (**self).check_policy(policy)
+    }
+
+    fn check<'a>(
+        &'a self,
+        charges: &'a [Charge],
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send + 'a {
+        (**self).check(charges)
+    }
+
+    fn can_check(&self) -> bool {
+        (**self).can_check()
     }
 }
 

@@ -197,13 +197,17 @@ for i = 1, n do
     -- Fixed window anchored at the first admission: p1 = limit, p2 = window ns.
     local limit, w = p1, p2
     local count, ws_e, ws_o = 0, NE, NO
+    local open = false
     if level ~= nil and (before(NE, NO, se, so) or diff(NE, NO, se, so) < w) then
       count, ws_e, ws_o = level, se, so
+      open = true
     end
     local ee, eo = add(ws_e, ws_o, w)
     local left_ns = 0
     if before(NE, NO, ee, eo) then left_ns = diff(ee, eo, NE, NO) end
-    br, bt = math.max(0, limit - count), left_ns
+    -- As it stands: a window not yet opened (or over) is full now.
+    br, bt = math.max(0, limit - count), 0
+    if open then bt = left_ns end
     if mode == "refund" then
       ok = 1
       if level ~= nil and re == ws_e and ro == ws_o and count >= need then

@@ -478,6 +478,40 @@ impl RedisStore {
         Ok(Outcome::new(decisions))
     }
 
+    /// What `charge_all` would answer now, read with the script's `peek`
+    /// mode: nothing is written. Slot groups are read one by one (there is
+    /// nothing to keep atomic).
+    async fn check_all(&self, charges: &[Charge]) -> Result<Outcome, StoreError> {
+        if let Some(outcome) = Outcome::never_fits(charges) {
+            return Ok(outcome);
+        }
+        let keys: Vec<String> = charges.iter().map(|c| self.redis_key(c)).collect();
+        let deadline = tokio::time::Instant::now() + self.inner.timeout;
+        let groups = if self.inner.split {
+            script::slot_groups(&keys)
+        } else {
+            vec![(0..charges.len()).collect()]
+        };
+        let mut decisions = vec![Decision::Unevaluated; charges.len()];
+        let mut before = vec![Decision::Unevaluated; charges.len()];
+        for group in groups {
+            let prepared = Prepared::new(group.iter().map(|&i| (&keys[i], &charges[i])))?;
+            let reply = self.invoke(&prepared, Mode::Peek, deadline).await?;
+            for (slot, &i) in group.iter().enumerate() {
+                let values = &reply[slot * script::REPLY..(slot + 1) * script::REPLY];
+                (decisions[i], before[i]) = script::decision(values, charges[i].policy());
+            }
+        }
+        if !decisions.iter().all(Decision::is_admitted) {
+            for (d, b) in decisions.iter_mut().zip(before) {
+                if d.is_admitted() {
+                    *d = b;
+                }
+            }
+        }
+        Ok(Outcome::new(decisions))
+    }
+
     /// Gives back admissions of earlier slot groups after a later refusal.
     /// Refunds not started by `deadline` are sent in the background, so
     /// that the decision keeps its time limit; one that times out is not
@@ -603,5 +637,17 @@ impl Store for RedisStore {
     /// nanosecond); the error names the number.
     fn check_policy(&self, policy: &Policy) -> Result<(), StoreError> {
         script::params(policy, 1).map(|_| ())
+    }
+
+    /// One `peek` script per slot group; nothing is written.
+    fn check<'a>(
+        &'a self,
+        charges: &'a [Charge],
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send + 'a {
+        self.check_all(charges)
+    }
+
+    fn can_check(&self) -> bool {
+        true
     }
 }

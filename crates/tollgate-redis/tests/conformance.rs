@@ -42,7 +42,8 @@ async fn redis_store_reproduces_every_case() {
 
 /// Clock faults: the same trace with jumps of up to ten days either way
 /// gives the same decisions on Redis (injected time) as in memory (manual
-/// clock), so neither mints credit the other would not.
+/// clock), so neither mints credit the other would not; and each store's
+/// `check` answers what its next charge answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_clock_jumps_agree_with_the_memory_store() {
     use std::time::Duration;
@@ -84,9 +85,25 @@ async fn large_clock_jumps_agree_with_the_memory_store() {
         clock.set(now as u64);
         let p = &policies[(r as usize >> 3) % policies.len()];
         let cost = 1 + (r >> 40) % 8;
-        let c = [Charge::new(Key::new(p.name()).with("k"), p.clone(), cost).unwrap()];
+        let mut c = vec![Charge::new(Key::new(p.name()).with("k"), p.clone(), cost).unwrap()];
+        if r % 5 == 0 {
+            // Now and then two limits at once, all-or-nothing.
+            let other = &policies[(r as usize >> 5) % policies.len()];
+            c.push(Charge::new(Key::new(other.name()).with("k"), other.clone(), 1).unwrap());
+        }
+        // A check answers what the charge that follows will answer, and
+        // changes nothing.
+        let checked = (
+            memory.check(&c).await.unwrap(),
+            redis.check(&c).await.unwrap(),
+        );
         let a = memory.charge(&c).await.unwrap();
         let b = redis.charge(&c).await.unwrap();
         assert_eq!(a, b, "step {step}: t={now} policy {} cost {cost}", p.name());
+        assert_eq!(
+            checked,
+            (a.clone(), b),
+            "step {step}: check and charge differ"
+        );
     }
 }

@@ -120,6 +120,44 @@ impl MemoryStore {
         Ok(Outcome::one(step.decision))
     }
 
+    /// What [`MemoryStore::charge_now`] would answer now, without spending
+    /// or writing anything ([`Store::check`](crate::Store::check)). Each
+    /// key is read under its own shard lock, so the answer is a snapshot
+    /// that can be stale by the time it is acted on.
+    pub fn check_now(&self, charges: &[Charge]) -> Outcome {
+        if let Some(outcome) = Outcome::never_fits(charges) {
+            return outcome;
+        }
+        let inner = &*self.inner;
+        let now = inner.clock.now();
+        let mut seen: Vec<(u128, State)> = Vec::new();
+        let mut before: Vec<Option<State>> = Vec::with_capacity(charges.len());
+        let mut decisions = Vec::with_capacity(charges.len());
+        for charge in charges {
+            let policy = charge.policy();
+            let digest = inner.digest(charge);
+            // A repeated key sees the earlier charge's effect, as in a charge.
+            let state = seen
+                .iter()
+                .rev()
+                .find(|(d, _)| *d == digest)
+                .map(|(_, s)| *s)
+                .or_else(|| inner.lock(inner.shard_of(digest)).state(&digest, policy));
+            let step = algorithm::decide(policy, state, now, charge.cost());
+            if let Some(next) = step.next {
+                seen.push((digest, next));
+            }
+            before.push(state);
+            decisions.push(step.decision);
+        }
+        let outcome = Outcome::new(decisions);
+        if outcome.is_admitted() {
+            outcome
+        } else {
+            unspent(charges, &before, outcome, now)
+        }
+    }
+
     /// The budgets of `charges` as they stand now, without charging or
     /// writing anything: each decision is [`Decision::Admitted`] with the
     /// units available and the time until the budget is full (the costs
@@ -275,5 +313,38 @@ mod tests {
                 .unwrap()
                 .is_admitted()
         );
+    }
+
+    /// An idle state decides like no state, whether or not a sweep removed
+    /// it (a sliding window two windows on used to stay on its old grid
+    /// unless swept), and `check_now` answers what the next charge answers.
+    #[test]
+    fn idle_state_decides_like_no_state_and_check_matches_charge() {
+        let clock = ManualClock::new(0);
+        let never_swept = MemoryStore::builder()
+            .clock(clock.clone())
+            .sweep_interval(Duration::from_secs(1 << 30))
+            .build();
+        let swept = MemoryStore::builder()
+            .clock(clock.clone())
+            .sweep_interval(Duration::ZERO)
+            .build();
+        let policies = [
+            Policy::sliding_window("sw", 4, Duration::from_secs(10)).unwrap(),
+            Policy::fixed_window("fw", 4, Duration::from_secs(10)).unwrap(),
+            Policy::token_bucket("tb", 4, Rate::per_second(1)).unwrap(),
+        ];
+        let mut t = 0u64;
+        for step in 0..300u64 {
+            t += [1, 3, 7, 25, 33][(step % 5) as usize] * 1_000_000_000 / 2;
+            clock.set(t);
+            let p = &policies[(step % 3) as usize];
+            let c = [charge("k", p, 1 + step % 3)];
+            let checked = never_swept.check_now(&c);
+            let a = never_swept.charge_now(&c).unwrap();
+            let b = swept.charge_now(&c).unwrap();
+            assert_eq!(a, b, "step {step}, {}", p.name());
+            assert_eq!(checked, a, "step {step}, {}", p.name());
+        }
     }
 }

@@ -257,6 +257,17 @@ impl Store for MemoryStore {
     fn try_charge_now(&self, charges: &[Charge]) -> Option<Result<Outcome, StoreError>> {
         Some(self.charge_now(charges))
     }
+
+    fn check<'a>(
+        &'a self,
+        charges: &'a [Charge],
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send + 'a {
+        std::future::ready(Ok(self.check_now(charges)))
+    }
+
+    fn can_check(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]
