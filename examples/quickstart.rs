@@ -18,6 +18,10 @@
 //! - `GET /slow?ms=N` (needs a principal): sleeps N ms (default 1000, at most
 //!   10000), then streams a short body; at most 2 in flight per account and 8
 //!   in all (429 / 503 beyond), held until the body has been sent;
+//! - `POST /login`: 200 when the bearer key is known, 401 otherwise; besides
+//!   the address rule, per address `login-failures`: 3, refilled 1 per 20
+//!   seconds, checked before and charged only for 401 answers (three wrong
+//!   keys, then 429 even for a right key);
 //! - `GET /healthz`: exempt from every rule (200 even while `--store` is down);
 //! - admitted requests get 200 and a short text body.
 //!
@@ -170,6 +174,15 @@ impl http_body::Body for Ticks {
     }
 }
 
+/// `POST /login`: 200 when the demo authentication knew the bearer key.
+async fn login(req: Request) -> (StatusCode, &'static str) {
+    if req.extensions().get::<Principal>().is_some() {
+        (StatusCode::OK, "logged in\n")
+    } else {
+        (StatusCode::UNAUTHORIZED, "unknown key\n")
+    }
+}
+
 async fn slow(uri: Uri) -> Result<axum::response::Response, (StatusCode, String)> {
     let ms = match uri
         .query()
@@ -192,6 +205,8 @@ async fn slow(uri: Uri) -> Result<axum::response::Response, (StatusCode, String)
 fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std::error::Error>> {
     let per_ip = Policy::token_bucket("per-ip", 5, Rate::per_second(1))?;
     let export = Policy::token_bucket("export", 3, Rate::per_second(2))?;
+    let login_failures =
+        Policy::token_bucket("login-failures", 3, Rate::new(1, Duration::from_secs(20)))?;
     let upload = Policy::token_bucket("upload", 1024, Rate::per_second(256))?
         .with_unit(tollgate::Unit::Other("kib".into()));
 
@@ -207,6 +222,12 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
         .dry_run(options.dry_run)
         .try_rule(Rule::per_client_ip(per_ip).exempt(Exemption::networks(options.exempt)?))?
         .try_rule(Rule::per_account_operation(export).on_route("/export"))?
+        // Failed logins only: checked before, charged after a 401.
+        .try_rule(
+            Rule::per_client_ip(login_failures)
+                .on_route("/login")
+                .charge_only_when(|status| status == StatusCode::UNAUTHORIZED),
+        )?
         .try_rule(
             Rule::per_account(upload)
                 .on_route("/upload")
@@ -233,6 +254,7 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/slow", slow_route)
         .route("/export", post(|| async { "export started\n" }))
+        .route("/login", post(login))
         .route(
             "/upload",
             post(|body: Bytes| async move { format!("uploaded {} bytes\n", body.len()) }),

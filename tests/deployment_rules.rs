@@ -528,3 +528,160 @@ async fn a_unit_follows_its_cost() {
     let policy = r.header_joined("ratelimit-policy").unwrap();
     assert!(policy.contains("qu=\"content-kib\""), "{policy}");
 }
+
+/// `/login`: 200 with a known key, 401 otherwise, after `delay`.
+fn login_app<St: tollgate::Store>(layer: RateLimitLayer<St>, delay_ms: u64) -> Router {
+    let login = move |req: Request| async move {
+        tokio::time::sleep(std::time::Duration::from_millis(delay_ms)).await;
+        match req
+            .headers()
+            .get("authorization")
+            .and_then(|v| v.to_str().ok())
+        {
+            Some("Bearer right") => StatusCode::OK,
+            _ => StatusCode::UNAUTHORIZED,
+        }
+    };
+    Router::new().route("/login", post(login)).layer(layer)
+}
+
+fn failures_rule() -> Rule {
+    Rule::per_client_ip(bucket("login-failures", 3))
+        .on_route("/login")
+        .charge_only_when(|status| status == StatusCode::UNAUTHORIZED)
+}
+
+async fn logins(addr: std::net::SocketAddr, from: &str, key: &str, n: usize) -> Vec<StatusCode> {
+    let auth = format!("Bearer {key}");
+    let mut out = Vec::new();
+    for _ in 0..n {
+        let r = send(
+            addr,
+            ip(from),
+            "POST",
+            "/login",
+            &[("Authorization", &auth)],
+            b"",
+        )
+        .await;
+        out.push(r.status);
+    }
+    out
+}
+
+const DENIED: StatusCode = StatusCode::UNAUTHORIZED;
+
+/// The right key from `from` is refused once the late charges have landed
+/// (a store that needs I/O charges on a spawned task): polled, with a
+/// deadline, since a right key charges nothing.
+async fn eventually_limited(addr: std::net::SocketAddr, from: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        match logins(addr, from, "right", 1).await[0] {
+            LIMITED => return,
+            OK if std::time::Instant::now() < deadline => {
+                tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+            }
+            other => panic!("{from}: {other}, expected 429 once the failures are charged"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn only_failed_logins_are_charged() {
+    let layer = RateLimitLayer::new(MemoryStore::new()).rule(failures_rule());
+    let addr = serve(login_app(layer, 0)).await;
+    // Successes charge nothing.
+    assert_eq!(logins(addr, "127.0.41.1", "right", 6).await, [OK; 6]);
+    // Three failures spend the budget; then even the right key waits.
+    assert_eq!(logins(addr, "127.0.41.1", "wrong", 3).await, [DENIED; 3]);
+    assert_eq!(logins(addr, "127.0.41.1", "right", 1).await, [LIMITED]);
+    let r = send(addr, ip("127.0.41.1"), "POST", "/login", &[], b"").await;
+    assert_eq!(r.status, LIMITED);
+    assert_eq!(r.header("retry-after"), Some("3600"));
+    // Another address is not affected.
+    assert_eq!(logins(addr, "127.0.41.2", "wrong", 1).await, [DENIED]);
+}
+
+/// Concurrent failures all pass the check against one budget: at most
+/// `in flight - remaining` of them are not charged, and the budget is
+/// spent afterwards.
+async fn concurrent_failures<St: tollgate::Store>(layer: RateLimitLayer<St>, from: &'static str) {
+    let addr = serve(login_app(layer, 300)).await;
+    let tasks: Vec<_> = (0..8)
+        .map(|_| tokio::spawn(async move { logins(addr, from, "wrong", 1).await[0] }))
+        .collect();
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.unwrap());
+    }
+    // Requests in flight together each pass the check (all eight, unless
+    // the machine is too slow to start them within the handler's 300 ms);
+    // those that came later found the budget spent.
+    let passed = statuses.iter().filter(|s| **s == DENIED).count();
+    assert!(passed >= 3, "{statuses:?}");
+    assert!(
+        statuses.iter().all(|s| *s == DENIED || *s == LIMITED),
+        "{statuses:?}"
+    );
+    eventually_limited(addr, from).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn concurrent_failed_logins_spend_the_budget_in_memory() {
+    concurrent_failures(
+        RateLimitLayer::new(MemoryStore::new()).rule(failures_rule()),
+        "127.0.42.1",
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn failed_logins_are_charged_in_redis_too() {
+    let Some(server) = tollgate_redis::testing::RedisServer::start() else {
+        return;
+    };
+    let store = || {
+        tollgate::RedisStore::builder(&server.url())
+            .unwrap()
+            .build()
+            .unwrap()
+    };
+    concurrent_failures(
+        RateLimitLayer::new(store()).rule(failures_rule()),
+        "127.0.43.1",
+    )
+    .await;
+    let addr = serve(login_app(
+        RateLimitLayer::new(store()).rule(failures_rule()),
+        0,
+    ))
+    .await;
+    assert_eq!(logins(addr, "127.0.43.2", "right", 5).await, [OK; 5]);
+    assert_eq!(logins(addr, "127.0.43.2", "wrong", 3).await, [DENIED; 3]);
+    eventually_limited(addr, "127.0.43.2").await;
+}
+
+/// A store that cannot check without charging cannot take such a rule.
+#[test]
+fn a_rule_charged_after_the_response_needs_a_store_that_can_check() {
+    struct ChargeOnly(MemoryStore);
+    impl tollgate::Store for ChargeOnly {
+        fn charge<'a>(
+            &'a self,
+            charges: &'a [Charge],
+        ) -> impl std::future::Future<Output = Result<tollgate::Outcome, tollgate::StoreError>> + Send + 'a
+        {
+            self.0.charge(charges)
+        }
+    }
+    let e = RateLimitLayer::new(ChargeOnly(MemoryStore::new()))
+        .try_rule(failures_rule())
+        .unwrap_err();
+    assert!(e.to_string().contains("charge_only_when"), "{e}");
+    assert!(
+        RateLimitLayer::new(ChargeOnly(MemoryStore::new()))
+            .try_rule(Rule::per_client_ip(bucket("plain", 1)))
+            .is_ok()
+    );
+}

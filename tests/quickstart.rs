@@ -413,3 +413,39 @@ async fn healthz_is_exempt_and_a_401_names_its_scheme() {
     assert_eq!(r.status, StatusCode::UNAUTHORIZED);
     assert_eq!(r.header("www-authenticate"), Some("Bearer"));
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn only_failed_logins_spend_the_login_budget() {
+    let q = quickstart(&[]);
+    let login = |from: &'static str, key: Option<&'static str>| {
+        let addr = q.addr;
+        async move {
+            let auth = key.map(|k| format!("Bearer {k}"));
+            let headers: Vec<(&str, &str)> =
+                auth.iter().map(|a| ("Authorization", a.as_str())).collect();
+            send(addr, ip(from), "POST", "/login", &headers, b"")
+                .await
+                .status
+        }
+    };
+    // Five right keys in a row from a fresh address: all 200.
+    for _ in 0..5 {
+        assert_eq!(login("127.0.65.1", Some("bob-key")).await, StatusCode::OK);
+    }
+    // Three wrong keys, then 429 even for a right key.
+    for key in [Some("guess-1"), None, Some("guess-2")] {
+        assert_eq!(login("127.0.65.2", key).await, StatusCode::UNAUTHORIZED);
+    }
+    let r = send(
+        q.addr,
+        ip("127.0.65.2"),
+        "POST",
+        "/login",
+        &[("Authorization", "Bearer bob-key")],
+        b"",
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    let wait: u64 = r.header("retry-after").unwrap().parse().unwrap();
+    assert!((1..=20).contains(&wait), "{wait}");
+}

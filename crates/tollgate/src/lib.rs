@@ -120,7 +120,7 @@ pub use identity::{
 };
 pub use rate_limit::{
     Cost, CostError, Exemption, InvalidRoute, OnStoreError, RateLimit, RateLimitLayer, Rule,
-    UnsupportedPolicy,
+    UnsupportedRule,
 };
 pub use tollgate_core::{
     self as core, Algorithm, Charge, Clock, Decision, DynStore, Initial, InvalidCharge, InvalidKey,

@@ -9,8 +9,12 @@
 //!   did not charge because of an exemption;
 //! - `tollgate_dry_run_denied_cost_total{policy}`: cost a dry-run rule would
 //!   have refused (and let through);
+//! - `tollgate_late_refused_cost_total{policy}`: cost of a rule charged
+//!   after the response that found its budget spent (see
+//!   `Rule::charge_only_when`);
 //! - `tollgate_store_errors_total{kind,outcome}`: store failures and the
-//!   outcome applied (`fail_closed`, `fail_open`, `fallback`);
+//!   outcome applied (`fail_closed`, `fail_open`, `fallback`,
+//!   `late_charge_lost`);
 //! - `tollgate_store_seconds`: store decision latency histogram.
 
 use tollgate_core::{Charge, Decision, Outcome, StoreError, Verdict};
@@ -75,6 +79,26 @@ pub(crate) fn dry_run_denied(
         "dry run: this request would have been refused"
     );
     count("tollgate_dry_run_denied_cost_total", policy.name(), cost);
+}
+
+/// A rule charged after its response: admitted, or refused because
+/// requests in flight at the same time spent the budget after the check.
+pub(crate) fn late_charge(charge: &Charge, result: Result<Outcome, StoreError>) {
+    let name = charge.policy().name();
+    match result {
+        Ok(outcome) if outcome.is_admitted() => {
+            count("tollgate_admitted_cost_total", name, charge.cost());
+        }
+        Ok(_) => {
+            tracing::info!(
+                policy = name,
+                cost = charge.cost(),
+                "charged after the response, but the budget was spent meanwhile: not counted"
+            );
+            count("tollgate_late_refused_cost_total", name, charge.cost());
+        }
+        Err(error) => store_error(&error, "late_charge_lost"),
+    }
 }
 
 pub(crate) fn store_error(error: &StoreError, applied: &'static str) {

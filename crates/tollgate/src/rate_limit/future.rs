@@ -8,7 +8,7 @@ use http_body_util::Full;
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use super::pipeline::Fields;
+use super::pipeline::{AfterResponse, Fields};
 use crate::ResponseBody;
 use crate::response::{Answer, Protocol, RATELIMIT, RATELIMIT_POLICY, polled_after_completion};
 
@@ -21,6 +21,7 @@ struct Deciding<S, ReqB> {
     // The inner service and request, taken when the store admits.
     pending: Option<(S, Request<ReqB>)>,
     protocol: Protocol,
+    after: Option<AfterResponse>,
 }
 
 pin_project! {
@@ -51,6 +52,7 @@ pin_project! {
             #[pin]
             future: S::Future,
             fields: Fields,
+            after: Option<AfterResponse>,
         },
         Refused {
             response: Option<Response<Full<Bytes>>>,
@@ -67,6 +69,7 @@ where
         inner: S,
         req: Request<ReqB>,
         protocol: Protocol,
+        after: Option<AfterResponse>,
     ) -> Self {
         Self {
             state: State::Deciding {
@@ -74,16 +77,23 @@ where
                     decision,
                     pending: Some((inner, req)),
                     protocol,
+                    after,
                 }),
             },
         }
     }
 
-    pub(crate) fn calling(mut inner: S, req: Request<ReqB>, fields: Fields) -> Self {
+    pub(crate) fn calling(
+        mut inner: S,
+        req: Request<ReqB>,
+        fields: Fields,
+        after: Option<AfterResponse>,
+    ) -> Self {
         Self {
             state: State::Calling {
                 future: inner.call(req),
                 fields,
+                after,
             },
         }
     }
@@ -127,6 +137,7 @@ where
                         (Ok(fields), Some((mut inner, req))) => State::Calling {
                             future: inner.call(req),
                             fields,
+                            after: deciding.after.take(),
                         },
                         (Err(answer), _) => State::Refused {
                             response: Some(answer.into_response(deciding.protocol)),
@@ -137,8 +148,15 @@ where
                     };
                     this.state.set(next);
                 }
-                StateProj::Calling { future, fields } => {
+                StateProj::Calling {
+                    future,
+                    fields,
+                    after,
+                } => {
                     let mut response = ready!(future.poll(cx))?;
+                    if let Some(after) = after.take() {
+                        after(response.status());
+                    }
                     // Appended, not replaced: an inner limit (e.g. a
                     // concurrency limit) may have described itself already,
                     // and a structured-field list may span field lines.

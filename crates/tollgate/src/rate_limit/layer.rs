@@ -3,7 +3,7 @@ use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
 use http::HeaderValue;
-use tollgate_core::{DynStore, Store, StoreError};
+use tollgate_core::{DynStore, Store, StoreError, StoreErrorKind};
 use tower_layer::Layer;
 
 use super::{Exemption, RateLimit, Rule};
@@ -154,7 +154,7 @@ impl<St: Store> RateLimitLayer<St> {
     /// Like [`RateLimitLayer::rule`], returning an error instead of
     /// panicking when the store (or the fallback store) cannot hold the
     /// rule's policy.
-    pub fn try_rule(self, rule: Rule) -> Result<Self, UnsupportedPolicy> {
+    pub fn try_rule(self, rule: Rule) -> Result<Self, UnsupportedRule> {
         check(&*self.config.store, &rule)?;
         if let OnStoreError::Fallback(fallback) = &self.config.on_store_error {
             check(fallback, &rule)?;
@@ -217,30 +217,39 @@ impl<St: Store> RateLimitLayer<St> {
     }
 }
 
-/// A rule whose policy the layer's store cannot hold, refused by
-/// [`RateLimitLayer::try_rule`] (or, as a panic, [`RateLimitLayer::rule`]).
+/// A rule the layer's store cannot serve (a policy it cannot hold, or a
+/// [`Rule::charge_only_when`] on a store that cannot check without
+/// charging), refused by [`RateLimitLayer::try_rule`] (or, as a panic,
+/// [`RateLimitLayer::rule`]).
 #[derive(Debug, thiserror::Error)]
-#[error("rule {policy:?} cannot be added: the store cannot hold its policy: {source}")]
-pub struct UnsupportedPolicy {
+#[error("rule {policy:?} cannot be added to this store: {source}")]
+pub struct UnsupportedRule {
     policy: String,
     #[source]
     source: StoreError,
 }
 
-impl UnsupportedPolicy {
-    /// The name of the policy that was refused.
+impl UnsupportedRule {
+    /// The name of the refused rule's policy.
     pub fn policy(&self) -> &str {
         &self.policy
     }
 }
 
-fn check(store: &(impl Store + ?Sized), rule: &Rule) -> Result<(), UnsupportedPolicy> {
-    store
-        .check_policy(rule.policy())
-        .map_err(|source| UnsupportedPolicy {
-            policy: rule.policy().name().to_owned(),
-            source,
-        })
+fn check(store: &(impl Store + ?Sized), rule: &Rule) -> Result<(), UnsupportedRule> {
+    let refuse = |source| UnsupportedRule {
+        policy: rule.policy().name().to_owned(),
+        source,
+    };
+    store.check_policy(rule.policy()).map_err(refuse)?;
+    if rule.charge_when.is_some() && !store.can_check() {
+        return Err(refuse(StoreError::new(
+            StoreErrorKind::Unsupported,
+            "charge_only_when needs a store that can check a budget without charging it \
+             (Store::check)",
+        )));
+    }
+    Ok(())
 }
 
 impl<S, St> Layer<S> for RateLimitLayer<St> {

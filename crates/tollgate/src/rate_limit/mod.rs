@@ -125,7 +125,7 @@ mod service;
 
 pub use exempt::Exemption;
 pub use future::ResponseFuture;
-pub use layer::{OnStoreError, RateLimitLayer, UnsupportedPolicy};
+pub use layer::{OnStoreError, RateLimitLayer, UnsupportedRule};
 pub use route::InvalidRoute;
 pub use rule::{Cost, CostError, CostFn, Rule};
 pub use service::RateLimit;

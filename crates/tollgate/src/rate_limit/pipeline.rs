@@ -12,15 +12,15 @@
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 
-use http::HeaderValue;
 use http::request::Parts;
+use http::{HeaderValue, StatusCode};
 use smallvec::SmallVec;
 use tollgate_core::{Charge, Decision, DynStore, Outcome, Store, StoreError, Verdict};
 
 use super::exempt::any_matches;
 use super::layer::{Config, OnStoreError};
 use super::route::RouteMatch;
-use super::rule::{Applies, CostRefusal};
+use super::rule::{Applies, CostRefusal, StatusFilter};
 use crate::identity::{RequestIdentity, operation_route};
 use crate::observe;
 use crate::response::{Answer, Refusal, ratelimit_fields};
@@ -32,6 +32,13 @@ pub(crate) type Fields = Option<(HeaderValue, HeaderValue)>;
 /// inline without an allocation.
 pub(crate) type Charges = SmallVec<[Charge; 2]>;
 
+/// A charge made only after a response whose status matches.
+pub(crate) struct Deferred {
+    pub(crate) charge: Charge,
+    pub(crate) when: StatusFilter,
+    pub(crate) dry_run: bool,
+}
+
 /// What the head of a request asks of the store.
 pub(crate) struct Plan {
     /// Every applicable rule whose key and cost are known: the enforced
@@ -39,6 +46,9 @@ pub(crate) struct Plan {
     pub(crate) charges: Charges,
     /// How many of `charges` (from the start) are enforced.
     pub(crate) enforced: usize,
+    /// Rules charged only after the response ([`Rule::charge_only_when`]),
+    /// checked before the request: the enforced ones first.
+    pub(crate) after: Vec<Deferred>,
     /// The layer's own refusal, given once the charges are admitted: the
     /// first in rule order.
     pub(crate) refusal: Option<Answer>,
@@ -48,6 +58,7 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
     let mut who = RequestIdentity::new(parts, &config.resolver);
     let mut charges = Charges::new();
     let mut dry = Charges::new();
+    let mut after: Vec<Deferred> = Vec::new();
     let mut refusal: Option<Answer> = None;
     let layer_exempt = any_matches(&config.exemptions, &mut who, parts);
     for rule in &config.rules {
@@ -117,19 +128,26 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
             });
             continue;
         }
-        match Charge::new(key, policy.clone(), cost) {
-            Ok(charge) if dry_run => dry.push(charge),
-            Ok(charge) => charges.push(charge),
-            Err(e) => {
+        match (Charge::new(key, policy.clone(), cost), &rule.charge_when) {
+            (Ok(charge), Some(when)) => after.push(Deferred {
+                charge,
+                when: when.clone(),
+                dry_run,
+            }),
+            (Ok(charge), None) if dry_run => dry.push(charge),
+            (Ok(charge), None) => charges.push(charge),
+            (Err(e), _) => {
                 refusal.get_or_insert_with(|| Answer::new(Refusal::BadRequest, e.to_string()));
             }
         }
     }
     let enforced = charges.len();
     charges.extend(dry);
+    after.sort_by_key(|d| d.dry_run);
     Plan {
         charges,
         enforced,
+        after,
         refusal,
     }
 }
@@ -203,7 +221,11 @@ pub(crate) async fn decide<St: Store>(
     enforced: usize,
     mut failed: Option<StoreError>,
     refusal: Option<Answer>,
+    checks: Checks,
 ) -> Result<Fields, Answer> {
+    if !checks.charges.is_empty() {
+        check_first(&config, &checks).await?;
+    }
     let mut shadowed = Shadowed::default();
     let mut on_fallback: Option<&Arc<dyn DynStore>> = None;
     let outcome = loop {
@@ -248,6 +270,106 @@ pub(crate) async fn decide<St: Store>(
         }
     };
     conclude(&config, &charges, outcome, &shadowed, refusal)
+}
+
+/// The budgets of the rules charged after the response, checked before
+/// the request: the enforced ones first, `enforced` of them.
+#[derive(Default)]
+pub(crate) struct Checks {
+    pub(crate) charges: Charges,
+    pub(crate) enforced: usize,
+}
+
+impl Checks {
+    pub(crate) fn of(after: &[Deferred]) -> Self {
+        Self {
+            charges: after.iter().map(|d| d.charge.clone()).collect(),
+            enforced: after.iter().filter(|d| !d.dry_run).count(),
+        }
+    }
+}
+
+/// Checks, without spending, the rules charged after the response: `429`
+/// when an enforced one has no budget left (a dry-run one is logged).
+async fn check_first<St: Store>(config: &Config<St>, checks: &Checks) -> Result<(), Answer> {
+    let charges = &checks.charges;
+    let outcome = match config.store.check(charges).await {
+        Ok(outcome) => outcome,
+        Err(error) => match &config.on_store_error {
+            OnStoreError::FailClosed => {
+                observe::store_error(&error, "fail_closed");
+                return Err(unavailable());
+            }
+            OnStoreError::FailOpen => {
+                observe::store_error(&error, "fail_open");
+                return Ok(());
+            }
+            OnStoreError::Fallback(fallback) => {
+                observe::store_error(&error, "fallback");
+                fallback.check_boxed(charges).await.map_err(|second| {
+                    observe::store_error(&second, "fail_closed");
+                    unavailable()
+                })?
+            }
+        },
+    };
+    let (enforced, trial) = outcome
+        .limits()
+        .split_at(checks.enforced.min(charges.len()));
+    for (charge, decision) in charges[enforced.len()..].iter().zip(trial) {
+        if !decision.is_admitted() {
+            observe::dry_run_denied(charge.policy(), charge.cost(), decision.retry_after());
+        }
+    }
+    let enforced_charges = &charges[..enforced.len()];
+    let enforced = Outcome::new(enforced.to_vec());
+    match enforced.verdict() {
+        Verdict::Admitted => Ok(()),
+        verdict => {
+            observe::outcome(enforced_charges, &enforced, verdict);
+            Err(Answer::from_outcome(enforced_charges, &enforced, verdict))
+        }
+    }
+}
+
+/// What to do once the inner service's response head is known: charge
+/// the rules whose status filter matches it.
+pub(crate) type AfterResponse = Box<dyn FnOnce(StatusCode) + Send>;
+
+pub(crate) fn after_response<St: Store>(
+    config: Arc<Config<St>>,
+    after: Vec<Deferred>,
+) -> AfterResponse {
+    Box::new(move |status| {
+        for deferred in after {
+            if deferred.when.matches(status) {
+                charge_late(&config, deferred.charge);
+            }
+        }
+    })
+}
+
+/// Charges `charge` after the response: at once when the store can, else
+/// on a spawned task so that the response is not held up.
+fn charge_late<St: Store>(config: &Arc<Config<St>>, charge: Charge) {
+    let one = [charge];
+    if let Some(result) = config.store.try_charge_now(&one) {
+        observe::late_charge(&one[0], result);
+        return;
+    }
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            let config = config.clone();
+            runtime.spawn(async move {
+                let result = config.store.charge(&one).await;
+                observe::late_charge(&one[0], result);
+            });
+        }
+        Err(_) => tracing::error!(
+            policy = one[0].policy().name(),
+            "no tokio runtime to charge a rule after its response: not charged"
+        ),
+    }
 }
 
 fn unavailable() -> Answer {

@@ -128,6 +128,23 @@ impl Cost {
     }
 }
 
+/// Which response statuses charge a rule that is charged after the
+/// response ([`Rule::charge_only_when`]).
+#[derive(Clone)]
+pub(crate) struct StatusFilter(Arc<dyn Fn(StatusCode) -> bool + Send + Sync>);
+
+impl StatusFilter {
+    pub(crate) fn matches(&self, status: StatusCode) -> bool {
+        (self.0)(status)
+    }
+}
+
+impl fmt::Debug for StatusFilter {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("StatusFilter(..)")
+    }
+}
+
 pub(crate) enum CostRefusal {
     LengthRequired,
     Invalid(String),
@@ -192,6 +209,8 @@ pub struct Rule {
     pub(crate) missing_principal: MissingPrincipal,
     pub(crate) exemptions: Vec<Exemption>,
     pub(crate) dry_run: bool,
+    /// Charged only after a response whose status matches.
+    pub(crate) charge_when: Option<StatusFilter>,
     /// Set once a misplaced route (matched only by its tail) was reported,
     /// so that the error is logged once per rule, not per request. Shared
     /// by clones of the rule: they are the same rule.
@@ -228,6 +247,7 @@ impl Rule {
             missing_principal: MissingPrincipal::Reject,
             exemptions: Vec::new(),
             dry_run: false,
+            charge_when: None,
             reported_suffix: Arc::new(AtomicBool::new(false)),
         }
     }
@@ -328,6 +348,39 @@ impl Rule {
     #[must_use]
     pub fn dry_run(mut self, yes: bool) -> Self {
         self.dry_run = yes;
+        self
+    }
+
+    /// Charges the rule only for requests whose response status satisfies
+    /// `charged` (e.g. failed logins:
+    /// `|status| status == StatusCode::UNAUTHORIZED`).
+    ///
+    /// Before the request, the budget is *checked* ([`Store::check`](tollgate_core::Store::check)):
+    /// when it is spent, the request is refused with `429` (and, like every
+    /// refusal for lack of budget, spends nothing anywhere). After the
+    /// inner service's response head, the rule is charged if the status
+    /// matches. The statuses are those of the inner service's response,
+    /// never of a refusal this layer makes.
+    ///
+    /// **The race between check and charge.** Requests of one key that are
+    /// in flight at the same time all pass the check against the same
+    /// budget, so of `n` such requests at most `n - remaining` matching
+    /// responses find the budget spent when they are charged; they are
+    /// counted in `tollgate_late_refused_cost_total` and logged, not
+    /// charged. With one request at a time per key, none slips. The charge
+    /// after a response from a store that needs I/O (Redis) runs on a
+    /// spawned tokio task, so that the response is not delayed.
+    ///
+    /// The store must implement [`Store::check`](tollgate_core::Store::check)
+    /// ([`MemoryStore`](tollgate_core::MemoryStore) and the Redis store
+    /// do); [`RateLimitLayer::try_rule`](crate::RateLimitLayer::try_rule)
+    /// refuses the rule otherwise.
+    #[must_use]
+    pub fn charge_only_when(
+        mut self,
+        charged: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.charge_when = Some(StatusFilter(Arc::new(charged)));
         self
     }
 

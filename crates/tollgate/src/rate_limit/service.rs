@@ -8,7 +8,7 @@ use tower_service::Service;
 
 use super::ResponseFuture;
 use super::layer::Config;
-use super::pipeline::{self, Now, Plan};
+use super::pipeline::{self, Checks, Now, Plan};
 use crate::response::Protocol;
 
 /// Rate-limits requests to an inner service; made by
@@ -83,17 +83,41 @@ where
         let Plan {
             charges,
             enforced,
+            after,
             mut refusal,
         } = pipeline::plan(&self.config, &parts);
+        if !after.is_empty() {
+            // Rules charged after the response are checked first, which
+            // needs the store's answer: always the deciding path.
+            let checks = Checks::of(&after);
+            let after = pipeline::after_response(self.config.clone(), after);
+            let decision = Box::pin(pipeline::decide(
+                self.config.clone(),
+                charges,
+                enforced,
+                None,
+                refusal,
+                checks,
+            ));
+            return ResponseFuture::deciding(
+                decision,
+                inner,
+                Request::from_parts(parts, body),
+                protocol,
+                Some(after),
+            );
+        }
         if charges.is_empty() {
             return match refusal {
                 Some(answer) => ResponseFuture::refused(answer.into_response(protocol)),
-                None => ResponseFuture::calling(inner, Request::from_parts(parts, body), None),
+                None => {
+                    ResponseFuture::calling(inner, Request::from_parts(parts, body), None, None)
+                }
             };
         }
         match pipeline::decide_now(&self.config, &charges, enforced, &mut refusal) {
             Now::Decided(Ok(fields)) => {
-                ResponseFuture::calling(inner, Request::from_parts(parts, body), fields)
+                ResponseFuture::calling(inner, Request::from_parts(parts, body), fields, None)
             }
             Now::Decided(Err(answer)) => ResponseFuture::refused(answer.into_response(protocol)),
             Now::Later(failed) => {
@@ -103,12 +127,14 @@ where
                     enforced,
                     failed,
                     refusal,
+                    Checks::default(),
                 ));
                 ResponseFuture::deciding(
                     decision,
                     inner,
                     Request::from_parts(parts, body),
                     protocol,
+                    None,
                 )
             }
         }
