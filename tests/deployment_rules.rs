@@ -685,3 +685,74 @@ fn a_rule_charged_after_the_response_needs_a_store_that_can_check() {
             .is_ok()
     );
 }
+
+/// The application writes the refusal body; tollgate keeps the status and
+/// every header (`Retry-After`, no-store, the RateLimit fields).
+#[tokio::test(flavor = "multi_thread")]
+async fn custom_refusal_bodies_keep_tollgate_headers() {
+    let envelope = |refusal: &tollgate::RefusalInfo<'_>| {
+        tollgate::RefusalBody::json(format!(
+            r#"{{"error":{{"status":{},"kind":"{}","policy":"{}","retry_in":{}}}}}"#,
+            refusal.status().as_u16(),
+            refusal.problem_type(),
+            refusal.policy().unwrap_or(""),
+            // Whole seconds, rounded up as Retry-After is.
+            refusal
+                .retry_after()
+                .map_or(0, |d| d.as_secs() + u64::from(d.subsec_nanos() > 0)),
+        ))
+    };
+    let layer = RateLimitLayer::new(MemoryStore::new())
+        .refusal_body(envelope)
+        .rule(Rule::per_client_ip(bucket("per-ip", 1)))
+        .rule(
+            Rule::per_client_ip(bucket("bytes", 1))
+                .on_route("/upload")
+                .with_cost(Cost::content_kib()),
+        );
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }).post(|| async { "ok" }))
+        .route("/upload", post(|| async { "ok" }))
+        .layer(layer);
+    let addr = serve(app).await;
+    assert_eq!(statuses(addr, "127.0.44.1", "/", &[], 1).await, [OK]);
+    let r = send(addr, ip("127.0.44.1"), "GET", "/", &[], b"").await;
+    assert_eq!(r.status, LIMITED);
+    assert_eq!(r.header("content-type"), Some("application/json"));
+    assert_eq!(
+        r.body,
+        r#"{"error":{"status":429,"kind":"urn:tollgate:problem:rate-limited","policy":"per-ip","retry_in":3600}}"#
+    );
+    assert_eq!(r.header("retry-after"), Some("3600"));
+    assert_eq!(r.header("cache-control"), Some("no-store"));
+    assert!(r.header("ratelimit").is_some() && r.header("ratelimit-policy").is_some());
+    // A cost that can never fit: 413, the same envelope.
+    let r = send(
+        addr,
+        ip("127.0.44.2"),
+        "POST",
+        "/upload",
+        &[],
+        &[b'x'; 4096],
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert!(
+        r.body.starts_with(r#"{"error":{"status":413"#),
+        "{}",
+        r.body
+    );
+    assert!(r.header("retry-after").is_none());
+    // gRPC refusals carry no body and are unchanged.
+    let r = send(
+        addr,
+        ip("127.0.44.1"),
+        "POST",
+        "/",
+        &[("Content-Type", "application/grpc")],
+        b"",
+    )
+    .await;
+    assert_eq!(r.header("grpc-status"), Some("8"));
+    assert_eq!(r.body, "");
+}

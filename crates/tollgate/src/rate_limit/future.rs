@@ -10,7 +10,9 @@ use tower_service::Service;
 
 use super::pipeline::{AfterResponse, Fields};
 use crate::ResponseBody;
-use crate::response::{Answer, Protocol, RATELIMIT, RATELIMIT_POLICY, polled_after_completion};
+use crate::response::{
+    Answer, Protocol, RATELIMIT, RATELIMIT_POLICY, Shape, polled_after_completion,
+};
 
 /// The pipeline's answer, once the store has decided.
 type PendingAnswer = Pin<Box<dyn Future<Output = Result<Fields, Answer>> + Send>>;
@@ -21,6 +23,7 @@ struct Deciding<S, ReqB> {
     // The inner service and request, taken when the store admits.
     pending: Option<(S, Request<ReqB>)>,
     protocol: Protocol,
+    shape: Option<Shape>,
     after: Option<AfterResponse>,
 }
 
@@ -69,6 +72,7 @@ where
         inner: S,
         req: Request<ReqB>,
         protocol: Protocol,
+        shape: Option<Shape>,
         after: Option<AfterResponse>,
     ) -> Self {
         Self {
@@ -77,6 +81,7 @@ where
                     decision,
                     pending: Some((inner, req)),
                     protocol,
+                    shape,
                     after,
                 }),
             },
@@ -133,19 +138,23 @@ where
             match this.state.as_mut().project() {
                 StateProj::Deciding { deciding } => {
                     let result = ready!(deciding.decision.as_mut().poll(cx));
-                    let next = match (result, deciding.pending.take()) {
-                        (Ok(fields), Some((mut inner, req))) => State::Calling {
-                            future: inner.call(req),
-                            fields,
-                            after: deciding.after.take(),
-                        },
-                        (Err(answer), _) => State::Refused {
-                            response: Some(answer.into_response(deciding.protocol)),
-                        },
-                        (Ok(_), None) => State::Refused {
-                            response: Some(polled_after_completion()),
-                        },
-                    };
+                    let next =
+                        match (result, deciding.pending.take()) {
+                            (Ok(fields), Some((mut inner, req))) => State::Calling {
+                                future: inner.call(req),
+                                fields,
+                                after: deciding.after.take(),
+                            },
+                            (Err(answer), _) => State::Refused {
+                                response: Some(answer.into_shaped_response(
+                                    deciding.protocol,
+                                    deciding.shape.as_ref(),
+                                )),
+                            },
+                            (Ok(_), None) => State::Refused {
+                                response: Some(polled_after_completion()),
+                            },
+                        };
                     this.state.set(next);
                 }
                 StateProj::Calling {

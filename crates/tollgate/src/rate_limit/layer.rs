@@ -8,6 +8,7 @@ use tower_layer::Layer;
 
 use super::{Exemption, RateLimit, Rule};
 use crate::ClientIpResolver;
+use crate::response::{RefusalBody, RefusalInfo, Shape};
 
 /// What the layer does when the store fails or times out.
 #[derive(Clone, Default)]
@@ -45,6 +46,7 @@ impl<St> Clone for Config<St> {
             exemptions: self.exemptions.clone(),
             dry_run: self.dry_run,
             www_authenticate: self.www_authenticate.clone(),
+            shape: self.shape.clone(),
             reported_no_matched_path: AtomicBool::new(false),
         }
     }
@@ -61,6 +63,8 @@ pub(crate) struct Config<St> {
     pub(crate) dry_run: bool,
     /// The challenge sent with `401` (RFC 9110 requires one).
     pub(crate) www_authenticate: HeaderValue,
+    /// The application's refusal body writer, if any.
+    pub(crate) shape: Option<Shape>,
     /// Set once requests without axum's `MatchedPath` were reported, so the
     /// error is logged once per layer, not per request.
     pub(crate) reported_no_matched_path: AtomicBool,
@@ -117,6 +121,7 @@ impl<St: Store> RateLimitLayer<St> {
                 exemptions: Vec::new(),
                 dry_run: false,
                 www_authenticate: HeaderValue::from_static("Bearer"),
+                shape: None,
                 reported_no_matched_path: AtomicBool::new(false),
             }),
         }
@@ -206,6 +211,31 @@ impl<St: Store> RateLimitLayer<St> {
     /// `RateLimit` fields still show each budget (`r=0` once spent).
     pub fn dry_run(self, yes: bool) -> Self {
         self.edit(|c| c.dry_run = yes)
+    }
+
+    /// Writes the body of this layer's HTTP refusals (`429`, `413`, `503`,
+    /// `401`, ...) with `body`, e.g. in the application's own JSON error
+    /// envelope, instead of tollgate's `application/problem+json`. The
+    /// status, `Retry-After`, `Cache-Control: no-store`, the `RateLimit`
+    /// fields and `WWW-Authenticate` stay tollgate's; gRPC refusals are
+    /// unchanged (they carry no body).
+    ///
+    /// ```
+    /// use tollgate::{MemoryStore, RateLimitLayer, RefusalBody};
+    /// let layer = RateLimitLayer::new(MemoryStore::new()).refusal_body(|refusal| {
+    ///     // Whole seconds, rounded up as in Retry-After.
+    ///     let wait = refusal.retry_after().map_or(0, |d| d.as_secs() + u64::from(d.subsec_nanos() > 0));
+    ///     RefusalBody::json(format!(
+    ///         r#"{{"error":{{"code":{},"retry_in":{wait}}}}}"#,
+    ///         refusal.status().as_u16()
+    ///     ))
+    /// });
+    /// ```
+    pub fn refusal_body(
+        self,
+        body: impl Fn(&RefusalInfo<'_>) -> RefusalBody + Send + Sync + 'static,
+    ) -> Self {
+        self.edit(|c| c.shape = Some(Shape(Arc::new(body))))
     }
 
     /// The `WWW-Authenticate` challenge sent with `401` when a rule needs

@@ -123,6 +123,7 @@ mod route;
 mod rule;
 mod service;
 
+pub use crate::response::{RefusalBody, RefusalInfo};
 pub use exempt::Exemption;
 pub use future::ResponseFuture;
 pub use layer::{OnStoreError, RateLimitLayer, UnsupportedRule};

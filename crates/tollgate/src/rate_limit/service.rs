@@ -104,12 +104,15 @@ where
                 inner,
                 Request::from_parts(parts, body),
                 protocol,
+                self.config.shape.clone(),
                 Some(after),
             );
         }
         if charges.is_empty() {
             return match refusal {
-                Some(answer) => ResponseFuture::refused(answer.into_response(protocol)),
+                Some(answer) => ResponseFuture::refused(
+                    answer.into_shaped_response(protocol, self.config.shape.as_ref()),
+                ),
                 None => {
                     ResponseFuture::calling(inner, Request::from_parts(parts, body), None, None)
                 }
@@ -119,7 +122,9 @@ where
             Now::Decided(Ok(fields)) => {
                 ResponseFuture::calling(inner, Request::from_parts(parts, body), fields, None)
             }
-            Now::Decided(Err(answer)) => ResponseFuture::refused(answer.into_response(protocol)),
+            Now::Decided(Err(answer)) => ResponseFuture::refused(
+                answer.into_shaped_response(protocol, self.config.shape.as_ref()),
+            ),
             Now::Later(failed) => {
                 let decision = Box::pin(pipeline::decide(
                     self.config.clone(),
@@ -134,6 +139,7 @@ where
                     inner,
                     Request::from_parts(parts, body),
                     protocol,
+                    self.config.shape.clone(),
                     None,
                 )
             }

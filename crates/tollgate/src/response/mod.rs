@@ -6,15 +6,19 @@
 //! - [`refusal`]: the catalogue of refusals (status, problem type, gRPC code)
 //!   and the answer under construction;
 //! - [`problem`]: the `application/problem+json` body (RFC 9457);
-//! - [`grpc`]: recognising gRPC callers, and their trailers-only answers.
+//! - [`grpc`]: recognising gRPC callers, and their trailers-only answers;
+//! - [`custom`]: refusal bodies shaped by the application.
 //!
 //! Every refusal carries `Cache-Control: no-store`.
 
+mod custom;
 mod fields;
 mod grpc;
 mod problem;
 mod refusal;
 
+pub(crate) use custom::Shape;
+pub use custom::{RefusalBody, RefusalInfo};
 pub(crate) use fields::{FieldWriter, RATELIMIT, RATELIMIT_POLICY, ratelimit_fields};
 pub(crate) use grpc::Protocol;
 pub(crate) use refusal::{Answer, Limit, Refusal, polled_after_completion};

@@ -10,6 +10,7 @@ use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use http_body_util::Full;
 use tollgate_core::{Charge, Decision, Outcome, Policy, Verdict};
 
+use super::custom::{RefusalInfo, Shape};
 use super::fields::{RATELIMIT, RATELIMIT_POLICY, ceil_secs, push_int, ratelimit_fields};
 use super::grpc::{self, Protocol};
 use super::problem;
@@ -193,6 +194,16 @@ impl Answer {
     }
 
     pub(crate) fn into_response(self, protocol: Protocol) -> Response<Full<Bytes>> {
+        self.into_shaped_response(protocol, None)
+    }
+
+    /// The response, with an HTTP body written by `shape` when there is
+    /// one (the status and every header stay tollgate's).
+    pub(crate) fn into_shaped_response(
+        self,
+        protocol: Protocol,
+        shape: Option<&Shape>,
+    ) -> Response<Full<Bytes>> {
         let mut headers = HeaderMap::with_capacity(8);
         headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
         if let Some(fields) = self.fields {
@@ -212,13 +223,24 @@ impl Answer {
                 headers.insert(WWW_AUTHENTICATE, challenge);
             }
             let status = self.refusal.status();
-            let body = problem::body(
+            let (problem_type, policy) = (
                 self.refusal.problem_type(),
-                status,
-                &self.detail,
                 self.policy.as_ref().map(Limit::name),
-                self.retry_after,
             );
+            let body = match shape {
+                Some(shape) => {
+                    let written = (shape.0)(&RefusalInfo {
+                        status,
+                        problem_type,
+                        detail: &self.detail,
+                        policy,
+                        retry_after: self.retry_after,
+                    });
+                    headers.insert(CONTENT_TYPE, written.content_type);
+                    written.body
+                }
+                None => problem::body(problem_type, status, &self.detail, policy, self.retry_after),
+            };
             (status, body)
         } else {
             grpc::status(&mut headers, self.refusal.grpc_code(), &self.detail);
