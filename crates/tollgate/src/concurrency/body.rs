@@ -1,3 +1,6 @@
+//! [`PermitBody`]: a response body that holds its in-flight permit until
+//! the body ends (or is dropped).
+
 use std::pin::Pin;
 use std::task::{Context, Poll};
 

@@ -1,3 +1,6 @@
+//! [`ResponseFuture`] of the concurrency layer: wait for a permit (when
+//! queueing is allowed), then call the inner service, or refuse.
+
 use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;

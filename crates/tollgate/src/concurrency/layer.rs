@@ -1,3 +1,6 @@
+//! [`ConcurrencyLimitLayer`]: the limits (global, per key, queueing) and
+//! their copy-on-change builders.
+
 use std::fmt;
 use std::num::NonZeroUsize;
 use std::sync::Arc;

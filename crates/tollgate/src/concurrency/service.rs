@@ -1,3 +1,5 @@
+//! [`ConcurrencyLimit`]: the `Service` impl that takes a permit per request.
+
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};

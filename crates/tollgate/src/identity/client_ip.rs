@@ -1,3 +1,6 @@
+//! [`ClientIpResolver`]: the client address from the connected peer and,
+//! through trusted proxies only, the forwarding headers.
+
 use std::fmt;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;

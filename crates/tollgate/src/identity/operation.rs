@@ -1,3 +1,6 @@
+//! [`Operation`]: the route-level name of what a request does
+//! (`METHOD /route/{param}`), for per-operation keys.
+
 use std::fmt;
 use std::sync::Arc;
 

@@ -1,3 +1,5 @@
+//! [`Principal`]: the verified identity an authentication layer inserts.
+
 use std::fmt;
 use std::sync::Arc;
 

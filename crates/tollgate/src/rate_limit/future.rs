@@ -1,3 +1,7 @@
+//! [`ResponseFuture`] of the rate-limit layer: the store's pending decision,
+//! then the inner response (with the `RateLimit` fields, and the charges
+//! made after the response) or a refusal.
+
 use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};

@@ -1,3 +1,6 @@
+//! [`RateLimitLayer`]: rules, store, exemptions and answers, with
+//! copy-on-change builders that check each rule against the store.
+
 use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;

@@ -1,3 +1,6 @@
+//! [`RateLimit`]: the `Service` impl; it runs the pipeline and picks the
+//! response future's path.
+
 use std::fmt;
 use std::sync::Arc;
 use std::task::{Context, Poll};
