@@ -249,17 +249,10 @@ pub(crate) async fn decide<St: Store>(
                 observe::store_error(&error, "fail_closed");
                 return Err(unavailable());
             }
-            Err(error) => match &config.on_store_error {
-                OnStoreError::FailClosed => {
-                    observe::store_error(&error, "fail_closed");
-                    return Err(unavailable());
-                }
-                OnStoreError::FailOpen => {
-                    observe::store_error(&error, "fail_open");
-                    return admitted(None, refusal);
-                }
-                OnStoreError::Fallback(fallback) => {
-                    observe::store_error(&error, "fallback");
+            Err(error) => match after_error(&config, &error) {
+                AfterError::Refuse(answer) => return Err(answer),
+                AfterError::Open => return admitted(None, refusal),
+                AfterError::Fallback(fallback) => {
                     on_fallback = Some(fallback);
                     continue;
                 }
@@ -295,17 +288,10 @@ async fn check_first<St: Store>(config: &Config<St>, checks: &Checks) -> Result<
     let charges = &checks.charges;
     let outcome = match config.store.check(charges).await {
         Ok(outcome) => outcome,
-        Err(error) => match &config.on_store_error {
-            OnStoreError::FailClosed => {
-                observe::store_error(&error, "fail_closed");
-                return Err(unavailable());
-            }
-            OnStoreError::FailOpen => {
-                observe::store_error(&error, "fail_open");
-                return Ok(());
-            }
-            OnStoreError::Fallback(fallback) => {
-                observe::store_error(&error, "fallback");
+        Err(error) => match after_error(config, &error) {
+            AfterError::Refuse(answer) => return Err(answer),
+            AfterError::Open => return Ok(()),
+            AfterError::Fallback(fallback) => {
                 fallback.check_boxed(charges).await.map_err(|second| {
                     observe::store_error(&second, "fail_closed");
                     unavailable()
@@ -369,6 +355,34 @@ fn charge_late<St: Store>(config: &Arc<Config<St>>, charge: Charge) {
             policy = one[0].policy().name(),
             "no tokio runtime to charge a rule after its response: not charged"
         ),
+    }
+}
+
+/// What the layer does once the store failed ([`OnStoreError`]), logged
+/// and counted here.
+enum AfterError<'c> {
+    /// Refuse (`503`).
+    Refuse(Answer),
+    /// Go on as if admitted, unchecked.
+    Open,
+    /// Ask the fallback store instead.
+    Fallback(&'c Arc<dyn DynStore>),
+}
+
+fn after_error<'c, St>(config: &'c Config<St>, error: &StoreError) -> AfterError<'c> {
+    match &config.on_store_error {
+        OnStoreError::FailClosed => {
+            observe::store_error(error, "fail_closed");
+            AfterError::Refuse(unavailable())
+        }
+        OnStoreError::FailOpen => {
+            observe::store_error(error, "fail_open");
+            AfterError::Open
+        }
+        OnStoreError::Fallback(fallback) => {
+            observe::store_error(error, "fallback");
+            AfterError::Fallback(fallback)
+        }
     }
 }
 
