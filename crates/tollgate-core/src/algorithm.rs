@@ -137,8 +137,8 @@ pub fn describe(policy: &Policy, state: Option<State>, now: Nanos) -> Decision {
 ///
 /// Exact only when the deadline did not saturate; a store must check that
 /// the recovered time is the one it was given before relying on it.
-pub(crate) fn time_from_idle(policy: &Policy, level: u64, idle_at: Nanos) -> Option<Nanos> {
-    match *policy.algorithm() {
+pub(crate) fn time_from_idle(algorithm: &Algorithm, level: u64, idle_at: Nanos) -> Option<Nanos> {
+    match *algorithm {
         Algorithm::TokenBucket(p) => idle_at.checked_sub(p.time_to_full(level.min(p.cap()))),
         Algorithm::FixedWindow(w) => idle_at.checked_sub(w.window),
         Algorithm::SlidingWindow(_) => None,
@@ -147,8 +147,15 @@ pub(crate) fn time_from_idle(policy: &Policy, level: u64, idle_at: Nanos) -> Opt
 
 /// When `state` stops mattering, without charging anything.
 pub fn idle_at(policy: &Policy, state: Option<State>, now: Nanos) -> Nanos {
-    let Some(s) = state else { return now };
-    match *policy.algorithm() {
+    match state {
+        Some(s) => idle_since(policy.algorithm(), s),
+        None => now,
+    }
+}
+
+/// When `s` becomes indistinguishable from no state under `algorithm`.
+fn idle_since(algorithm: &Algorithm, s: State) -> Nanos {
+    match *algorithm {
         Algorithm::TokenBucket(p) => {
             let level = s.level.min(p.cap());
             s.at.saturating_add(p.time_to_full(level))
@@ -157,6 +164,122 @@ pub fn idle_at(policy: &Policy, state: Option<State>, now: Nanos) -> Nanos {
         Algorithm::SlidingWindow(w) => {
             let windows = if s.level > 0 { 2 } else { 1 };
             sat(u128::from(s.at) + windows * u128::from(w.window))
+        }
+    }
+}
+
+/// What a key has spent, carried from the numbers its state was written
+/// under (`from`) to the numbers it is read under (`to`) at `now`: the state
+/// that `to` decides on, `None` for no state. Every store applies it when a
+/// policy's numbers change under one name (a plan upgrade, a limit changed
+/// at runtime); the Redis script implements the same rule.
+///
+/// A key stays under the numbers that wrote it until it is next read: its
+/// state is first brought to `now` under `from` (a bucket refilled at the
+/// old rate, a window rolled on at the old length), and what it has spent
+/// then carries over:
+///
+/// - A state that is idle under `from` (a full bucket, a window that is
+///   over) is no state, exactly as if it had been swept.
+/// - Token bucket to token bucket: the credit missing from the bucket is
+///   kept exactly, in tokens (rounded up to the new scaled unit), and the
+///   new bucket lacks that much of its capacity, at most all of it. So
+///   lowering a capacity never gives a burst and raising it never forgets
+///   what was spent.
+/// - Fixed window to fixed window: the count and the window's start are
+///   kept; the window ends at that start plus the new length.
+/// - Sliding window to sliding window of the same length: the counts are
+///   kept.
+/// - Anything else (another algorithm, a sliding window of another
+///   length): the units spent under `from` (its capacity minus the whole
+///   units it has available) are charged to a fresh state of `to` at `now`,
+///   at most its capacity.
+///
+/// Where a count kept exceeds the new limit, the budget is simply spent:
+/// nothing is admitted until it has refilled or its window is over.
+///
+/// For one key, the change happens at its first read under the new
+/// numbers, so across it the cost admitted in any interval `[a, b]` is at
+/// most `max(B_old, B_new) + r_old·(T − a) + r_new·(b − T)`, with `T` the
+/// key's first admission under the new numbers.
+pub fn carry_over(from: &Algorithm, state: State, to: &Algorithm, now: Nanos) -> Option<State> {
+    if same_numbers(from, to) {
+        return Some(state);
+    }
+    if idle_since(from, state) <= now {
+        return None;
+    }
+    let t = now.max(state.at);
+    match (*from, *to) {
+        (Algorithm::TokenBucket(a), Algorithm::TokenBucket(b)) => {
+            let (credit, t) = a.refilled(state.level, state.at, now);
+            let spent = u128::from(a.cap() - credit);
+            // In b's units, rounded up: never less spent than there was.
+            let spent = (spent * u128::from(b.denominator))
+                .div_ceil(u128::from(a.denominator))
+                .min(u128::from(b.cap()));
+            Some(State {
+                level: b.cap() - spent as u64,
+                prior: 0,
+                at: t,
+            })
+        }
+        (Algorithm::FixedWindow(_), Algorithm::FixedWindow(_)) => Some(state),
+        (Algorithm::SlidingWindow(a), Algorithm::SlidingWindow(b)) if a.window == b.window => {
+            Some(state)
+        }
+        _ => {
+            let spent = capacity(from).saturating_sub(remaining_now(from, state, now));
+            match *to {
+                Algorithm::TokenBucket(b) => Some(State {
+                    level: (b.capacity - spent.min(b.capacity)) * b.denominator,
+                    prior: 0,
+                    at: t,
+                }),
+                Algorithm::FixedWindow(w) | Algorithm::SlidingWindow(w) => {
+                    (spent > 0).then_some(State {
+                        level: spent.min(w.limit),
+                        prior: 0,
+                        at: t,
+                    })
+                }
+            }
+        }
+    }
+}
+
+/// Whether two algorithms decide alike: equal, or token buckets whose rates
+/// are spelled differently but reduce to the same (`2 per second` and `4
+/// per 2 seconds`).
+fn same_numbers(a: &Algorithm, b: &Algorithm) -> bool {
+    match (a, b) {
+        (Algorithm::TokenBucket(x), Algorithm::TokenBucket(y)) => {
+            (x.capacity, x.numerator, x.denominator, x.initial)
+                == (y.capacity, y.numerator, y.denominator, y.initial)
+        }
+        _ => a == b,
+    }
+}
+
+/// The largest cost a single charge can ever have under `algorithm`.
+fn capacity(algorithm: &Algorithm) -> u64 {
+    match *algorithm {
+        Algorithm::TokenBucket(b) => b.capacity,
+        Algorithm::FixedWindow(w) | Algorithm::SlidingWindow(w) => w.limit,
+    }
+}
+
+/// Whole units available at `now` under `algorithm` with state `s`.
+fn remaining_now(algorithm: &Algorithm, s: State, now: Nanos) -> u64 {
+    match *algorithm {
+        Algorithm::TokenBucket(p) => p.tokens(p.refilled(s.level, s.at, now).0),
+        Algorithm::FixedWindow(w) if now < s.at.saturating_add(w.window) => {
+            w.limit.saturating_sub(s.level)
+        }
+        Algorithm::FixedWindow(w) => w.limit,
+        Algorithm::SlidingWindow(w) => {
+            let sl = Slide::new(w.limit, w.window, Some(s), now);
+            sl.remaining(sl.prev, sl.cur)
         }
     }
 }

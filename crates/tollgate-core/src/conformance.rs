@@ -258,14 +258,13 @@ pub fn cases() -> Vec<Case> {
         },
         Case {
             // One identity rule for every store: state belongs to the key
-            // and the whole policy (name, unit and numbers). Policies that
-            // differ in any of them never share a budget on one key.
+            // and the policy's name and unit. Policies of another name or
+            // unit never share a budget on one key.
             name: "identity",
             policies: vec![
                 tb("first", 2, Rate::per_hour(1)),
                 tb("second", 2, Rate::per_hour(1)),
                 tb("first", 2, Rate::per_hour(1)).with_unit(crate::Unit::Bytes),
-                tb("first", 3, Rate::per_hour(1)),
                 // A unit of your own named like a built-in one is still
                 // another unit.
                 tb("first", 2, Rate::per_hour(1)).with_unit(crate::Unit::Other("requests".into())),
@@ -274,8 +273,7 @@ pub fn cases() -> Vec<Case> {
                 bound(0, &[("k", 0, 2)], OK, &[adm(0, 7200 * S)]),
                 step(0, &[("k", 1, 2)], OK),
                 step(0, &[("k", 2, 2)], OK),
-                step(0, &[("k", 3, 3)], OK),
-                step(0, &[("k", 4, 2)], OK),
+                step(0, &[("k", 3, 2)], OK),
                 bound(
                     0,
                     &[("k", 0, 1)],
@@ -284,6 +282,75 @@ pub fn cases() -> Vec<Case> {
                 ),
                 step(0, &[("k", 1, 1)], denied(3600 * S)),
                 step(0, &[("k", 2, 1)], denied(3600 * S)),
+                step(0, &[("k", 3, 1)], denied(3600 * S)),
+            ],
+        },
+        Case {
+            // One name, two sets of numbers (a plan upgrade and back): what
+            // the key spent carries over exactly (`algorithm::carry_over`),
+            // after refilling under the numbers that wrote it.
+            name: "carry-over-bucket",
+            policies: vec![
+                tb("plan", 3, Rate::per_second(2)),
+                tb("plan", 10, Rate::per_second(5)),
+            ],
+            steps: vec![
+                bound(0, &[("k", 0, 3)], OK, &[adm(0, 1500 * MS)]),
+                // 3 of 10 spent: 7 left, one charged.
+                bound(0, &[("k", 1, 1)], OK, &[adm(6, 800 * MS)]),
+                // 4 spent is more than the small bucket holds: empty.
+                bound(
+                    0,
+                    &[("k", 0, 1)],
+                    denied(500 * MS),
+                    &[den(500 * MS, 0, 1500 * MS)],
+                ),
+                // Half a second at 5/s: 1.5 spent, 1.5 left, one charged.
+                bound(500 * MS, &[("k", 0, 1)], OK, &[adm(0, 1250 * MS)]),
+                // Half a second at 2/s: 1.5 spent of 10, one charged.
+                bound(1000 * MS, &[("k", 1, 1)], OK, &[adm(7, 500 * MS)]),
+                bound(1100 * MS, &[("k", 0, 1)], OK, &[adm(0, 1500 * MS)]),
+                bound(
+                    1100 * MS,
+                    &[("k", 0, 1)],
+                    denied(500 * MS),
+                    &[den(500 * MS, 0, 1500 * MS)],
+                ),
+            ],
+        },
+        Case {
+            // One name across algorithms: windows keep their count and
+            // start; anything else carries the units spent now.
+            name: "carry-over-windows",
+            policies: vec![
+                Policy::fixed_window("w", 5, Duration::from_secs(60)).expect("valid"),
+                Policy::fixed_window("w", 3, Duration::from_secs(10)).expect("valid"),
+                Policy::sliding_window("w", 4, Duration::from_secs(1)).expect("valid"),
+                tb("w", 10, Rate::per_second(1)),
+            ],
+            steps: vec![
+                bound(0, &[("k", 0, 4)], OK, &[adm(1, 60 * S)]),
+                // Count 4 and start 0 kept: over the new limit of 3 until 10 s.
+                bound(
+                    5 * S,
+                    &[("k", 1, 1)],
+                    denied(5 * S),
+                    &[den(5 * S, 0, 5 * S)],
+                ),
+                bound(10 * S, &[("k", 1, 1)], OK, &[adm(2, 10 * S)]),
+                bound(11 * S, &[("k", 0, 1)], OK, &[adm(3, 59 * S)]),
+                // Fixed to sliding: 2 spent now, charged to a fresh window.
+                bound(12 * S, &[("k", 2, 1)], OK, &[adm(1, 2 * S)]),
+                bound(12 * S, &[("k", 0, 1)], OK, &[adm(1, 60 * S)]),
+                bound(12 * S, &[("k", 3, 1)], OK, &[adm(5, 5 * S)]),
+                bound(
+                    12500 * MS,
+                    &[("k", 1, 1)],
+                    denied(10 * S),
+                    &[den(10 * S, 0, 10 * S)],
+                ),
+                // An idle state (the bucket is full) is no state.
+                bound(100 * S, &[("k", 1, 3)], OK, &[adm(0, 10 * S)]),
             ],
         },
         Case {

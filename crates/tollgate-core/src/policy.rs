@@ -5,7 +5,9 @@
 //! exactly in 64-bit scaled units is refused with [`InvalidPolicy`].
 
 use std::fmt;
+use std::hash::{Hash, Hasher};
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use crate::Nanos;
@@ -175,19 +177,50 @@ impl Window {
 /// Cheap to clone (one shared pointer: a [`crate::Charge`] carries one per
 /// request). Construct with [`Policy::token_bucket`],
 /// [`Policy::fixed_window`] or [`Policy::sliding_window`].
-#[derive(Clone, PartialEq, Eq, Hash)]
+///
+/// # Which state a policy reads
+///
+/// Budget state belongs to the policy's **name and unit** and the key, not
+/// to its numbers: two policies that differ only in their numbers (a plan
+/// upgrade, a limit changed at runtime) read and write the same state, and
+/// every store converts what the key has spent from the numbers it was
+/// written under to the numbers it is read under
+/// ([`algorithm::carry_over`](crate::algorithm::carry_over)). A policy of
+/// another name or unit is another budget.
+#[derive(Clone)]
 pub struct Policy {
     inner: Arc<PolicyInner>,
 }
 
-#[derive(PartialEq, Eq, Hash)]
 struct PolicyInner {
     name: Arc<str>,
     unit: Unit,
     algorithm: Algorithm,
-    /// A hash of the three fields above, kept in step with them by every
-    /// constructor and setter, so stores need not rehash them per decision.
-    identity: u64,
+    /// A hash of the name and unit, the part of the policy its state
+    /// belongs to, kept in step with them by every constructor and setter,
+    /// so stores need not rehash them per decision.
+    state_identity: u64,
+    /// The last store that looked up the tag of these numbers, and the tag
+    /// it gave them (see [`Policy::cached_tag`]): `store << 24 | tag`, 0
+    /// when none has.
+    tag_cache: AtomicU64,
+}
+
+impl PartialEq for Policy {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+            || (self.inner.name == other.inner.name
+                && self.inner.unit == other.inner.unit
+                && self.inner.algorithm == other.inner.algorithm)
+    }
+}
+
+impl Eq for Policy {}
+
+impl Hash for Policy {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        (&*self.inner.name, &self.inner.unit, &self.inner.algorithm).hash(state);
+    }
 }
 
 impl fmt::Debug for Policy {
@@ -429,15 +462,15 @@ impl Policy {
     }
 
     fn assemble(name: Arc<str>, unit: Unit, algorithm: Algorithm) -> Self {
-        use std::hash::{DefaultHasher, Hash, Hasher};
-        let mut h = DefaultHasher::new();
-        (&*name, &unit, &algorithm).hash(&mut h);
+        let mut h = std::hash::DefaultHasher::new();
+        (&*name, &unit).hash(&mut h);
         Self {
             inner: Arc::new(PolicyInner {
-                identity: h.finish(),
+                state_identity: h.finish(),
                 name,
                 unit,
                 algorithm,
+                tag_cache: AtomicU64::new(0),
             }),
         }
     }
@@ -459,12 +492,34 @@ impl Policy {
         Self::assemble(self.inner.name.clone(), self.inner.unit.clone(), algorithm)
     }
 
-    /// A 64-bit hash of the policy's name, unit and numbers, the same for
-    /// equal policies within one build. `MemoryStore` uses it to keep the
-    /// state of different policies apart without rehashing them per
-    /// decision.
-    pub(crate) fn identity(&self) -> u64 {
-        self.inner.identity
+    /// A 64-bit hash of the policy's name and unit, the part of a policy
+    /// its state belongs to, the same for equal names and units within one
+    /// build. `MemoryStore` uses it to keep the state of different budgets
+    /// apart without rehashing them per decision.
+    pub(crate) fn state_identity(&self) -> u64 {
+        self.inner.state_identity
+    }
+
+    /// The tag `store` gave these numbers, if it was the last store to ask.
+    #[inline]
+    pub(crate) fn cached_tag(&self, store: u64) -> Option<u32> {
+        let cached = self.inner.tag_cache.load(Ordering::Relaxed);
+        (cached != 0 && cached >> 24 == store).then_some((cached & 0xff_ffff) as u32)
+    }
+
+    /// Remembers the tag `store` gave these numbers (`store` below 2^40,
+    /// `tag` below 2^24).
+    pub(crate) fn cache_tag(&self, store: u64, tag: u32) {
+        self.inner
+            .tag_cache
+            .store(store << 24 | u64::from(tag), Ordering::Relaxed);
+    }
+
+    /// Whether `other` reads the same state: the same name and unit.
+    pub fn same_budget(&self, other: &Policy) -> bool {
+        self.inner.state_identity == other.inner.state_identity
+            && self.inner.name == other.inner.name
+            && self.inner.unit == other.inner.unit
     }
 
     /// The policy's name.

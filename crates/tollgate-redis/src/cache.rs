@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use tollgate_core::{Charge, Decision, Outcome};
+use tollgate_core::{Charge, Decision, Outcome, Policy};
 
 /// Counters of the over-limit cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -69,8 +69,12 @@ impl OverLimitCache {
         }
     }
 
-    fn digest(&self, key: &str) -> u128 {
-        (u128::from(self.seeds.0.hash_one(key)) << 64) | u128::from(self.seeds.1.hash_one(key))
+    /// The digest of a Redis key and the numbers it was refused under: a
+    /// denial is only ever repeated for the numbers Redis refused (a plan
+    /// upgrade is not refused by a denial of the old plan).
+    fn digest(&self, key: &str, policy: &Policy) -> u128 {
+        let what = (key, policy.algorithm());
+        (u128::from(self.seeds.0.hash_one(what)) << 64) | u128::from(self.seeds.1.hash_one(what))
     }
 
     fn set(&self, digest: u128) -> std::sync::MutexGuard<'_, [Slot; WAYS]> {
@@ -90,7 +94,8 @@ impl OverLimitCache {
     /// Records Redis's refusal of `cost` on `key`. Times are measured from
     /// before the request was sent, so the local deadlines are never later
     /// than the server's.
-    pub(crate) fn remember(&self, key: &str, cost: u64, sent: Instant, refusal: Decision) {
+    pub(crate) fn remember(&self, key: &str, charge: &Charge, sent: Instant, refusal: Decision) {
+        let cost = charge.cost();
         let Decision::Denied {
             retry_after,
             remaining,
@@ -100,7 +105,7 @@ impl OverLimitCache {
             return;
         };
         let seen = Slot {
-            digest: self.digest(key),
+            digest: self.digest(key, charge.policy()),
             until: self.at(sent + retry_after),
             full_at: self.at(sent + reset),
             cost,
@@ -136,7 +141,7 @@ impl OverLimitCache {
             .zip(charges)
             .enumerate()
             .find_map(|(i, (k, c))| {
-                let digest = self.digest(k);
+                let digest = self.digest(k, c.policy());
                 let set = self.set(digest);
                 let seen = *set
                     .iter()
@@ -183,19 +188,24 @@ mod tests {
     fn remembers_until_the_wait_for_at_least_the_cost_refused() {
         let cache = OverLimitCache::new(8);
         let now = Instant::now();
-        cache.remember("a", 3, now, denied(60));
+        cache.remember("a", &charge(3), now, denied(60));
         let keys = ["a".to_owned()];
         assert!(cache.refuse(&keys, &[charge(3)]).is_some());
         assert!(cache.refuse(&keys, &[charge(5)]).is_some());
         assert!(cache.refuse(&keys, &[charge(2)]).is_none());
         assert!(cache.refuse(&["b".to_owned()], &[charge(3)]).is_none());
+        // Other numbers on the same key (a plan upgrade) are not refused by
+        // a denial under the old ones.
+        let upgraded = Policy::token_bucket("p", 20, Rate::per_second(5)).unwrap();
+        let upgraded = Charge::new(Key::new("k"), upgraded, 3).unwrap();
+        assert!(cache.refuse(&keys, &[upgraded]).is_none());
         // A smaller refused cost replaces a larger one, not the other way.
-        cache.remember("a", 2, now, denied(60));
+        cache.remember("a", &charge(2), now, denied(60));
         assert!(cache.refuse(&keys, &[charge(2)]).is_some());
-        cache.remember("a", 7, now, denied(60));
+        cache.remember("a", &charge(7), now, denied(60));
         assert!(cache.refuse(&keys, &[charge(2)]).is_some());
         // An expired denial refuses nothing.
-        cache.remember("c", 1, now - Duration::from_secs(10), denied(1));
+        cache.remember("c", &charge(1), now - Duration::from_secs(10), denied(1));
         assert!(cache.refuse(&["c".to_owned()], &[charge(1)]).is_none());
     }
 
@@ -207,7 +217,7 @@ mod tests {
         let cache = OverLimitCache::new(1000);
         let now = Instant::now();
         for i in 0..100_000u64 {
-            cache.remember(&format!("flood-{i}"), 1, now, denied(3600 + i));
+            cache.remember(&format!("flood-{i}"), &charge(1), now, denied(3600 + i));
         }
         assert_eq!(cache.sets.len(), 250);
         let live = cache

@@ -20,10 +20,15 @@
 -- offset is below 4e15 ns and any difference of interest (validated horizons
 -- are below 2e15 ns) is exact.
 --
--- State: four little-endian doubles (level, prior, era, offset), 32 bytes.
--- Binary because parsing and formatting text was most of the script's cost;
--- text states "level:prior:era:offset" written by earlier versions are
--- still read.
+-- State: nine little-endian doubles, 72 bytes: (level, prior, era,
+-- offset) and the numbers that wrote it (algorithm, p1..p4, as in a
+-- charge). Binary because parsing and formatting text was most of the
+-- script's cost. A key's state belongs to its policy's name and unit (the
+-- key names them), not to its numbers: a charge with other numbers (a
+-- plan upgrade, a limit changed at runtime) first carries the state over
+-- by the rule of tollgate_core's algorithm::carry_over, implemented in
+-- `carry` below. States of 32 bytes, or text "level:prior:era:offset",
+-- carry no numbers and are read as written under the charge's own.
 --
 -- Reply: per charge {admitted 1/0, remaining, reset ns, retry ns, era, offset,
 -- remaining before, reset before}: the last two describe the budget as it
@@ -85,10 +90,15 @@ local NO = (sec - NE * ERA_SEC) * 1000000000 + nsec
 local mode = ARGV[5]
 
 local pending = {}
+-- level, prior, era, offset and the numbers that wrote them (nil for a
+-- state that carries none).
 local function load(key)
   local v = pending[key]
   if v == nil then v = redis.call("GET", key) end
   if not v then return nil end
+  if #v == 72 then
+    return struct.unpack("<ddddddddd", v)
+  end
   if #v == 32 then
     local a, b, c, d = struct.unpack("<dddd", v)
     return a, b, c, d
@@ -98,8 +108,50 @@ local function load(key)
   return tonumber(a), tonumber(b), tonumber(c), tonumber(d)
 end
 
-local function state(level, prior, e, o)
-  return struct.pack("<dddd", level, prior, e, o)
+local function state(level, prior, e, o, algo, p1, p2, p3, p4)
+  return struct.pack("<ddddddddd", level, prior, e, o, algo, p1, p2, p3, p4)
+end
+
+-- Exact products of integers below 2^53, as six base-2^24 limbs (little
+-- endian), and their comparison: for the rare carry-over whose products
+-- exceed 2^53.
+local B24 = 16777216
+local function limbs(a)
+  local a0 = a % B24
+  a = (a - a0) / B24
+  local a1 = a % B24
+  return a0, a1, (a - a1) / B24
+end
+local function mul(a, b)
+  local a0, a1, a2 = limbs(a)
+  local b0, b1, b2 = limbs(b)
+  local r = {a0 * b0, a0 * b1 + a1 * b0, a0 * b2 + a1 * b1 + a2 * b0, a1 * b2 + a2 * b1, a2 * b2, 0}
+  for i = 1, 5 do
+    local c = floor(r[i] / B24)
+    r[i] = r[i] - c * B24
+    r[i + 1] = r[i + 1] + c
+  end
+  return r
+end
+local function cmp(x, y)
+  for i = 6, 1, -1 do
+    if x[i] ~= y[i] then
+      if x[i] < y[i] then return -1 end
+      return 1
+    end
+  end
+  return 0
+end
+-- min(m, ceil(a * b / c)), exactly.
+local function cdiv_product(a, b, c, m)
+  local target = mul(a, b)
+  if cmp(mul(m, c), target) < 0 then return m end
+  local lo, hi = 0, m
+  while lo < hi do
+    local mid = lo + floor((hi - lo) / 2)
+    if cmp(mul(mid, c), target) >= 0 then hi = mid else lo = mid + 1 end
+  end
+  return lo
 end
 
 -- Under injected time Redis still expires keys on its own clock, which the
@@ -115,6 +167,76 @@ local function ttl(e, o)
   local d = diff(e, o, NE, NO)
   if before(e, o, NE, NO) then d = 0 end
   return math.max(MIN_TTL_MS, cdiv(d, 1000000))
+end
+
+-- The state written under numbers (oa, o1..o4) as read under (a, q1..q4):
+-- tollgate_core's algorithm::carry_over. Returns nothing for no state.
+local function carry(oa, o1, o2, o3, o4, level, prior, se, so, a, q1, q2, q3, q4)
+  -- Brought to now under the numbers that wrote it: idle is no state.
+  local ie, io
+  if oa == 1 then
+    ie, io = add(se, so, cdiv(o1 - math.min(level, o1), o2))
+  elseif oa == 2 then
+    ie, io = add(se, so, o2)
+  elseif level > 0 then
+    ie, io = add(se, so, 2 * o2)
+  else
+    ie, io = add(se, so, o2)
+  end
+  if not before(NE, NO, ie, io) then return end
+  local te, to = NE, NO
+  if before(NE, NO, se, so) then te, to = se, so end
+  if oa == 1 and a == 1 then
+    local credit = level
+    local el = diff(te, to, se, so)
+    if o1 - credit > 0 then
+      if el >= cdiv(o1 - credit, o2) then credit = o1 else credit = credit + el * o2 end
+    end
+    -- Spent kept in the new unit, rounded up, at most all of it.
+    local spent = cdiv_product(o1 - credit, q3, o3, q1)
+    return q1 - spent, 0, te, to
+  end
+  if (oa == 2 and a == 2) or (oa == 3 and a == 3 and o2 == q2) then
+    return level, prior, se, so
+  end
+  -- Anything else: the whole units spent now under the old numbers,
+  -- charged to a fresh state of the new ones.
+  local cap, left
+  if oa == 1 then
+    cap = o1 / o3
+    local credit = level
+    local el = diff(te, to, se, so)
+    if o1 - credit > 0 then
+      if el >= cdiv(o1 - credit, o2) then credit = o1 else credit = credit + el * o2 end
+    end
+    left = idiv(credit, o3)
+  elseif oa == 2 then
+    cap = o1
+    -- Not idle, so the window is still open.
+    left = math.max(0, o1 - level)
+  else
+    cap = o1
+    local w, cur, prv = o2, level, prior
+    local el = diff(te, to, se, so)
+    local k = idiv(math.min(el, HUGE), w)
+    local ws_e, ws_o = se, so
+    if k == 1 then
+      prv, cur = cur, 0
+      ws_e, ws_o = add(se, so, w)
+    elseif k > 1 then
+      prv, cur = 0, 0
+      ws_e, ws_o = te, to
+    end
+    local e = diff(te, to, ws_e, ws_o)
+    left = idiv(math.max(0, o1 * w - (prv * (w - e) + cur * w)), w)
+  end
+  local spent = math.max(0, cap - left)
+  if a == 1 then
+    local capacity = q1 / q3
+    return (capacity - math.min(spent, capacity)) * q3, 0, te, to
+  end
+  if spent == 0 then return end
+  return math.min(spent, q1), 0, te, to
 end
 
 local replies = {}
@@ -146,7 +268,11 @@ end
 for i = 1, n do
   local key = KEYS[i]
   local algo, p1, p2, p3, p4, need, re, ro = charge_args(ARGV[5 + i])
-  local level, prior, se, so = load(key)
+  local level, prior, se, so, oa, o1, o2, o3, o4 = load(key)
+  if level ~= nil and oa ~= nil
+      and not (oa == algo and o1 == p1 and o2 == p2 and o3 == p3 and o4 == p4) then
+    level, prior, se, so = carry(oa, o1, o2, o3, o4, level, prior, se, so, algo, p1, p2, p3, p4)
+  end
   local ok, remaining, reset, retry, we, wo = 0, 0, 0, 0, 0, 0
   local br, bt = 0, 0
   local write, idle_e, idle_o = nil, nil, nil
@@ -174,23 +300,29 @@ for i = 1, n do
     br, bt = idiv(credit, den), lead + cdiv(cap - credit, num)
     if mode == "refund" then
       credit = math.min(cap, credit + need)
-      write = state(credit, 0, te, to)
+      write = state(credit, 0, te, to, algo, p1, p2, p3, p4)
       idle_e, idle_o = add(te, to, cdiv(cap - credit, num))
       ok = 1
     elseif credit >= need then
       local left = credit - need
       local full_in = cdiv(cap - left, num)
       ok, remaining, reset = 1, idiv(left, den), lead + full_in
-      write = state(left, 0, te, to)
+      write = state(left, 0, te, to, algo, p1, p2, p3, p4)
       idle_e, idle_o = add(te, to, full_in)
       we, wo = te, to
     else
       remaining = idiv(credit, den)
       reset = lead + cdiv(cap - credit, num)
       retry = lead + cdiv(need - credit, num)
-      if level == nil and p4 == 0 and mode == "charge" then
-        -- Record when an initially-empty bucket was created (spends nothing).
-        redis.call("SET", key, state(0, 0, NE, NO), "PX", ttl(add(NE, NO, cdiv(cap, num))))
+      if level == nil and p4 == 0 then
+        -- Record when an initially-empty bucket was created (spends
+        -- nothing); a later charge of this call on the key sees it, also
+        -- when nothing is written.
+        local created = state(0, 0, NE, NO, algo, p1, p2, p3, p4)
+        pending[key] = created
+        if mode == "charge" then
+          redis.call("SET", key, created, "PX", ttl(add(NE, NO, cdiv(cap, num))))
+        end
       end
     end
   elseif algo == 2 then
@@ -211,16 +343,16 @@ for i = 1, n do
     if mode == "refund" then
       ok = 1
       if level ~= nil and re == ws_e and ro == ws_o and count >= need then
-        write = state(count - need, 0, ws_e, ws_o)
+        write = state(count - need, 0, ws_e, ws_o, algo, p1, p2, p3, p4)
         idle_e, idle_o = ee, eo
       end
     elseif count + need <= limit then
       ok, remaining, reset = 1, limit - count - need, left_ns
-      write = state(count + need, 0, ws_e, ws_o)
+      write = state(count + need, 0, ws_e, ws_o, algo, p1, p2, p3, p4)
       idle_e, idle_o = ee, eo
       we, wo = ws_e, ws_o
     else
-      remaining, reset, retry = limit - count, left_ns, left_ns
+      remaining, reset, retry = math.max(0, limit - count), left_ns, left_ns
     end
   else
     -- Sliding window counter anchored at the first admission:
@@ -261,7 +393,7 @@ for i = 1, n do
           local pe, po = add(re, ro, w)
           if pe == se and po == so and prev >= need then prev = prev - need end
         end
-        write = state(cur, prev, se, so)
+        write = state(cur, prev, se, so, algo, p1, p2, p3, p4)
         local _, xe, xo = until_idle(prev, cur)
         idle_e, idle_o = xe, xo
       end
@@ -269,7 +401,7 @@ for i = 1, n do
       cur = cur + need
       local d, xe, xo = until_idle(prev, cur)
       ok, remaining, reset = 1, idiv(limit * w - (prev * (w - e) + cur * w), w), d
-      write = state(cur, prev, se, so)
+      write = state(cur, prev, se, so, algo, p1, p2, p3, p4)
       idle_e, idle_o = xe, xo
       we, wo = se, so
     else

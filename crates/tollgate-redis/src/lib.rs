@@ -18,14 +18,17 @@
 //!   Policies whose numbers do not fit the exact range are refused with
 //!   [`StoreErrorKind::Unsupported`] by [`Store::check_policy`], which
 //!   the HTTP layer calls when a rule is added.
-//! - **Keys**: `PREFIX:{KEY}:POLICY`, where `KEY` is the injective text of
-//!   the tuple key (`{`/`}` escaped) and `POLICY` the policy's name, unit
-//!   and numbers (`NAME/UNIT/NUMBERS`): state belongs to the key and the
-//!   whole policy, as in `MemoryStore`, and changing a policy never
-//!   reinterprets old state. The braces are a Redis Cluster hash tag: each key's slot
-//!   depends only on the key. Values are four little-endian doubles
-//!   (level, prior, era, offset); text values from earlier versions are
-//!   still read. Charges travel to the script packed the same way.
+//! - **Keys**: `PREFIX:{KEY}:NAME/UNIT`, where `KEY` is the injective text
+//!   of the tuple key (`{`/`}` escaped) followed by the policy's name and
+//!   unit: state belongs to the key and the policy's name and unit, as in
+//!   `MemoryStore`, not to its numbers. The braces are a Redis Cluster hash
+//!   tag: each key's slot depends only on the key. Values are nine
+//!   little-endian doubles: the state (level, prior, era, offset) and the
+//!   numbers that wrote it, so that a charge under other numbers (a plan, a
+//!   limit changed at runtime) carries what was spent over by the core's
+//!   rule ([`tollgate_core::algorithm::carry_over`]), in the script, on the
+//!   same exact integers. Charges travel to the script packed the same way.
+//!   Text values from earlier versions are still read.
 //! - **TTL**: every write sets a TTL equal to the time until the state is
 //!   indistinguishable from none (bucket full, window over): idle state
 //!   disappears by itself and no key is immortal.
@@ -444,7 +447,7 @@ impl RedisStore {
                 // refunded a moment after this refusal saw it: a refusal is
                 // then not a lasting fact, and is not remembered.
                 if let (Some(cache), true, false) = (&self.inner.cache, first, self.inner.split) {
-                    cache.remember(&keys[i], charges[i].cost(), sent, d);
+                    cache.remember(&keys[i], &charges[i], sent, d);
                 }
                 all &= d.is_admitted();
                 decisions[i] = d;

@@ -88,9 +88,11 @@ pub(crate) fn params(policy: &Policy, cost: u64) -> Result<[u128; 6], StoreError
     }
 }
 
-/// `PREFIX:{KEY}:POLICY` — the braces make the key's own text its cluster
-/// hash tag; the policy part (name, unit and numbers) keeps the state of
-/// different policies apart, as `MemoryStore` does.
+/// `PREFIX:{KEY}:NAME/UNIT` — the braces make the key's own text its
+/// cluster hash tag; the policy's name and unit keep the state of
+/// different budgets apart, as `MemoryStore` does. The numbers are not part
+/// of the key: the state records the numbers that wrote it, and the script
+/// carries it over when they change.
 pub(crate) fn redis_key(prefix: &str, charge: &Charge) -> String {
     let text = charge.key().as_str();
     let mut key = String::with_capacity(prefix.len() + text.len() + 48);
@@ -108,34 +110,16 @@ pub(crate) fn redis_key(prefix: &str, charge: &Charge) -> String {
     key
 }
 
-/// `NAME/UNIT/NUMBERS`: every part of a policy that `MemoryStore` tells
-/// states apart by. Names are `[A-Za-z0-9._-]`; a unit of your own is
-/// `o.` and its name escaped like a key component, so that it can never
-/// read as one of the built-in units.
+/// `NAME/UNIT`: every part of a policy that `MemoryStore` tells states
+/// apart by. Names are `[A-Za-z0-9._-]`; a unit of your own is `o.` and its
+/// name escaped like a key component, so that it can never read as one of
+/// the built-in units.
 fn fingerprint(policy: &Policy) -> String {
     let unit = match policy.unit() {
         Unit::Other(name) => format!("o.{}", tollgate_core::Key::new(&**name)),
         built_in => built_in.as_str().to_owned(),
     };
-    format!("{}/{unit}/{}", policy.name(), numbers(policy))
-}
-
-fn numbers(policy: &Policy) -> String {
-    match *policy.algorithm() {
-        Algorithm::TokenBucket(b) => format!(
-            "tb.{}.{}.{}.{}",
-            b.capacity(),
-            b.rate().amount(),
-            b.rate().period().as_nanos(),
-            if b.initial() == Initial::Full {
-                "f"
-            } else {
-                "e"
-            }
-        ),
-        Algorithm::FixedWindow(w) => format!("fw.{}.{}", w.limit(), w.nanos()),
-        Algorithm::SlidingWindow(w) => format!("sw.{}.{}", w.limit(), w.nanos()),
-    }
+    format!("{}/{unit}", policy.name())
 }
 
 /// Charges encoded for one script call.
@@ -332,7 +316,7 @@ mod tests {
         let c = Charge::new(Key::new("export").with("a{b}"), p, 1).unwrap();
         assert_eq!(
             redis_key("app", &c),
-            "app:{export:a%7Bb%7D}:export/requests/tb.3.2.1000000000.f"
+            "app:{export:a%7Bb%7D}:export/requests"
         );
     }
 

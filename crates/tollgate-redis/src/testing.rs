@@ -161,10 +161,12 @@ impl RedisServer {
     }
 }
 
-/// A stored state decoded: (level, prior, era, offset), from the script's
-/// four little-endian doubles; `None` if `bytes` is not 32 bytes.
+/// A stored state decoded: (level, prior, era, offset), the first four of
+/// the script's nine little-endian doubles (the rest are the numbers that
+/// wrote it; earlier versions stored the four alone); `None` if `bytes` is
+/// neither 72 nor 32 bytes.
 pub fn decode_state(bytes: &[u8]) -> Option<(u64, u64, i64, u64)> {
-    if bytes.len() != 32 {
+    if bytes.len() != 72 && bytes.len() != 32 {
         return None;
     }
     let word = |i: usize| {

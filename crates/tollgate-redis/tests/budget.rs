@@ -321,8 +321,8 @@ async fn a_flood_of_fresh_keys_leaves_no_key_without_a_ttl() {
     }
 }
 
-/// States are four packed doubles; a text state "level:prior:era:offset"
-/// left by an earlier version is still read, and rewritten packed.
+/// States are packed doubles; a text state "level:prior:era:offset" left
+/// by an earlier version is still read, and rewritten packed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn text_states_from_earlier_versions_are_still_read() {
     let Some(server) = RedisServer::start() else {

@@ -107,3 +107,91 @@ async fn large_clock_jumps_agree_with_the_memory_store() {
         );
     }
 }
+
+/// Policies whose numbers change under one name (plans, runtime changes):
+/// on random traces that switch between token buckets with awkward rates
+/// (products past 2^53, the script's exact long arithmetic), fixed and
+/// sliding windows, on one key and in multi-charge calls, the script's
+/// carry-over gives exactly what `MemoryStore` gives, for every value a
+/// client sees, and a check answers what the next charge answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policy_changes_carry_over_like_the_memory_store() {
+    use std::time::Duration;
+    use tollgate_core::{Charge, Initial, Key, MemoryStore, Policy, Rate, Store};
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let clock = ManualClock::new(0);
+    let reading = clock.clone();
+    let redis = RedisStore::builder(&server.url())
+        .unwrap()
+        .injected_time(move || tollgate_core::Clock::now(&reading))
+        .build()
+        .unwrap();
+    let memory = MemoryStore::builder().clock(clock.clone()).build();
+    let name = "plan";
+    let policies = [
+        Policy::token_bucket(name, 3, Rate::per_second(2)).unwrap(),
+        Policy::token_bucket(name, 10, Rate::per_second(5)).unwrap(),
+        Policy::token_bucket(name, 7, Rate::new(3, Duration::from_secs(7))).unwrap(),
+        Policy::token_bucket(name, 900, Rate::new(11, Duration::from_millis(13))).unwrap(),
+        Policy::token_bucket(name, 5, Rate::new(1, Duration::from_nanos(997))).unwrap(),
+        Policy::token_bucket(name, 4, Rate::per_second(1))
+            .unwrap()
+            .with_initial(Initial::Empty),
+        Policy::fixed_window(name, 5, Duration::from_secs(60)).unwrap(),
+        Policy::fixed_window(name, 2, Duration::from_secs(5)).unwrap(),
+        Policy::sliding_window(name, 6, Duration::from_secs(2)).unwrap(),
+        Policy::sliding_window(name, 3, Duration::from_secs(9)).unwrap(),
+    ];
+    for seed in [
+        0x2545_F491_4F6C_DD1D_u64,
+        0x9E37_79B9_7F4A_7C15,
+        0xD1B5_4A32_D192_ED03,
+    ] {
+        let mut x: u64 = seed;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut now: i64 = 1_000_000_000_000;
+        for step in 0..1500 {
+            let r = next();
+            let jump = match r % 8 {
+                0 => -((r >> 8) as i64 % 3_000_000_000),
+                1 => (r >> 8) as i64 % 30_000_000_000,
+                2 | 3 => 0,
+                _ => (r >> 8) as i64 % 700_000_000,
+            };
+            now = (now + jump).max(0);
+            clock.set(now as u64);
+            let p = &policies[(r as usize >> 3) % policies.len()];
+            let cost = 1 + (r >> 40) % 4;
+            let key = ["a", "b"][(r >> 50) as usize % 2];
+            let mut c = vec![Charge::new(Key::new(name).with(key), p.clone(), cost).unwrap()];
+            if r % 7 == 0 {
+                // The same key under other numbers in the same call sees the
+                // first charge's effect, carried over.
+                let other = &policies[(r as usize >> 11) % policies.len()];
+                c.push(Charge::new(Key::new(name).with(key), other.clone(), 1).unwrap());
+            }
+            let checked = (
+                memory.check(&c).await.unwrap(),
+                redis.check(&c).await.unwrap(),
+            );
+            let a = memory.charge(&c).await.unwrap();
+            let b = redis.charge(&c).await.unwrap();
+            assert_eq!(
+                a, b,
+                "seed {seed:x} step {step}: t={now} policy {p} cost {cost}"
+            );
+            assert_eq!(
+                checked,
+                (a.clone(), b),
+                "step {step}: check and charge differ"
+            );
+        }
+    }
+}

@@ -89,7 +89,7 @@ async fn split_check_overspends_and_the_script_admits_exactly_five() {
     let store = RedisStore::builder(&url).unwrap().build().unwrap();
     let key = store.redis_key(&charge);
     let stored = server.get_bytes(&key).unwrap().expect("state is stored");
-    let (count, ..) = decode_state(&stored).expect("a 32-byte state");
+    let (count, ..) = decode_state(&stored).expect("a packed state");
     assert_eq!(count, 5, "stored count is 5");
     let ttl: i64 = server.query(&["PTTL", &key]).unwrap().parse().unwrap();
     assert!(ttl > 0 && ttl <= 60_000, "{ttl}");

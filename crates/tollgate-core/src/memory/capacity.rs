@@ -14,18 +14,9 @@ impl Inner {
     }
 
     pub(super) fn sweep_shard(&self, shard: &mut Shard, now: Nanos) {
-        let before = shard.len();
-        shard.compact.retain(|_, c| c.idle_at > now);
-        shard.wide.retain(|_, e| e.idle_at > now);
-        let removed = before - shard.len();
+        let removed = shard.drop_idle(now);
         if removed > 0 {
             self.swept.fetch_add(removed as u64, Ordering::Relaxed);
-        }
-        if shard.compact.capacity() > 64 && shard.compact.capacity() > 4 * shard.compact.len() {
-            shard.compact.shrink_to_fit();
-        }
-        if shard.wide.capacity() > 64 && shard.wide.capacity() > 4 * shard.wide.len() {
-            shard.wide.shrink_to_fit();
         }
         shard.next_sweep = now.saturating_add(self.sweep_every);
     }
@@ -54,7 +45,7 @@ impl Inner {
         let evictable = match self.cap_policy {
             OnKeyCap::RefuseNewKeys => 0,
             OnKeyCap::EvictNearestIdle => {
-                let kept = keep.iter().filter(|d| shard.contains(d)).count();
+                let kept = keep.iter().filter(|d| shard.contains(**d)).count();
                 shard.len() - kept
             }
         };
@@ -74,10 +65,8 @@ impl Inner {
     pub(super) fn evict(&self, shard: &mut Shard, count: usize, keep: &[u128]) {
         const SAMPLE: usize = 8;
         for _ in 0..count {
-            let compact = shard.compact.iter().map(|(d, c)| (*d, c.idle_at));
-            let wide = shard.wide.iter().map(|(d, e)| (*d, e.idle_at));
-            let Some(victim) = compact
-                .chain(wide)
+            let Some(victim) = shard
+                .deadlines()
                 .filter(|(d, _)| !keep.contains(d))
                 .take(SAMPLE)
                 .min_by_key(|(_, idle_at)| *idle_at)
@@ -85,8 +74,7 @@ impl Inner {
             else {
                 return;
             };
-            shard.compact.remove(&victim);
-            shard.wide.remove(&victim);
+            shard.remove(victim);
             self.evicted.fetch_add(1, Ordering::Relaxed);
         }
     }

@@ -4,7 +4,7 @@
 use std::sync::MutexGuard;
 
 use super::MemoryStore;
-use super::shard::{Compact, Shard};
+use super::shard::Shard;
 use crate::algorithm::{self, State, Step};
 use crate::{Charge, Decision, Nanos, Outcome, Policy, StoreError};
 
@@ -20,6 +20,10 @@ impl MemoryStore {
         if let [charge] = charges {
             return self.charge_one(charge, now);
         }
+        let mut tags = Vec::with_capacity(charges.len());
+        for charge in charges {
+            tags.push(inner.numbers.tag(charge.policy())?);
+        }
         let digests: Vec<u128> = charges.iter().map(|c| inner.digest(c)).collect();
         let mut order: Vec<usize> = digests.iter().map(|d| inner.shard_of(*d)).collect();
         order.sort_unstable();
@@ -30,40 +34,45 @@ impl MemoryStore {
         }
         let guard_of = |d: u128| order.binary_search(&inner.shard_of(d)).unwrap_or(0);
 
-        let mut steps: Vec<(u128, Step, &Policy)> = Vec::with_capacity(charges.len());
+        let mut steps: Vec<(u128, u32, Step, &Policy)> = Vec::with_capacity(charges.len());
         let mut before: Vec<Option<State>> = Vec::with_capacity(charges.len());
-        for (charge, &digest) in charges.iter().zip(&digests) {
+        for ((charge, &digest), &tag) in charges.iter().zip(&digests).zip(&tags) {
             let policy = charge.policy();
             // A repeated key in one call sees the earlier charge's effect.
-            let state = steps
+            let earlier = steps
                 .iter()
                 .rev()
-                .find(|(d, s, _)| *d == digest && s.next.is_some())
-                .and_then(|(_, s, _)| s.next)
-                .or_else(|| guards[guard_of(digest)].state(&digest, policy));
+                .find(|(d, _, s, _)| *d == digest && s.next.is_some());
+            let state = match earlier {
+                Some((_, _, s, p)) => s.next.and_then(|next| {
+                    algorithm::carry_over(p.algorithm(), next, policy.algorithm(), now)
+                }),
+                None => inner.state(&guards[guard_of(digest)], digest, policy, now),
+            };
             before.push(state);
             steps.push((
                 digest,
+                tag,
                 algorithm::decide(policy, state, now, charge.cost()),
                 policy,
             ));
         }
-        let mut outcome = Outcome::new(steps.iter().map(|(_, s, _)| s.decision).collect());
+        let mut outcome = Outcome::new(steps.iter().map(|(_, _, s, _)| s.decision).collect());
         let admitted = outcome.is_admitted();
         if !admitted {
             outcome = unspent(charges, &before, outcome, now);
         }
         // Admissions are written only together; a refusal's state (the
         // creation of an initially-empty bucket) is written regardless.
-        steps.retain(|(_, s, _)| s.next.is_some() && (admitted || !s.decision.is_admitted()));
+        steps.retain(|(_, _, s, _)| s.next.is_some() && (admitted || !s.decision.is_admitted()));
         if inner.per_shard.is_some() {
             // Room for every new key of this call, counted before any is
             // written: one call must not take a shard past its cap. A key
             // that appears twice is one key.
             let mut fresh: Vec<u128> = steps
                 .iter()
-                .map(|(d, _, _)| *d)
-                .filter(|d| !guards[guard_of(*d)].contains(d))
+                .map(|(d, _, _, _)| *d)
+                .filter(|d| !guards[guard_of(*d)].contains(*d))
                 .collect();
             fresh.sort_unstable();
             fresh.dedup();
@@ -82,9 +91,9 @@ impl MemoryStore {
                 inner.evict(guard, count, &digests);
             }
         }
-        for (digest, step, policy) in steps {
+        for (digest, tag, step, policy) in steps {
             if let Some(state) = step.next {
-                guards[guard_of(digest)].put(digest, policy, state, step.idle_at);
+                guards[guard_of(digest)].put(digest, tag, policy.algorithm(), state, step.idle_at);
             }
         }
         Ok(outcome)
@@ -95,27 +104,30 @@ impl MemoryStore {
         let inner = &*self.inner;
         let digest = inner.digest(charge);
         let (policy, cost) = (charge.policy(), charge.cost());
+        let algorithm = policy.algorithm();
+        let tag = inner.numbers.tag(policy)?;
         let mut shard = inner.lock(inner.shard_of(digest));
         inner.maybe_sweep(&mut shard, now);
-        // A tracked key is decided and written in place: one probe.
-        if let Some(slot) = shard.compact.get_mut(&digest) {
-            let step = algorithm::decide(policy, Some(slot.unpack(policy)), now, cost);
+        // A key tracked under these numbers is decided and written in
+        // place: one probe.
+        if let Some(mut slot) = shard.compact_mut(digest, tag) {
+            let step = algorithm::decide(policy, Some(slot.state(algorithm)), now, cost);
             if let Some(next) = step.next {
-                match Compact::pack(policy, next, step.idle_at) {
-                    Some(packed) => *slot = packed,
-                    None => shard.put(digest, policy, next, step.idle_at),
+                if !slot.set(algorithm, next, step.idle_at) {
+                    shard.put(digest, tag, algorithm, next, step.idle_at);
                 }
             }
             return Ok(Outcome::one(step.decision));
         }
-        let state = shard.wide.get(&digest).map(|e| e.state);
+        let tracked = shard.contains(digest);
+        let state = inner.state(&shard, digest, policy, now);
         let step = algorithm::decide(policy, state, now, cost);
         if let Some(next) = step.next {
-            if state.is_none() && inner.per_shard.is_some_and(|cap| shard.len() >= cap) {
+            if !tracked && inner.per_shard.is_some_and(|cap| shard.len() >= cap) {
                 let count = inner.room_for(&mut shard, 1, &[], now)?;
                 inner.evict(&mut shard, count, &[]);
             }
-            shard.put(digest, policy, next, step.idle_at);
+            shard.put(digest, tag, algorithm, next, step.idle_at);
         }
         Ok(Outcome::one(step.decision))
     }
@@ -130,22 +142,22 @@ impl MemoryStore {
         }
         let inner = &*self.inner;
         let now = inner.clock.now();
-        let mut seen: Vec<(u128, State)> = Vec::new();
+        let mut seen: Vec<(u128, State, &Policy)> = Vec::new();
         let mut before: Vec<Option<State>> = Vec::with_capacity(charges.len());
         let mut decisions = Vec::with_capacity(charges.len());
         for charge in charges {
             let policy = charge.policy();
             let digest = inner.digest(charge);
             // A repeated key sees the earlier charge's effect, as in a charge.
-            let state = seen
-                .iter()
-                .rev()
-                .find(|(d, _)| *d == digest)
-                .map(|(_, s)| *s)
-                .or_else(|| inner.lock(inner.shard_of(digest)).state(&digest, policy));
+            let state = match seen.iter().rev().find(|(d, _, _)| *d == digest) {
+                Some((_, s, p)) => {
+                    algorithm::carry_over(p.algorithm(), *s, policy.algorithm(), now)
+                }
+                None => inner.state(&inner.lock(inner.shard_of(digest)), digest, policy, now),
+            };
             let step = algorithm::decide(policy, state, now, charge.cost());
             if let Some(next) = step.next {
-                seen.push((digest, next));
+                seen.push((digest, next, policy));
             }
             before.push(state);
             decisions.push(step.decision);
@@ -171,9 +183,8 @@ impl MemoryStore {
                 .iter()
                 .map(|c| {
                     let digest = inner.digest(c);
-                    let state = inner
-                        .lock(inner.shard_of(digest))
-                        .state(&digest, c.policy());
+                    let shard = inner.lock(inner.shard_of(digest));
+                    let state = inner.state(&shard, digest, c.policy(), now);
                     algorithm::describe(c.policy(), state, now)
                 })
                 .collect(),
@@ -232,8 +243,8 @@ mod tests {
         let inner = &*store.inner;
         let shard = |d| inner.lock(inner.shard_of(d));
         let digest = inner.digest(&charge("k", &p, 1));
-        assert!(shard(digest).wide.contains_key(&digest));
-        assert!(!shard(digest).compact.contains_key(&digest));
+        assert_eq!(shard(digest).wide.len(), 1);
+        assert_eq!(shard(digest).compact.len(), 0);
         let rest = store.charge_now(&[charge("k", &p, 100_000_000)]).unwrap();
         assert_eq!(rest.limits()[0].remaining(), 0);
         assert!(rest.is_admitted());

@@ -4,15 +4,20 @@
 //! shards its charges live in (in index order, so multi-shard charges cannot
 //! deadlock), evaluates every charge, and writes only if all were admitted.
 //!
-//! A map entry is keyed by a 128-bit keyed digest of the policy and the
-//! key's text, not by the text itself: memory per key is fixed whatever the
-//! key's length. The digest is SipHash-1-3 with 128-bit output, in one pass
-//! (a caller who cannot see the secret key cannot aim for a collision): the
-//! upper half picks the shard, the lower half places the entry in its map.
-//! The key is random per store; an accidental collision among ten million
-//! keys has probability below 10⁻²⁴.
+//! A map entry is keyed by a keyed digest of the policy's name and unit and
+//! the key's text, not by the text itself: memory per key is fixed whatever
+//! the key's length. The digest is SipHash-1-3 with 128-bit output, in one
+//! pass (a caller who cannot see the secret key cannot aim for a
+//! collision): bits 64 and up pick the shard, the lower half places the
+//! entry in its map, and 104 bits identify it; the top 24 bits of a stored
+//! key tag the numbers its state was written under ([`numbers`]), so that a
+//! policy whose numbers changed (a plan, a limit changed at runtime) reads
+//! the same state and converts it
+//! ([`carry_over`](crate::algorithm::carry_over)). The digest key is
+//! random per store; an accidental collision among ten million keys has
+//! probability below 10⁻¹⁷.
 //!
-//! Each shard has two maps. Token buckets and fixed windows, whose state is
+//! Each shard has two tables. Token buckets and fixed windows, whose state is
 //! one count and one time, keep (count, idle deadline) in a 32-byte slot:
 //! the time follows exactly from the two and the policy. Sliding windows
 //! (and the rare state whose deadline saturates) keep the whole state and
@@ -24,20 +29,24 @@
 //!
 //! The parts: this file is the public store and its settings; [`shard`] is
 //! the storage layout, [`charge`] the all-or-nothing decision, [`capacity`]
-//! sweeping and the key cap, [`digest`] the keyed digest.
+//! sweeping and the key cap, [`digest`] the keyed digest, [`numbers`] the
+//! tags of the numbers states were written under.
 
 mod capacity;
 mod charge;
 mod digest;
+mod numbers;
 mod shard;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
-use crate::{Charge, Clock, Nanos, Outcome, Store, StoreError, SystemClock};
+use crate::algorithm::{self, State};
+use crate::{Charge, Clock, Nanos, Outcome, Policy, Store, StoreError, SystemClock};
 use digest::DigestKey;
-use shard::Shard;
+use numbers::Numbers;
+use shard::{ID_MASK, Shard};
 
 /// What [`MemoryStore`] does when a shard is at its share of the key cap and
 /// a charge needs a new key.
@@ -127,6 +136,7 @@ impl MemoryStoreBuilder {
                 mask: self.shards - 1,
                 clock: self.clock,
                 digest_key: DigestKey::random(),
+                numbers: Numbers::new(),
                 per_shard,
                 cap_policy: self.cap_policy,
                 sweep_every: u64::try_from(self.sweep_interval.as_nanos()).unwrap_or(u64::MAX),
@@ -140,10 +150,15 @@ impl MemoryStoreBuilder {
 
 /// The in-process [`Store`]. Cloning shares the same budgets.
 ///
-/// Keys are sharded over mutex-protected maps, keyed by a 128-bit keyed
-/// digest of (policy, key text), so memory per key does not depend on the
-/// key's length; the random per-store seeds make a collision both
-/// unpredictable and negligible (below 10⁻²⁴ among ten million keys).
+/// Keys are sharded over mutex-protected maps, keyed by a keyed digest of
+/// (policy name and unit, key text), so memory per key does not depend on
+/// the key's length; the random per-store seeds make a collision both
+/// unpredictable and negligible (below 10⁻¹⁷ among ten million keys). A
+/// policy whose numbers change under the same name reads the same state,
+/// converted ([`carry_over`](crate::algorithm::carry_over)); a store tells
+/// apart up to 16,777,215 distinct sets of numbers in its lifetime, after
+/// which charges under new numbers fail with
+/// [`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported).
 /// A decision locks only its charges' shards, in index order, and writes
 /// only when every charge was admitted. Every decision is O(1) in the number
 /// of tracked keys. Idle entries (refilled to full, or past their window)
@@ -171,6 +186,8 @@ struct Inner {
     /// The secret key of the SipHash-1-3-128 digest: its upper 64 bits pick
     /// the shard, its lower 64 bits place the entry in its map.
     digest_key: DigestKey,
+    /// The tags of the numbers states were written under.
+    numbers: Numbers,
     per_shard: Option<usize>,
     cap_policy: OnKeyCap,
     sweep_every: Nanos,
@@ -227,9 +244,34 @@ impl MemoryStore {
 }
 
 impl Inner {
+    /// The budget of `charge`: 104 bits of the keyed digest of its policy's
+    /// name and unit and its key text (whatever the policy's numbers).
     pub(super) fn digest(&self, charge: &Charge) -> u128 {
         self.digest_key
-            .digest(charge.policy().identity(), charge.key().as_bytes())
+            .digest(charge.policy().state_identity(), charge.key().as_bytes())
+            & ID_MASK
+    }
+
+    /// The state of budget `id` for a reader with `policy`'s numbers: as
+    /// stored, or carried over from the numbers it was written under.
+    pub(super) fn state(
+        &self,
+        shard: &Shard,
+        id: u128,
+        policy: &Policy,
+        now: Nanos,
+    ) -> Option<State> {
+        let stored = shard.read(id)?;
+        let algorithm = policy.algorithm();
+        if self.numbers.is_tag_of(policy, stored.tag) {
+            return Some(stored.state(algorithm));
+        }
+        // Every tag in a slot was given by this store.
+        let from = self.numbers.numbers(stored.tag)?;
+        if from == *algorithm {
+            return Some(stored.state(algorithm));
+        }
+        algorithm::carry_over(&from, stored.state(&from), algorithm, now)
     }
 
     pub(super) fn shard_of(&self, digest: u128) -> usize {
