@@ -11,7 +11,8 @@
 //! The contract (other checks rely on it):
 //! - every route: per client address, token bucket of 5, refilled 1 per second;
 //! - `POST /export` (needs a principal): also per (tenant, account, operation),
-//!   3 refilled 2 per second, charged together with the address rule;
+//!   3 refilled 2 per second, charged together with the address rule; on
+//!   plan `pro` (dave) 10 refilled 5 per second, one budget across plans;
 //! - `POST /upload` (needs a principal): cost = body size in KiB (rounded up,
 //!   at least 1) per account, 1024 refilled 256 per second; over 1 MiB never fits;
 //! - `GET /`: public, the address rule only;
@@ -135,6 +136,11 @@ async fn demo_auth(mut req: Request, next: Next) -> Response {
             "alice-key-2" => Some(Principal::new("north", "alice").with_credential("alice-2")),
             "bob-key" => Some(Principal::new("north", "bob").with_credential("bob-1")),
             "carol-key" => Some(Principal::new("south", "alice").with_credential("carol-1")),
+            "dave-key" => Some(
+                Principal::new("north", "dave")
+                    .with_credential("dave-1")
+                    .with_plan("pro"),
+            ),
             _ => None,
         });
     if let Some(p) = principal {
@@ -205,6 +211,9 @@ async fn slow(uri: Uri) -> Result<axum::response::Response, (StatusCode, String)
 fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std::error::Error>> {
     let per_ip = Policy::token_bucket("per-ip", 5, Rate::per_second(1))?;
     let export = Policy::token_bucket("export", 3, Rate::per_second(2))?;
+    // The `pro` plan's numbers for the same budget: a principal that
+    // changes plan keeps what it has spent.
+    let export_pro = Policy::token_bucket("export", 10, Rate::per_second(5))?;
     let login_failures =
         Policy::token_bucket("login-failures", 3, Rate::new(1, Duration::from_secs(20)))?;
     let upload = Policy::token_bucket("upload", 1024, Rate::per_second(256))?
@@ -221,7 +230,11 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
         .exempt(Exemption::when(|req| req.uri.path() == "/healthz"))
         .dry_run(options.dry_run)
         .try_rule(Rule::per_client_ip(per_ip).exempt(Exemption::networks(options.exempt)?))?
-        .try_rule(Rule::per_account_operation(export).on_route("/export"))?
+        .try_rule(
+            Rule::per_account_operation(export)
+                .on_route("/export")
+                .try_plan("pro", export_pro)?,
+        )?
         // Failed logins only: checked before, charged after a 401.
         .try_rule(
             Rule::per_client_ip(login_failures)
@@ -425,6 +438,16 @@ async fn demo(server: SocketAddr) -> bool {
                 .to_owned(),
             vec![],
         ));
+        let d: IpAddr = [127, 0, 0, 8].into();
+        for _ in 0..4 {
+            s.push((
+                "dave on plan pro exports: account budget of 10",
+                d,
+                "POST /export HTTP/1.1\r\nAuthorization: Bearer dave-key\r\nContent-Length: 0"
+                    .to_owned(),
+                vec![],
+            ));
+        }
         s.push((
             "no credential on a principal route",
             c,

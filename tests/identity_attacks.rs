@@ -437,6 +437,41 @@ async fn route_rules_apply_when_the_layer_wraps_the_router_from_outside() {
     );
 }
 
+/// Found in review: a layer on the outer Router, a route nested under
+/// `/api` and a rule written without the prefix matched nothing and said
+/// nothing. axum's `MatchedPath` (`/api/items/{id}`) only ends with the
+/// pattern, which may be another route's (`/export` and `/admin/export`):
+/// the rule does not apply there, and an error names the full path, once.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_route_that_only_ends_with_a_rules_pattern_is_reported() {
+    logs::capture();
+    let layer = RateLimitLayer::new(MemoryStore::new()).rule(
+        Rule::per_client_ip(Policy::token_bucket("outer-items", 1, Rate::per_hour(1)).unwrap())
+            .on_route("/things/{id}"),
+    );
+    let api = Router::new().route("/things/{id}", get(|| async { "thing" }));
+    let app = serve(
+        Router::new()
+            .route("/things/{id}", get(|| async { "top-level thing" }))
+            .nest("/v1", api)
+            .layer(layer),
+    )
+    .await;
+    let from = ip("127.0.16.9");
+    let status =
+        |path: &'static str| async move { send(app, from, "GET", path, &[], b"").await.status };
+    assert_eq!(status("/v1/things/1").await, StatusCode::OK);
+    assert_eq!(status("/v1/things/2").await, StatusCode::OK);
+    assert_eq!(
+        logs::count(tracing::Level::ERROR, ".on_route(\"/v1/things/{id}\")"),
+        1,
+        "reported once per rule, naming the full path"
+    );
+    // The route the pattern names is limited.
+    assert_eq!(status("/things/1").await, StatusCode::OK);
+    assert_eq!(status("/things/2").await, StatusCode::TOO_MANY_REQUESTS);
+}
+
 /// Finding 5: under `nest("/api")` the `MatchedPath` carries the prefix,
 /// and a rule written without it matched nothing. It now applies, and the
 /// error names the rule and the full path to write, once.

@@ -449,3 +449,34 @@ async fn only_failed_logins_spend_the_login_budget() {
     let wait: u64 = r.header("retry-after").unwrap().parse().unwrap();
     assert!((1..=20).contains(&wait), "{wait}");
 }
+
+/// `dave-key` is (north, dave) on plan `pro`: his export budget is 10,
+/// refilled 5 per second, while alice's stays 3; the fields name the
+/// numbers of the plan that applied.
+#[tokio::test(flavor = "multi_thread")]
+async fn dave_on_plan_pro_has_the_pro_export_budget() {
+    const DAVE: (&str, &str) = ("Authorization", "Bearer dave-key");
+    let q = quickstart(&[]);
+    let a = q.addr;
+    // Five exports per address at most (the address budget): three
+    // addresses carry dave's eleven.
+    let mut statuses = Vec::new();
+    for i in 0..11 {
+        let from = format!("127.0.44.{}", 1 + i / 5);
+        let r = export(a, &from, &[DAVE]).await;
+        if i == 0 {
+            let policies = sf_list(r.header("ratelimit-policy").unwrap());
+            let export = policies.iter().find(|m| m.0 == "export").unwrap();
+            assert_eq!(param(export, "q"), Some(10), "{policies:?}");
+        }
+        statuses.push(r.status);
+    }
+    let ok = statuses.iter().filter(|s| **s == StatusCode::OK).count();
+    // Refills of 5 per second may add one or two while the test runs.
+    assert!((10..=11).contains(&ok), "{statuses:?}");
+    assert_eq!(statuses[..10], [StatusCode::OK; 10]);
+    let alice = export(a, "127.0.44.9", &[ALICE]).await;
+    let policies = sf_list(alice.header("ratelimit-policy").unwrap());
+    let export = policies.iter().find(|m| m.0 == "export").unwrap();
+    assert_eq!(param(export, "q"), Some(3));
+}

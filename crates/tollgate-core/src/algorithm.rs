@@ -82,6 +82,10 @@ pub fn decide(policy: &Policy, state: Option<State>, now: Nanos, cost: u64) -> S
 /// description. Used to describe limits that were not spent because another
 /// limit of the same call refused.
 pub fn describe(policy: &Policy, state: Option<State>, now: Nanos) -> Decision {
+    let state = match *policy.algorithm() {
+        Algorithm::TokenBucket(b) => b.unless_idle(state, now),
+        _ => state,
+    };
     let s = match state {
         Some(s) => s,
         None => {
@@ -198,10 +202,11 @@ fn idle_since(algorithm: &Algorithm, s: State) -> Nanos {
 /// Where a count kept exceeds the new limit, the budget is simply spent:
 /// nothing is admitted until it has refilled or its window is over.
 ///
-/// For one key, the change happens at its first read under the new
-/// numbers, so across it the cost admitted in any interval `[a, b]` is at
-/// most `max(B_old, B_new) + r_old·(T − a) + r_new·(b − T)`, with `T` the
-/// key's first admission under the new numbers.
+/// For one key, the change happens at its first charge under the new
+/// numbers (stores write the converted state then, also when the charge is
+/// refused, spending nothing), so across it the cost admitted in any
+/// interval `[a, b]` is at most `max(B_old, B_new) + r_old·(T − a) +
+/// r_new·(b − T)`, with `T` that first charge.
 pub fn carry_over(from: &Algorithm, state: State, to: &Algorithm, now: Nanos) -> Option<State> {
     if same_numbers(from, to) {
         return Some(state);
@@ -308,6 +313,24 @@ impl TokenBucket {
         per(self.cap() - credit, self.numerator)
     }
 
+    /// `state`, or `None` when it is idle (refilled to full) at `now`: an
+    /// idle bucket is indistinguishable from one never seen, whether or not
+    /// a store has dropped it yet. Only an initially-empty bucket can tell
+    /// the two apart (a new one starts empty), so only it needs the check.
+    fn unless_idle(&self, state: Option<State>, now: Nanos) -> Option<State> {
+        match state {
+            Some(s)
+                if self.initial == Initial::Empty
+                    && s.at
+                        .saturating_add(self.time_to_full(s.level.min(self.cap())))
+                        <= now =>
+            {
+                None
+            }
+            other => other,
+        }
+    }
+
     /// Whole tokens in `credit`.
     fn tokens(&self, credit: u64) -> u64 {
         if self.denominator == 1 {
@@ -329,6 +352,7 @@ fn per(units: u64, numerator: u64) -> u64 {
 }
 
 fn token_bucket(p: TokenBucket, state: Option<State>, now: Nanos, cost: u64) -> Step {
+    let state = p.unless_idle(state, now);
     let (credit, at) = match state {
         Some(s) => (s.level, s.at),
         None => match p.initial {

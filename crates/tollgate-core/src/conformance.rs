@@ -182,6 +182,10 @@ pub fn cases() -> Vec<Case> {
                 step(0, &a, denied(250 * MS)),
                 step(250 * MS, &a, OK),
                 step(250 * MS, &a, denied(250 * MS)),
+                // Full (idle) since 750 ms: a new bucket, empty, whether or
+                // not the store has dropped the old one.
+                step(10 * S, &a, denied(250 * MS)),
+                step(10 * S + 250 * MS, &a, OK),
             ],
         },
         Case {
@@ -298,24 +302,32 @@ pub fn cases() -> Vec<Case> {
                 bound(0, &[("k", 0, 3)], OK, &[adm(0, 1500 * MS)]),
                 // 3 of 10 spent: 7 left, one charged.
                 bound(0, &[("k", 1, 1)], OK, &[adm(6, 800 * MS)]),
-                // 4 spent is more than the small bucket holds: empty.
+                // 4 spent is more than the small bucket holds: empty. The
+                // refusal spends nothing but converts the state, once.
                 bound(
                     0,
                     &[("k", 0, 1)],
                     denied(500 * MS),
                     &[den(500 * MS, 0, 1500 * MS)],
                 ),
-                // Half a second at 5/s: 1.5 spent, 1.5 left, one charged.
-                bound(500 * MS, &[("k", 0, 1)], OK, &[adm(0, 1250 * MS)]),
-                // Half a second at 2/s: 1.5 spent of 10, one charged.
-                bound(1000 * MS, &[("k", 1, 1)], OK, &[adm(7, 500 * MS)]),
-                bound(1100 * MS, &[("k", 0, 1)], OK, &[adm(0, 1500 * MS)]),
+                // So it refills at 2/s from here: one after half a second.
+                bound(500 * MS, &[("k", 0, 1)], OK, &[adm(0, 1500 * MS)]),
+                // Half a second more at 2/s: 2 spent of 10, one charged.
+                bound(1000 * MS, &[("k", 1, 1)], OK, &[adm(7, 600 * MS)]),
+                // A tenth of a second at 5/s: 2.5 spent, half a token left.
                 bound(
                     1100 * MS,
                     &[("k", 0, 1)],
-                    denied(500 * MS),
-                    &[den(500 * MS, 0, 1500 * MS)],
+                    denied(250 * MS),
+                    &[den(250 * MS, 0, 1250 * MS)],
                 ),
+                bound(
+                    1100 * MS,
+                    &[("k", 0, 1)],
+                    denied(250 * MS),
+                    &[den(250 * MS, 0, 1250 * MS)],
+                ),
+                bound(1350 * MS, &[("k", 0, 1)], OK, &[adm(0, 1500 * MS)]),
             ],
         },
         Case {

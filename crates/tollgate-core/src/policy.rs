@@ -79,6 +79,10 @@ impl Unit {
 
 /// Credit a token bucket starts with, for a key it has never seen (or that
 /// expired because it was idle).
+///
+/// A bucket that has refilled to full is idle: stores may drop it, and it
+/// decides exactly like a key never seen. So an initially-empty bucket
+/// left untouched until it is full starts empty again.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Initial {
     /// Start with `capacity` tokens: an immediate burst is allowed (default).

@@ -85,7 +85,8 @@ fn charge_model(
     cost: u64,
 ) -> (Result<u64, Q>, Option<Model>) {
     let p = plans[j];
-    let m = read(model, plans, j, now).unwrap_or(Model {
+    let carried = read(model, plans, j, now);
+    let m = carried.unwrap_or(Model {
         credit: q(p.capacity),
         at: now,
         by: j,
@@ -102,9 +103,10 @@ fn charge_model(
         };
         (Ok(left.floor().to_integer() as u64), Some(next))
     } else {
-        // Nothing is written: the state stays as it was stored.
+        // Nothing is spent; a state stored under other numbers is
+        // converted, once.
         let wait = (t - now) + ((cost - credit) / p.rate()).ceil();
-        (Err(wait), model)
+        (Err(wait), carried)
     }
 }
 
@@ -172,8 +174,9 @@ proptest! {
     /// A limit changed under load: for every interval `[a, b]`, the cost
     /// admitted is at most
     /// `max(B_old, B_new) + r_old·(time of [a, b] before T) + r_new·(time after)`,
-    /// where `T` is the key's first admission under the new numbers (a key
-    /// stays under the old numbers until then). Right at the change,
+    /// where `T` is the key's first charge under the new numbers (a key
+    /// stays under the old numbers until then, and changes over at it,
+    /// admitted or not). Right at the change,
     /// lowering the capacity admits no burst and raising it forgets nothing
     /// spent.
     #[test]
@@ -207,9 +210,8 @@ proptest! {
         let spent_old = old.capacity - left_old;
         // Whole tokens: at most one more is seen as spent (rounding up).
         prop_assert!(new.capacity - left_new >= spent_old.min(new.capacity));
-        let first_new = admitted.len();
+        let change = change + after[0].0;
         run(&p_new, &after, &mut now, &mut admitted);
-        let change = admitted.get(first_new).map_or(change, |&(t, _)| t);
         let bound_b = q(old.capacity.max(new.capacity));
         for (i, &(a, _)) in admitted.iter().enumerate() {
             let mut total = 0u64;

@@ -242,6 +242,9 @@ end
 local replies = {}
 local nr = 0
 local writes = {}
+local converted = {}
+local seen = {}
+local created_now = {}
 local all = true
 local n = #KEYS
 
@@ -268,10 +271,18 @@ end
 for i = 1, n do
   local key = KEYS[i]
   local algo, p1, p2, p3, p4, need, re, ro = charge_args(ARGV[5 + i])
+  -- The first charge of the call on this key reads what is stored.
+  local stored = not seen[key]
+  seen[key] = true
   local level, prior, se, so, oa, o1, o2, o3, o4 = load(key)
   if level ~= nil and oa ~= nil
       and not (oa == algo and o1 == p1 and o2 == p2 and o3 == p3 and o4 == p4) then
     level, prior, se, so = carry(oa, o1, o2, o3, o4, level, prior, se, so, algo, p1, p2, p3, p4)
+    if stored and mode == "charge" then
+      -- Written as converted unless this charge writes: the key is under
+      -- the new numbers from its first charge, admitted or not.
+      converted[#converted + 1] = {key, #writes, level, prior, se, so, algo, p1, p2, p3, p4}
+    end
   end
   local ok, remaining, reset, retry, we, wo = 0, 0, 0, 0, 0, 0
   local br, bt = 0, 0
@@ -282,6 +293,11 @@ for i = 1, n do
     -- p3 = units per token, p4 = 1 if a new bucket starts full.
     local cap, num, den = p1, p2, p3
     local credit
+    if level ~= nil and p4 == 0 and not before(NE, NO, add(se, so, cdiv(cap - math.min(level, cap), num))) then
+      -- Idle (refilled to full): an initially-empty bucket starts afresh,
+      -- as one never seen (or expired) would.
+      level = nil
+    end
     if level == nil then
       if p4 == 1 then credit = cap else credit = 0 end
       se, so = NE, NO
@@ -322,6 +338,7 @@ for i = 1, n do
         pending[key] = created
         if mode == "charge" then
           redis.call("SET", key, created, "PX", ttl(add(NE, NO, cdiv(cap, num))))
+          created_now[key] = true
         end
       end
     end
@@ -441,6 +458,33 @@ end
 if (mode == "charge" and all) or mode == "refund" then
   for _, wr in ipairs(writes) do
     redis.call("SET", wr[1], wr[2], "PX", ttl(wr[3], wr[4]))
+  end
+end
+
+-- States carried over to new numbers by a charge that writes nothing
+-- (refused, or in a refused call): written converted, spending nothing.
+-- `c[2]` is how many writes came before its charge: its own write, if
+-- any, is the next one and only lands when the call is admitted.
+for _, c in ipairs(converted) do
+  local own = writes[c[2] + 1]
+  -- An initially-empty bucket created in place of an idle state is the
+  -- conversion already.
+  if not (all and own ~= nil and own[1] == c[1]) and not created_now[c[1]] then
+    local key, level, prior, se, so = c[1], c[3], c[4], c[5], c[6]
+    if level == nil then
+      redis.call("DEL", key)
+    else
+      local a, q1, q2 = c[7], c[8], c[9]
+      local ie, io
+      if a == 1 then
+        ie, io = add(se, so, cdiv(q1 - level, q2))
+      elseif a == 2 or level == 0 then
+        ie, io = add(se, so, q2)
+      else
+        ie, io = add(se, so, 2 * q2)
+      end
+      redis.call("SET", key, state(level, prior, se, so, a, q1, q2, c[10], c[11]), "PX", ttl(ie, io))
+    end
   end
 end
 return replies

@@ -182,6 +182,7 @@ async fn policy_changes_carry_over_like_the_memory_store() {
                 redis.check(&c).await.unwrap(),
             );
             let a = memory.charge(&c).await.unwrap();
+
             let b = redis.charge(&c).await.unwrap();
             assert_eq!(
                 a, b,

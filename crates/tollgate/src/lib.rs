@@ -119,8 +119,8 @@ pub use identity::{
     InvalidPrefix, KeyPart, MissingPrincipal, Operation, PeerAddr, Principal,
 };
 pub use rate_limit::{
-    Cost, CostError, Exemption, InvalidRoute, OnStoreError, RateLimit, RateLimitLayer, RefusalBody,
-    RefusalInfo, Rule, UnsupportedRule,
+    Cost, CostError, Exemption, InvalidPlan, InvalidRoute, OnStoreError, RateLimit, RateLimitLayer,
+    RefusalBody, RefusalInfo, Rule, RulesHandle, UnsupportedRule,
 };
 pub use tollgate_core::{
     self as core, Algorithm, Charge, Clock, Decision, DynStore, Initial, InvalidCharge, InvalidKey,

@@ -36,7 +36,10 @@ impl MemoryStore {
 
         let mut steps: Vec<(u128, u32, Step, &Policy)> = Vec::with_capacity(charges.len());
         let mut before: Vec<Option<State>> = Vec::with_capacity(charges.len());
-        for ((charge, &digest), &tag) in charges.iter().zip(&digests).zip(&tags) {
+        // Charges whose state was stored under other numbers (the first
+        // charge of each such key): converted once, even when refused.
+        let mut converted: Vec<usize> = Vec::new();
+        for (i, ((charge, &digest), &tag)) in charges.iter().zip(&digests).zip(&tags).enumerate() {
             let policy = charge.policy();
             // A repeated key in one call sees the earlier charge's effect.
             let earlier = steps
@@ -47,7 +50,14 @@ impl MemoryStore {
                 Some((_, _, s, p)) => s.next.and_then(|next| {
                     algorithm::carry_over(p.algorithm(), next, policy.algorithm(), now)
                 }),
-                None => inner.state(&guards[guard_of(digest)], digest, policy, now),
+                None => {
+                    let shard = &guards[guard_of(digest)];
+                    let first = !steps.iter().any(|(d, ..)| *d == digest);
+                    if first && shard.read(digest).is_some_and(|s| s.tag != tag) {
+                        converted.push(i);
+                    }
+                    inner.state(shard, digest, policy, now)
+                }
             };
             before.push(state);
             steps.push((
@@ -64,7 +74,16 @@ impl MemoryStore {
         }
         // Admissions are written only together; a refusal's state (the
         // creation of an initially-empty bucket) is written regardless.
-        steps.retain(|(_, _, s, _)| s.next.is_some() && (admitted || !s.decision.is_admitted()));
+        let writes = |(_, _, s, _): &(u128, u32, Step, &Policy)| {
+            s.next.is_some() && (admitted || !s.decision.is_admitted())
+        };
+        // A converted state not otherwise written is written as converted.
+        let conversions: Vec<(u128, u32, Option<State>, &Policy)> = converted
+            .iter()
+            .filter(|&&i| !writes(&steps[i]))
+            .map(|&i| (steps[i].0, steps[i].1, before[i], steps[i].3))
+            .collect();
+        steps.retain(writes);
         if inner.per_shard.is_some() {
             // Room for every new key of this call, counted before any is
             // written: one call must not take a shard past its cap. A key
@@ -90,6 +109,16 @@ impl MemoryStore {
             for (guard, count) in guards.iter_mut().zip(evictions) {
                 inner.evict(guard, count, &digests);
             }
+        }
+        for (digest, tag, state, policy) in conversions {
+            convert_in_place(
+                &mut guards[guard_of(digest)],
+                digest,
+                tag,
+                state,
+                policy,
+                now,
+            );
         }
         for (digest, tag, step, policy) in steps {
             if let Some(state) = step.next {
@@ -119,15 +148,23 @@ impl MemoryStore {
             }
             return Ok(Outcome::one(step.decision));
         }
-        let tracked = shard.contains(digest);
+        let stored = shard.read(digest);
         let state = inner.state(&shard, digest, policy, now);
         let step = algorithm::decide(policy, state, now, cost);
-        if let Some(next) = step.next {
-            if !tracked && inner.per_shard.is_some_and(|cap| shard.len() >= cap) {
-                let count = inner.room_for(&mut shard, 1, &[], now)?;
-                inner.evict(&mut shard, count, &[]);
+        match step.next {
+            Some(next) => {
+                if stored.is_none() && inner.per_shard.is_some_and(|cap| shard.len() >= cap) {
+                    let count = inner.room_for(&mut shard, 1, &[], now)?;
+                    inner.evict(&mut shard, count, &[]);
+                }
+                shard.put(digest, tag, algorithm, next, step.idle_at);
             }
-            shard.put(digest, tag, algorithm, next, step.idle_at);
+            // Stored under other numbers and refused: converted once, so
+            // that the change takes effect for the key now.
+            None if stored.is_some_and(|s| s.tag != tag) => {
+                convert_in_place(&mut shard, digest, tag, state, policy, now);
+            }
+            None => {}
         }
         Ok(Outcome::one(step.decision))
     }
@@ -189,6 +226,28 @@ impl MemoryStore {
                 })
                 .collect(),
         )
+    }
+}
+
+/// Writes `state`, a state carried over to `policy`'s numbers (`tag`), in
+/// place of what budget `digest` held: the key is under the new numbers
+/// from now on. Nothing is spent; an idle state is dropped.
+fn convert_in_place(
+    shard: &mut Shard,
+    digest: u128,
+    tag: u32,
+    state: Option<State>,
+    policy: &Policy,
+    now: Nanos,
+) {
+    match state {
+        Some(s) => {
+            let idle_at = algorithm::idle_at(policy, Some(s), now);
+            shard.put(digest, tag, policy.algorithm(), s, idle_at);
+        }
+        None => {
+            shard.remove(digest);
+        }
     }
 }
 

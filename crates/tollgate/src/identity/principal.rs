@@ -10,16 +10,24 @@ use std::sync::Arc;
 /// never secrets: the credential id names a credential, it is not the
 /// credential.
 ///
+/// A plan (tier) may come with it ([`Principal::with_plan`]): rules with
+/// [plans](crate::Rule::plan) choose their policy by it. It is never part
+/// of a key, so a principal whose plan changes keeps its budget (converted
+/// to the new plan's numbers).
+///
 /// ```
 /// use tollgate::Principal;
 /// let mut req = http::Request::new(());
-/// req.extensions_mut().insert(Principal::new("north", "alice").with_credential("key-1"));
+/// req.extensions_mut().insert(
+///     Principal::new("north", "alice").with_credential("key-1").with_plan("pro"),
+/// );
 /// ```
 #[derive(Clone, PartialEq, Eq, Hash)]
 pub struct Principal {
     tenant: Arc<str>,
     account: Arc<str>,
     credential: Option<Arc<str>>,
+    plan: Option<Arc<str>>,
 }
 
 impl Principal {
@@ -29,7 +37,22 @@ impl Principal {
             tenant: tenant.into(),
             account: account.into(),
             credential: None,
+            plan: None,
         }
+    }
+
+    /// The same principal, on the plan (tier) `plan`, as your
+    /// authentication layer knows it (e.g. from the account's record or a
+    /// verified token's claim; never from a header the caller sends).
+    #[must_use]
+    pub fn with_plan(mut self, plan: impl Into<Arc<str>>) -> Self {
+        self.plan = Some(plan.into());
+        self
+    }
+
+    /// The plan, if the authenticator set one.
+    pub fn plan(&self) -> Option<&str> {
+        self.plan.as_deref()
     }
 
     /// The same principal, authenticated with the credential whose stable id
@@ -62,6 +85,7 @@ impl fmt::Debug for Principal {
             .field("tenant", &self.tenant)
             .field("account", &self.account)
             .field("credential", &self.credential)
+            .field("plan", &self.plan)
             .finish()
     }
 }

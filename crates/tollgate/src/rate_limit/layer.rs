@@ -5,10 +5,12 @@ use std::fmt;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
+use arc_swap::ArcSwap;
 use http::HeaderValue;
 use tollgate_core::{DynStore, Store, StoreError, StoreErrorKind};
 use tower_layer::Layer;
 
+use super::handle::{RuleSet, RulesHandle};
 use super::{Exemption, RateLimit, Rule};
 use crate::ClientIpResolver;
 use crate::response::{RefusalBody, RefusalInfo, Shape};
@@ -57,7 +59,10 @@ impl<St> Clone for Config<St> {
 
 pub(crate) struct Config<St> {
     pub(crate) store: Arc<St>,
-    pub(crate) rules: Vec<Rule>,
+    /// Swapped whole by a [`RulesHandle`]; every builder call that changes
+    /// the rules makes a new set, so that services already made (and
+    /// handles already taken) keep theirs.
+    pub(crate) rules: RuleSet,
     pub(crate) resolver: ClientIpResolver,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) headers_on_admitted: bool,
@@ -94,7 +99,7 @@ impl<St> Clone for RateLimitLayer<St> {
 impl<St> fmt::Debug for RateLimitLayer<St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayer")
-            .field("rules", &self.config.rules)
+            .field("rules", &self.config.rules.load())
             .field("resolver", &self.config.resolver)
             .field("on_store_error", &self.config.on_store_error)
             .field("headers_on_admitted", &self.config.headers_on_admitted)
@@ -117,7 +122,7 @@ impl<St: Store> RateLimitLayer<St> {
         Self {
             config: Arc::new(Config {
                 store,
-                rules: Vec::new(),
+                rules: RuleSet::default(),
                 resolver: ClientIpResolver::peer_only(),
                 on_store_error: OnStoreError::FailClosed,
                 headers_on_admitted: true,
@@ -167,7 +172,27 @@ impl<St: Store> RateLimitLayer<St> {
         if let OnStoreError::Fallback(fallback) = &self.config.on_store_error {
             check(fallback, &rule)?;
         }
-        Ok(self.edit(|c| c.rules.push(rule)))
+        Ok(self.edit(|c| {
+            let mut rules = Vec::clone(&c.rules.load());
+            rules.push(rule);
+            c.rules = Arc::new(ArcSwap::from_pointee(rules));
+        }))
+    }
+
+    /// A handle that replaces this layer's rules, or one policy, while it
+    /// serves, without a fresh budget ([`RulesHandle`]). Take it once the
+    /// layer is built: rules added to the layer afterwards make a new set
+    /// that the handle does not control.
+    pub fn rules_handle(&self) -> RulesHandle<St> {
+        let fallback = match &self.config.on_store_error {
+            OnStoreError::Fallback(store) => Some(store.clone()),
+            _ => None,
+        };
+        RulesHandle::new(
+            self.config.rules.clone(),
+            self.config.store.clone(),
+            fallback,
+        )
     }
 
     /// Sets how client addresses are resolved (default: the peer only).
@@ -185,7 +210,7 @@ impl<St: Store> RateLimitLayer<St> {
     #[track_caller]
     pub fn on_store_error(self, what: OnStoreError) -> Self {
         if let OnStoreError::Fallback(fallback) = &what {
-            for rule in &self.config.rules {
+            for rule in self.config.rules.load().iter() {
                 if let Err(e) = check(fallback, rule) {
                     panic!("{e}");
                 }
@@ -269,12 +294,16 @@ impl UnsupportedRule {
     }
 }
 
-fn check(store: &(impl Store + ?Sized), rule: &Rule) -> Result<(), UnsupportedRule> {
+/// Whether `store` can serve `rule`: every policy of it (plans and
+/// overrides too), and [`Rule::charge_only_when`]'s check.
+pub(crate) fn check(store: &(impl Store + ?Sized), rule: &Rule) -> Result<(), UnsupportedRule> {
     let refuse = |source| UnsupportedRule {
         policy: rule.policy().name().to_owned(),
         source,
     };
-    store.check_policy(rule.policy()).map_err(refuse)?;
+    for policy in rule.policies() {
+        store.check_policy(policy).map_err(refuse)?;
+    }
     if rule.charge_when.is_some() && !store.can_check() {
         return Err(refuse(StoreError::new(
             StoreErrorKind::Unsupported,

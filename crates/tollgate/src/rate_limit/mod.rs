@@ -117,8 +117,10 @@
 
 mod exempt;
 mod future;
+mod handle;
 mod layer;
 mod pipeline;
+mod plans;
 mod route;
 mod rule;
 mod service;
@@ -126,7 +128,9 @@ mod service;
 pub use crate::response::{RefusalBody, RefusalInfo};
 pub use exempt::Exemption;
 pub use future::ResponseFuture;
+pub use handle::RulesHandle;
 pub use layer::{OnStoreError, RateLimitLayer, UnsupportedRule};
+pub use plans::InvalidPlan;
 pub use route::InvalidRoute;
 pub use rule::{Cost, CostError, CostFn, Rule};
 pub use service::RateLimit;

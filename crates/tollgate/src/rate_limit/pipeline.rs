@@ -61,13 +61,14 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
     let mut after: Vec<Deferred> = Vec::new();
     let mut refusal: Option<Answer> = None;
     let layer_exempt = any_matches(&config.exemptions, &mut who, parts);
-    for rule in &config.rules {
+    let rules = config.rules.load();
+    for rule in rules.iter() {
         let applies = rule.applies_to(parts);
         if applies == Applies::No {
             continue;
         }
         if layer_exempt || any_matches(&rule.exemptions, &mut who, parts) {
-            observe::exempt(&rule.policy);
+            observe::exempt(rule.policy_for(parts));
             continue;
         }
         let dry_run = config.dry_run || rule.dry_run;
@@ -77,12 +78,12 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
             Applies::ByFallback { route, how } => {
                 match (how, operation_route(parts)) {
                     (RouteMatch::Suffix, Some(matched)) => rule.report_suffix(route, matched),
-                    _ => report_no_matched_path(config, rule.policy.name(), route),
+                    _ => report_no_matched_path(config, rule.policy().name(), route),
                 }
                 Some(route)
             }
         };
-        let policy = &rule.policy;
+        let policy = rule.policy_for(parts);
         let key = match who.key(policy.name(), &rule.key, rule.missing_principal, route) {
             Ok(Some(key)) => key,
             Ok(None) => continue,

@@ -67,7 +67,13 @@ pub(crate) enum RouteMatch {
     /// and axum's `MatchedPath` is `N` followed by the pattern: the
     /// pattern lacks the nest prefix.
     Suffix,
-    /// No `MatchedPath`; the request path matches the pattern.
+    /// axum's `MatchedPath` only ends with the pattern, and not under the
+    /// layer's own nest: it may be another route that ends the same way
+    /// (`/admin/export` for `/export`), or the pattern lacks a prefix the
+    /// layer cannot see. Not applied; reported.
+    EndsWith,
+    /// No `MatchedPath`; the request path, or its end (a router nested
+    /// under a prefix the pattern lacks), matches the pattern.
     Path,
 }
 
@@ -129,15 +135,30 @@ impl RoutePattern {
                 let under_nest = nested
                     .and_then(|n| m.strip_prefix(n.trim_end_matches('/')))
                     .is_some_and(|rest| rest == &*self.text);
+                // Patterns start with '/': an end of the path is whole
+                // segments.
                 if under_nest {
                     RouteMatch::Suffix
+                } else if m.len() > self.text.len() && m.ends_with(&*self.text) {
+                    RouteMatch::EndsWith
                 } else {
                     RouteMatch::No
                 }
             }
-            None if self.matches_path(path) => RouteMatch::Path,
+            // Without routing, a nest prefix is unknown: the pattern may
+            // match the end of the path (`/items/{id}` in `/api/items/7`).
+            None if self.matches_path(path) || self.matches_path_end(path) => RouteMatch::Path,
             None => RouteMatch::No,
         }
+    }
+
+    /// Whether the pattern matches the path after some of its first
+    /// segments.
+    fn matches_path_end(&self, path: &str) -> bool {
+        path.char_indices()
+            .skip(1)
+            .filter(|&(_, c)| c == '/')
+            .any(|(i, _)| self.matches_path(&path[i..]))
     }
 
     fn matches_path(&self, path: &str) -> bool {
@@ -299,16 +320,17 @@ mod tests {
             m("/api/items/{id}", Some("/api"), "/api/items/7"),
             RouteMatch::Suffix
         );
-        // Without a nest, a route that merely ends like the pattern is
-        // another route.
+        // Without the layer's own nest, a route that merely ends like the
+        // pattern may be another route: not applied, reported.
         assert_eq!(
             m("/admin/items/{id}", None, "/admin/items/7"),
-            RouteMatch::No
+            RouteMatch::EndsWith
         );
         assert_eq!(
             m("/api/v2/items/{id}", Some("/api"), "/api/v2/items/7"),
-            RouteMatch::No
+            RouteMatch::EndsWith
         );
+        assert_eq!(m("/xitems/{id}", None, "/xitems/7"), RouteMatch::No);
         assert_eq!(m("/users/{id}", None, "/users/7"), RouteMatch::No);
     }
 
@@ -316,6 +338,8 @@ mod tests {
     fn without_matched_path_the_request_path_is_matched() {
         let p = pattern("/items/{id}");
         assert_eq!(p.matches(None, None, "/items/7"), RouteMatch::Path);
+        // A nest prefix cannot be told from the path: its end matches too.
+        assert_eq!(p.matches(None, None, "/api/items/7"), RouteMatch::Path);
         for other in ["/items", "/items/", "/items/7/x", "/itemsx/7", "items/7"] {
             assert_eq!(p.matches(None, None, other), RouteMatch::No, "{other}");
         }

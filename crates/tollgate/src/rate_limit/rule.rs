@@ -11,6 +11,7 @@ use http::{Method, StatusCode};
 use tollgate_core::{Policy, Unit};
 
 use super::exempt::Exemption;
+use super::plans::{Entry, InvalidPlan, Plans};
 use super::route::{InvalidRoute, RouteMatch, RoutePattern};
 use crate::identity::{KeyPart, MissingPrincipal, operation_nest, operation_route};
 
@@ -184,7 +185,17 @@ impl fmt::Debug for Cost {
 ///     lacks the nest prefix): the rule applies to that route;
 ///   - the request has no `MatchedPath` (the layer wraps the `Router` from
 ///     outside, where routing has not happened yet): the pattern is matched
-///     against the request path itself, segment by segment.
+///     against the request path itself, segment by segment, or against its
+///     end, since a router nested under a prefix the pattern lacks cannot
+///     be told from the path (`/items/{id}` applies to `/api/items/7`, and
+///     also to `/admin/items/7`).
+///
+///   A pattern that the `MatchedPath` only ends with, when the layer does
+///   not sit under that nest (it is applied to the outer router, which
+///   nests the route under `/api`), does **not** apply: it may name another
+///   route that ends the same way (`/export` and `/admin/export`). The
+///   first such request logs an error naming the rule and the full path to
+///   write.
 ///
 ///   Without the `axum` feature there is never a `MatchedPath`, and
 ///   patterns are always matched against the request path, silently.
@@ -201,7 +212,9 @@ impl fmt::Debug for Cost {
 /// ```
 #[derive(Debug, Clone)]
 pub struct Rule {
+    /// The default policy; `plans` may hold others of the same budget.
     pub(crate) policy: Policy,
+    plans: Option<Arc<Plans>>,
     routes: Vec<RoutePattern>,
     methods: Option<Vec<Method>>,
     pub(crate) key: Vec<KeyPart>,
@@ -215,6 +228,9 @@ pub struct Rule {
     /// so that the error is logged once per rule, not per request. Shared
     /// by clones of the rule: they are the same rule.
     reported_suffix: Arc<AtomicBool>,
+    /// Set once a route that only ends with one of the rule's patterns was
+    /// reported (see [`Rule::report_ends_with`]).
+    reported_ends_with: Arc<AtomicBool>,
 }
 
 /// Whether, and how, a rule applies to a request.
@@ -240,6 +256,7 @@ impl Rule {
     pub fn new(policy: Policy) -> Self {
         Self {
             policy,
+            plans: None,
             routes: Vec::new(),
             methods: None,
             key: Vec::new(),
@@ -249,6 +266,7 @@ impl Rule {
             dry_run: false,
             charge_when: None,
             reported_suffix: Arc::new(AtomicBool::new(false)),
+            reported_ends_with: Arc::new(AtomicBool::new(false)),
         }
     }
 
@@ -310,16 +328,140 @@ impl Rule {
 
     /// Sets the cost of a request. The policy takes the cost's unit
     /// ([`Cost::unit`]) unless it names a unit of its own, so that refusals
-    /// and the `RateLimit-Policy` field never call bytes "requests".
+    /// and the `RateLimit-Policy` field never call bytes "requests" (the
+    /// policies of [plans and overrides](Rule::plan) too).
     #[must_use]
     pub fn with_cost(mut self, cost: Cost) -> Self {
         if let Some(unit) = cost.unit() {
-            if *self.policy.unit() == Unit::Requests {
-                self.policy = self.policy.clone().with_unit(unit);
+            let unit_for = |p: &mut Policy| {
+                if *p.unit() == Unit::Requests {
+                    *p = p.clone().with_unit(unit.clone());
+                }
+            };
+            unit_for(&mut self.policy);
+            if let Some(plans) = &mut self.plans {
+                Arc::make_mut(plans).policies_mut().for_each(unit_for);
             }
         }
         self.cost = cost;
         self
+    }
+
+    /// Uses `policy` for principals on `plan` ([`Principal::with_plan`](crate::Principal::with_plan)),
+    /// instead of the rule's own policy, which stays the default (for
+    /// other plans, no plan, and requests without a principal).
+    ///
+    /// Every policy of a rule is one budget per key: `policy` must have the
+    /// rule's policy name (and unit), and a principal whose plan changes
+    /// keeps what it has spent, converted exactly to the new plan's numbers
+    /// ([`carry_over`](tollgate_core::algorithm::carry_over)): an upgrade
+    /// never forgets what was spent and a downgrade never gives a burst.
+    /// Which policy applies, first match wins: the account's override
+    /// ([`Rule::for_account`]), the tenant's ([`Rule::for_tenant`]), the
+    /// plan [`Rule::plan_from`] names, the principal's plan, the default.
+    /// A plan no policy was added for gets the default.
+    ///
+    /// ```
+    /// use tollgate::{Policy, Rate, Rule};
+    /// let export = Rule::per_account_operation(Policy::token_bucket("export", 3, Rate::per_second(2)).unwrap())
+    ///     .on_route("/export")
+    ///     .plan("pro", Policy::token_bucket("export", 10, Rate::per_second(5)).unwrap())
+    ///     .for_tenant("internal", Policy::token_bucket("export", 1000, Rate::per_second(500)).unwrap());
+    /// ```
+    ///
+    /// # Panics
+    ///
+    /// If `policy` has another name or unit than the rule's policy; use
+    /// [`Rule::try_plan`] to get the error.
+    #[must_use]
+    #[track_caller]
+    pub fn plan(self, plan: &str, policy: Policy) -> Self {
+        self.try_plan(plan, policy)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Like [`Rule::plan`], returning an error instead of panicking.
+    pub fn try_plan(self, plan: &str, policy: Policy) -> Result<Self, InvalidPlan> {
+        self.add_policy(Entry::Plan(plan), policy)
+    }
+
+    /// Uses `policy` for every principal of `tenant` (see [`Rule::plan`]
+    /// for the order and the rules every policy of a rule follows).
+    ///
+    /// # Panics
+    ///
+    /// As [`Rule::plan`]; [`Rule::try_for_tenant`] returns the error.
+    #[must_use]
+    #[track_caller]
+    pub fn for_tenant(self, tenant: &str, policy: Policy) -> Self {
+        self.try_for_tenant(tenant, policy)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Like [`Rule::for_tenant`], returning an error instead of panicking.
+    pub fn try_for_tenant(self, tenant: &str, policy: Policy) -> Result<Self, InvalidPlan> {
+        self.add_policy(Entry::Tenant(tenant), policy)
+    }
+
+    /// Uses `policy` for the account `account` of `tenant` (see
+    /// [`Rule::plan`]).
+    ///
+    /// # Panics
+    ///
+    /// As [`Rule::plan`]; [`Rule::try_for_account`] returns the error.
+    #[must_use]
+    #[track_caller]
+    pub fn for_account(self, tenant: &str, account: &str, policy: Policy) -> Self {
+        self.try_for_account(tenant, account, policy)
+            .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// Like [`Rule::for_account`], returning an error instead of panicking.
+    pub fn try_for_account(
+        self,
+        tenant: &str,
+        account: &str,
+        policy: Policy,
+    ) -> Result<Self, InvalidPlan> {
+        self.add_policy(Entry::Account(tenant, account), policy)
+    }
+
+    /// Names the plan of a request with `choose`, for anything the
+    /// principal's plan does not say (e.g. a plan an extension of your own
+    /// carries). A name no [`Rule::plan`] was added for, or `None`, falls
+    /// through to the principal's plan, then the default; the overrides
+    /// for an account or tenant come first. `choose` runs per request:
+    /// keep it to a lookup; the policies it picks from were checked when
+    /// they were added.
+    #[must_use]
+    pub fn plan_from(
+        mut self,
+        choose: impl Fn(&Parts) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        Arc::make_mut(self.plans.get_or_insert_with(Default::default))
+            .choose_with(Arc::new(choose));
+        self
+    }
+
+    fn add_policy(mut self, entry: Entry<'_>, policy: Policy) -> Result<Self, InvalidPlan> {
+        let policy = self.in_rule_unit(policy);
+        let plans = Arc::make_mut(self.plans.get_or_insert_with(Default::default));
+        plans.add(&self.policy, entry, policy)?;
+        Ok(self)
+    }
+
+    /// The policy for this request: a plan's or an override's, or the
+    /// rule's own.
+    pub(crate) fn policy_for(&self, parts: &Parts) -> &Policy {
+        self.plans
+            .as_deref()
+            .and_then(|plans| plans.policy_for(parts))
+            .unwrap_or(&self.policy)
+    }
+
+    /// Every policy of the rule: its own, then its plans' and overrides'.
+    pub(crate) fn policies(&self) -> impl Iterator<Item = &Policy> {
+        std::iter::once(&self.policy).chain(self.plans.iter().flat_map(|p| p.policies()))
     }
 
     /// What to do when the key needs a principal and there is none.
@@ -384,9 +526,25 @@ impl Rule {
         self
     }
 
-    /// The rule's policy.
+    /// The rule's policy (the default, when it has [plans](Rule::plan)).
     pub fn policy(&self) -> &Policy {
         &self.policy
+    }
+
+    /// The same rule with `policy` as its default policy; plans and
+    /// overrides are kept (for [`RulesHandle::set_policy`](crate::RulesHandle::set_policy)).
+    pub(crate) fn with_default_policy(mut self, policy: Policy) -> Self {
+        self.policy = self.in_rule_unit(policy);
+        self
+    }
+
+    /// `policy` counting in the rule's unit, unless it names one of its own.
+    fn in_rule_unit(&self, policy: Policy) -> Policy {
+        if *policy.unit() == Unit::Requests && *self.policy.unit() != Unit::Requests {
+            policy.with_unit(self.policy.unit().clone())
+        } else {
+            policy
+        }
     }
 
     pub(crate) fn applies_to(&self, parts: &Parts) -> Applies<'_> {
@@ -402,10 +560,12 @@ impl Rule {
         let matched = operation_route(parts);
         let nested = operation_nest(parts);
         let mut fallback = None;
+        let mut ends_with = None;
         for route in &self.routes {
             match route.matches(matched, nested, parts.uri.path()) {
                 RouteMatch::Exact => return Applies::Yes,
                 RouteMatch::No => {}
+                RouteMatch::EndsWith => ends_with = ends_with.or(Some(route.as_str())),
                 how => {
                     fallback.get_or_insert(Applies::ByFallback {
                         route: route.as_str(),
@@ -414,7 +574,24 @@ impl Rule {
                 }
             }
         }
+        if let (None, Some(route), Some(matched)) = (fallback, ends_with, matched) {
+            self.report_ends_with(route, matched);
+        }
         fallback.unwrap_or(Applies::No)
+    }
+
+    /// Logs, once per rule, that axum matched a route that only ends with
+    /// one of the rule's patterns (which then does not apply).
+    fn report_ends_with(&self, route: &str, matched: &str) {
+        if !self.reported_ends_with.swap(true, Ordering::Relaxed) {
+            tracing::error!(
+                policy = self.policy.name(),
+                route,
+                matched,
+                "tollgate rule {:?} names route {route:?}; the router matched {matched:?},                  which only ends with it, and the rule does not apply there. If the rule is                  meant for it (the route is nested under a prefix), write the full path,                  .on_route({matched:?})",
+                self.policy.name()
+            );
+        }
     }
 
     /// Logs, once per rule, that a route matched only the tail of axum's

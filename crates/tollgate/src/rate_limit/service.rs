@@ -34,7 +34,7 @@ impl<S: fmt::Debug, St> fmt::Debug for RateLimit<S, St> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
-            .field("rules", &self.config.rules)
+            .field("rules", &self.config.rules.load())
             .finish_non_exhaustive()
     }
 }

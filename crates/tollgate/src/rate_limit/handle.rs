@@ -1,0 +1,135 @@
+//! [`RulesHandle`]: changes a layer's rules while it serves, without a
+//! fresh budget.
+
+use std::fmt;
+use std::sync::Arc;
+
+use arc_swap::ArcSwap;
+use tollgate_core::{DynStore, Policy, Store};
+
+use super::Rule;
+use super::layer::{UnsupportedRule, check};
+
+/// The rules of a layer, swapped whole: a request reads one set, start to
+/// end.
+pub(crate) type RuleSet = Arc<ArcSwap<Vec<Rule>>>;
+
+/// Replaces the rules (or one policy) of a [`RateLimitLayer`](crate::RateLimitLayer)
+/// while it serves, from [`RateLimitLayer::rules_handle`](crate::RateLimitLayer::rules_handle).
+///
+/// A request reads the rule set once, when it arrives: requests already in
+/// flight finish under the rules they started with, new ones use the new
+/// set. Budget state belongs to a policy's name (and unit) and the key, not
+/// to its numbers, so a policy changed under the same name keeps what every
+/// key has spent, converted exactly by
+/// [`carry_over`](tollgate_core::algorithm::carry_over): lowering a limit
+/// never admits a burst, raising it never forgets what was spent, and a
+/// change of algorithm (bucket to window) carries the units spent. A key
+/// changes over at its first request under the new numbers. A policy under
+/// a *new* name starts a new budget.
+///
+/// Every new policy is checked against the layer's store (and fallback
+/// store) first; on an error nothing changes.
+///
+/// ```
+/// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer, Rule};
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let layer = RateLimitLayer::new(MemoryStore::new())
+///     .rule(Rule::per_client_ip(Policy::token_bucket("per-ip", 5, Rate::per_second(1))?));
+/// let handle = layer.rules_handle();
+/// // ... serve with `layer`; later, from an admin endpoint or a config watcher:
+/// handle.set_policy(Policy::token_bucket("per-ip", 2, Rate::per_second(1))?)?;
+/// # Ok(()) }
+/// ```
+pub struct RulesHandle<St> {
+    rules: RuleSet,
+    store: Arc<St>,
+    fallback: Option<Arc<dyn DynStore>>,
+}
+
+impl<St> Clone for RulesHandle<St> {
+    fn clone(&self) -> Self {
+        Self {
+            rules: self.rules.clone(),
+            store: self.store.clone(),
+            fallback: self.fallback.clone(),
+        }
+    }
+}
+
+impl<St> fmt::Debug for RulesHandle<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RulesHandle")
+            .field("rules", &self.rules.load())
+            .finish_non_exhaustive()
+    }
+}
+
+impl<St: Store> RulesHandle<St> {
+    pub(crate) fn new(rules: RuleSet, store: Arc<St>, fallback: Option<Arc<dyn DynStore>>) -> Self {
+        Self {
+            rules,
+            store,
+            fallback,
+        }
+    }
+
+    /// Replaces every rule, in order, once each is checked against the
+    /// store ([`RateLimitLayer::try_rule`](crate::RateLimitLayer::try_rule)'s
+    /// checks). On an error the rules are unchanged.
+    pub fn replace(&self, rules: impl IntoIterator<Item = Rule>) -> Result<(), UnsupportedRule> {
+        let rules: Vec<Rule> = rules.into_iter().collect();
+        for rule in &rules {
+            self.check(rule)?;
+        }
+        self.rules.store(Arc::new(rules));
+        Ok(())
+    }
+
+    /// Makes `policy` the policy of every rule whose own (default) policy
+    /// has its name and unit, keeping each rule's routes, key, cost, plans
+    /// and overrides; how many rules changed (0 when none has that
+    /// policy, and nothing changed). Checked against the store first.
+    pub fn set_policy(&self, policy: Policy) -> Result<usize, UnsupportedRule> {
+        let current = self.rules.load();
+        let changed = |rules: &[Rule]| -> Vec<Rule> {
+            rules
+                .iter()
+                .map(|r| {
+                    if r.policy().same_budget(&policy) {
+                        r.clone().with_default_policy(policy.clone())
+                    } else {
+                        r.clone()
+                    }
+                })
+                .collect()
+        };
+        for rule in changed(&current) {
+            if rule.policy() == &policy {
+                self.check(&rule)?;
+            }
+        }
+        let count = current
+            .iter()
+            .filter(|r| r.policy().same_budget(&policy))
+            .count();
+        if count > 0 {
+            // Another change may have landed since: apply to the latest set.
+            self.rules.rcu(|rules| changed(rules));
+        }
+        Ok(count)
+    }
+
+    /// The rules now in force.
+    pub fn rules(&self) -> Arc<Vec<Rule>> {
+        self.rules.load_full()
+    }
+
+    fn check(&self, rule: &Rule) -> Result<(), UnsupportedRule> {
+        check(&*self.store, rule)?;
+        if let Some(fallback) = &self.fallback {
+            check(fallback, rule)?;
+        }
+        Ok(())
+    }
+}
