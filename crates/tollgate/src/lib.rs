@@ -132,7 +132,7 @@ pub use tollgate_core::{
 #[cfg(feature = "redis")]
 pub use tollgate_redis as redis;
 #[cfg(feature = "redis")]
-pub use tollgate_redis::RedisStore;
+pub use tollgate_redis::{RedisStore, RedisStoreBuilder};
 
 /// The README's examples, compiled as doctests so they stay true.
 #[doc = include_str!("../../../README.md")]
