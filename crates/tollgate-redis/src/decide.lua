@@ -76,6 +76,24 @@ local function add(e, o, d)
   return e, o
 end
 
+-- A token bucket's credit after `el` ns at `num` units per ns, at most `cap`.
+local function refill(credit, cap, num, el)
+  if cap - credit > 0 then
+    if el >= cdiv(cap - credit, num) then return cap end
+    return credit + el * num
+  end
+  return credit
+end
+
+-- A sliding window's counts (previous, current) rolled forward to (fe, fo),
+-- and where the current window then starts: windows tile time from (se, so).
+local function roll(w, prev, cur, se, so, fe, fo)
+  local k = idiv(math.min(diff(fe, fo, se, so), HUGE), w)
+  if k == 1 then return cur, 0, add(se, so, w) end
+  if k > 1 then return 0, 0, fe, fo end
+  return prev, cur, se, so
+end
+
 local sec, nsec
 if ARGV[1] == "s" then
   local t = redis.call("TIME")
@@ -187,11 +205,7 @@ local function carry(oa, o1, o2, o3, o4, level, prior, se, so, a, q1, q2, q3, q4
   local te, to = NE, NO
   if before(NE, NO, se, so) then te, to = se, so end
   if oa == 1 and a == 1 then
-    local credit = level
-    local el = diff(te, to, se, so)
-    if o1 - credit > 0 then
-      if el >= cdiv(o1 - credit, o2) then credit = o1 else credit = credit + el * o2 end
-    end
+    local credit = refill(level, o1, o2, diff(te, to, se, so))
     -- Spent kept in the new unit, rounded up, at most all of it.
     local spent = cdiv_product(o1 - credit, q3, o3, q1)
     return q1 - spent, 0, te, to
@@ -204,29 +218,15 @@ local function carry(oa, o1, o2, o3, o4, level, prior, se, so, a, q1, q2, q3, q4
   local cap, left
   if oa == 1 then
     cap = o1 / o3
-    local credit = level
-    local el = diff(te, to, se, so)
-    if o1 - credit > 0 then
-      if el >= cdiv(o1 - credit, o2) then credit = o1 else credit = credit + el * o2 end
-    end
-    left = idiv(credit, o3)
+    left = idiv(refill(level, o1, o2, diff(te, to, se, so)), o3)
   elseif oa == 2 then
     cap = o1
     -- Not idle, so the window is still open.
     left = math.max(0, o1 - level)
   else
     cap = o1
-    local w, cur, prv = o2, level, prior
-    local el = diff(te, to, se, so)
-    local k = idiv(math.min(el, HUGE), w)
-    local ws_e, ws_o = se, so
-    if k == 1 then
-      prv, cur = cur, 0
-      ws_e, ws_o = add(se, so, w)
-    elseif k > 1 then
-      prv, cur = 0, 0
-      ws_e, ws_o = te, to
-    end
+    local w = o2
+    local prv, cur, ws_e, ws_o = roll(w, prior, level, se, so, te, to)
     local e = diff(te, to, ws_e, ws_o)
     left = idiv(math.max(0, o1 * w - (prv * (w - e) + cur * w)), w)
   end
@@ -309,10 +309,7 @@ for i = 1, n do
     if before(NE, NO, se, so) then te, to = se, so end
     local lead = diff(te, to, NE, NO)
     local el = diff(te, to, se, so)
-    local missing = cap - credit
-    if missing > 0 then
-      if el >= cdiv(missing, num) then credit = cap else credit = credit + el * num end
-    end
+    credit = refill(credit, cap, num, el)
     br, bt = idiv(credit, den), lead + cdiv(cap - credit, num)
     if mode == "refund" then
       credit = math.min(cap, credit + need)
@@ -379,15 +376,7 @@ for i = 1, n do
     if level ~= nil then cur, prev = level, prior else se, so = NE, NO end
     local fe, fo = NE, NO
     if before(NE, NO, se, so) then fe, fo = se, so end
-    local el = diff(fe, fo, se, so)
-    local k = idiv(math.min(el, HUGE), w)
-    if k == 1 then
-      prev, cur = cur, 0
-      se, so = add(se, so, w)
-    elseif k > 1 then
-      prev, cur = 0, 0
-      se, so = fe, fo
-    end
+    prev, cur, se, so = roll(w, prev, cur, se, so, fe, fo)
     local e = diff(fe, fo, se, so)
     local lead = diff(fe, fo, NE, NO)
     local function until_idle(p, c)

@@ -40,17 +40,9 @@ async fn redis_store_reproduces_every_case() {
     }
 }
 
-/// Clock faults: the same trace with jumps of up to ten days either way
-/// gives the same decisions on Redis (injected time) as in memory (manual
-/// clock), so neither mints credit the other would not; and each store's
-/// `check` answers what its next charge answers.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn large_clock_jumps_agree_with_the_memory_store() {
-    use std::time::Duration;
-    use tollgate_core::{Charge, Key, MemoryStore, Policy, Rate, Store};
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+/// A Redis store on injected time and a memory store on the same manual
+/// clock, for differential traces.
+fn side_by_side(server: &RedisServer) -> (ManualClock, RedisStore, tollgate_core::MemoryStore) {
     let clock = ManualClock::new(0);
     let reading = clock.clone();
     let redis = RedisStore::builder(&server.url())
@@ -58,7 +50,24 @@ async fn large_clock_jumps_agree_with_the_memory_store() {
         .injected_time(move || tollgate_core::Clock::now(&reading))
         .build()
         .unwrap();
-    let memory = MemoryStore::builder().clock(clock.clone()).build();
+    let memory = tollgate_core::MemoryStore::builder()
+        .clock(clock.clone())
+        .build();
+    (clock, redis, memory)
+}
+
+/// Clock faults: the same trace with jumps of up to ten days either way
+/// gives the same decisions on Redis (injected time) as in memory (manual
+/// clock), so neither mints credit the other would not; and each store's
+/// `check` answers what its next charge answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_clock_jumps_agree_with_the_memory_store() {
+    use std::time::Duration;
+    use tollgate_core::{Charge, Key, Policy, Rate, Store};
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let (clock, redis, memory) = side_by_side(&server);
     let policies = [
         Policy::token_bucket("tb", 7, Rate::new(3, Duration::from_secs(7))).unwrap(),
         Policy::fixed_window("fw", 5, Duration::from_secs(3600)).unwrap(),
@@ -117,18 +126,11 @@ async fn large_clock_jumps_agree_with_the_memory_store() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn policy_changes_carry_over_like_the_memory_store() {
     use std::time::Duration;
-    use tollgate_core::{Charge, Initial, Key, MemoryStore, Policy, Rate, Store};
+    use tollgate_core::{Charge, Initial, Key, Policy, Rate, Store};
     let Some(server) = RedisServer::start() else {
         return;
     };
-    let clock = ManualClock::new(0);
-    let reading = clock.clone();
-    let redis = RedisStore::builder(&server.url())
-        .unwrap()
-        .injected_time(move || tollgate_core::Clock::now(&reading))
-        .build()
-        .unwrap();
-    let memory = MemoryStore::builder().clock(clock.clone()).build();
+    let (clock, redis, memory) = side_by_side(&server);
     let name = "plan";
     let policies = [
         Policy::token_bucket(name, 3, Rate::per_second(2)).unwrap(),
