@@ -32,8 +32,10 @@
 //!
 //! Demo authentication (a stand-in for real authentication, not a pattern to
 //! copy): `Authorization: Bearer KEY` with `alice-key-1` or `alice-key-2` is
-//! (north, alice), `bob-key` is (north, bob), `carol-key` is (south, alice).
-//! An unknown or missing key on a route that needs a principal gets 401.
+//! (north, alice), `bob-key` is (north, bob), `carol-key` is (south, alice),
+//! `dave-key` is (north, dave) on plan `pro`. An unknown or missing key on a
+//! route that needs a principal gets 401 (with `WWW-Authenticate: Bearer`,
+//! as does `/login`'s own 401).
 
 use std::net::{IpAddr, SocketAddr};
 use std::num::NonZeroUsize;
@@ -180,12 +182,19 @@ impl http_body::Body for Ticks {
     }
 }
 
-/// `POST /login`: 200 when the demo authentication knew the bearer key.
-async fn login(req: Request) -> (StatusCode, &'static str) {
+/// `POST /login`: 200 when the demo authentication knew the bearer key,
+/// else 401 with the challenge RFC 9110 requires.
+async fn login(req: Request) -> Response {
+    use axum::response::IntoResponse;
     if req.extensions().get::<Principal>().is_some() {
-        (StatusCode::OK, "logged in\n")
+        (StatusCode::OK, "logged in\n").into_response()
     } else {
-        (StatusCode::UNAUTHORIZED, "unknown key\n")
+        (
+            StatusCode::UNAUTHORIZED,
+            [(http::header::WWW_AUTHENTICATE, "Bearer")],
+            "unknown key\n",
+        )
+            .into_response()
     }
 }
 

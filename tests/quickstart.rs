@@ -436,6 +436,10 @@ async fn only_failed_logins_spend_the_login_budget() {
     for key in [Some("guess-1"), None, Some("guess-2")] {
         assert_eq!(login("127.0.65.2", key).await, StatusCode::UNAUTHORIZED);
     }
+    // The app's own 401 names its scheme too (RFC 9110).
+    let challenge = send(q.addr, ip("127.0.65.3"), "POST", "/login", &[], b"").await;
+    assert_eq!(challenge.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(challenge.header("www-authenticate"), Some("Bearer"));
     let r = send(
         q.addr,
         ip("127.0.65.2"),

@@ -172,41 +172,50 @@ fn idle_since(algorithm: &Algorithm, s: State) -> Nanos {
     }
 }
 
+/// The longest debt a carried-over bucket keeps (about 23 days): what a key
+/// has spent beyond a new, smaller bucket's capacity is kept as time before
+/// that bucket refills, up to this long. The Redis store's horizon.
+pub const MAX_CARRIED_DEBT: Nanos = 2_000_000_000_000_000;
+
 /// What a key has spent, carried from the numbers its state was written
 /// under (`from`) to the numbers it is read under (`to`) at `now`: the state
 /// that `to` decides on, `None` for no state. Every store applies it when a
 /// policy's numbers change under one name (a plan upgrade, a limit changed
 /// at runtime); the Redis script implements the same rule.
 ///
-/// A key stays under the numbers that wrote it until it is next read: its
+/// A key stays under the numbers that wrote it until it is next charged: its
 /// state is first brought to `now` under `from` (a bucket refilled at the
 /// old rate, a window rolled on at the old length), and what it has spent
-/// then carries over:
+/// then carries over, **in full**:
 ///
 /// - A state that is idle under `from` (a full bucket, a window that is
 ///   over) is no state, exactly as if it had been swept.
 /// - Token bucket to token bucket: the credit missing from the bucket is
-///   kept exactly, in tokens (rounded up to the new scaled unit), and the
-///   new bucket lacks that much of its capacity, at most all of it. So
-///   lowering a capacity never gives a burst and raising it never forgets
-///   what was spent.
+///   kept exactly, in tokens (rounded up to the new scaled unit). The new
+///   bucket lacks that much of its capacity; what exceeds its capacity is a
+///   debt, kept as the time the new bucket needs to refill it before its
+///   credit starts to grow (at most [`MAX_CARRIED_DEBT`]). So lowering a
+///   capacity never gives a burst, raising it never forgets what was spent,
+///   and switching back and forth never mints credit.
 /// - Fixed window to fixed window: the count and the window's start are
 ///   kept; the window ends at that start plus the new length.
 /// - Sliding window to sliding window of the same length: the counts are
 ///   kept.
 /// - Anything else (another algorithm, a sliding window of another
-///   length): the units spent under `from` (its capacity minus the whole
-///   units it has available) are charged to a fresh state of `to` at `now`,
-///   at most its capacity.
+///   length): the units spent under `from` (a bucket's missing tokens, a
+///   fixed window's count, a sliding window's weighted count, each rounded
+///   up) are charged to a fresh state of `to` at `now`: a bucket lacking
+///   them (with a debt beyond its capacity, as above), or a window whose
+///   count they are.
 ///
-/// Where a count kept exceeds the new limit, the budget is simply spent:
+/// A count kept above a new limit simply means the budget is spent:
 /// nothing is admitted until it has refilled or its window is over.
 ///
 /// For one key, the change happens at its first charge under the new
 /// numbers (stores write the converted state then, also when the charge is
-/// refused, spending nothing), so across it the cost admitted in any
-/// interval `[a, b]` is at most `max(B_old, B_new) + r_old·(T − a) +
-/// r_new·(b − T)`, with `T` that first charge.
+/// refused, spending nothing). Across changes, the cost a key is admitted in
+/// any interval is at most the largest capacity in force in it plus each
+/// policy's rate over the time it was in force.
 pub fn carry_over(from: &Algorithm, state: State, to: &Algorithm, now: Nanos) -> Option<State> {
     if same_numbers(from, to) {
         return Some(state);
@@ -216,39 +225,98 @@ pub fn carry_over(from: &Algorithm, state: State, to: &Algorithm, now: Nanos) ->
     }
     let t = now.max(state.at);
     match (*from, *to) {
-        (Algorithm::TokenBucket(a), Algorithm::TokenBucket(b)) => {
-            let (credit, t) = a.refilled(state.level, state.at, now);
-            let spent = u128::from(a.cap() - credit);
-            // In b's units, rounded up: never less spent than there was.
-            let spent = (spent * u128::from(b.denominator))
-                .div_ceil(u128::from(a.denominator))
-                .min(u128::from(b.cap()));
-            Some(State {
-                level: b.cap() - spent as u64,
-                prior: 0,
-                at: t,
-            })
-        }
         (Algorithm::FixedWindow(_), Algorithm::FixedWindow(_)) => Some(state),
         (Algorithm::SlidingWindow(a), Algorithm::SlidingWindow(b)) if a.window == b.window => {
             Some(state)
         }
-        _ => {
-            let spent = capacity(from).saturating_sub(remaining_now(from, state, now));
-            match *to {
-                Algorithm::TokenBucket(b) => Some(State {
-                    level: (b.capacity - spent.min(b.capacity)) * b.denominator,
-                    prior: 0,
-                    at: t,
-                }),
-                Algorithm::FixedWindow(w) | Algorithm::SlidingWindow(w) => {
-                    (spent > 0).then_some(State {
-                        level: spent.min(w.limit),
-                        prior: 0,
-                        at: t,
-                    })
-                }
-            }
+        (Algorithm::TokenBucket(a), Algorithm::TokenBucket(b)) => Some(into_bucket(
+            &b,
+            a.spent(state, now),
+            u128::from(a.denominator),
+            now,
+        )),
+        (_, Algorithm::TokenBucket(b)) => Some(into_bucket(
+            &b,
+            u128::from(spent_units(from, state, now)),
+            1,
+            now,
+        )),
+        (_, Algorithm::FixedWindow(_) | Algorithm::SlidingWindow(_)) => {
+            let spent = spent_units(from, state, now);
+            (spent > 0).then_some(State {
+                level: spent,
+                prior: 0,
+                at: t,
+            })
+        }
+    }
+}
+
+/// A fresh bucket `b` at `now` that lacks `spent / per_token` tokens:
+/// credit when that fits its capacity, else empty with the rest as a debt
+/// (the time to refill it, rounded up, at most [`MAX_CARRIED_DEBT`]).
+fn into_bucket(b: &TokenBucket, spent: u128, per_token: u128, now: Nanos) -> State {
+    let (den, num, cap) = (
+        u128::from(b.denominator),
+        u128::from(b.numerator),
+        u128::from(b.cap()),
+    );
+    // spent · den / per_token units of b, compared exactly.
+    let need = wide_mul(spent, den);
+    if need <= wide_mul(cap, per_token) {
+        // Fits 128 bits: at most cap · per_token.
+        let units = (spent * den).div_ceil(per_token);
+        return State {
+            level: sat(cap - units),
+            prior: 0,
+            at: now,
+        };
+    }
+    // The smallest wait x with per_token · (cap + x · num) >= spent · den.
+    let repaid = |x: u128| wide_mul(per_token, cap + x * num) >= need;
+    let (mut lo, mut hi) = (0u128, u128::from(MAX_CARRIED_DEBT));
+    if !repaid(hi) {
+        lo = hi;
+    }
+    while lo < hi {
+        let mid = lo + (hi - lo) / 2;
+        if repaid(mid) {
+            hi = mid;
+        } else {
+            lo = mid + 1;
+        }
+    }
+    State {
+        level: 0,
+        prior: 0,
+        at: now.saturating_add(sat(lo)),
+    }
+}
+
+/// `a · b` as (high, low) 128-bit halves, for exact comparisons of products
+/// that exceed 128 bits.
+fn wide_mul(a: u128, b: u128) -> (u128, u128) {
+    const LOW: u128 = (1 << 64) - 1;
+    let (a1, a0) = (a >> 64, a & LOW);
+    let (b1, b0) = (b >> 64, b & LOW);
+    let (p00, p01, p10, p11) = (a0 * b0, a0 * b1, a1 * b0, a1 * b1);
+    let mid = (p00 >> 64) + (p01 & LOW) + (p10 & LOW);
+    let low = (p00 & LOW) | (mid << 64);
+    let high = p11 + (p01 >> 64) + (p10 >> 64) + (mid >> 64);
+    (high, low)
+}
+
+/// Whole units spent under `algorithm` at `now`, rounded up: a bucket's
+/// missing tokens (a debt included), a fixed window's count while it is
+/// open, a sliding window's weighted count.
+fn spent_units(algorithm: &Algorithm, s: State, now: Nanos) -> u64 {
+    match *algorithm {
+        Algorithm::TokenBucket(p) => sat(p.spent(s, now).div_ceil(u128::from(p.denominator))),
+        Algorithm::FixedWindow(w) if now < s.at.saturating_add(w.window) => s.level,
+        Algorithm::FixedWindow(_) => 0,
+        Algorithm::SlidingWindow(w) => {
+            let sl = Slide::new(w.limit, w.window, Some(s), now);
+            sat(sl.weighted(sl.prev, sl.cur).div_ceil(sl.w))
         }
     }
 }
@@ -263,29 +331,6 @@ fn same_numbers(a: &Algorithm, b: &Algorithm) -> bool {
                 == (y.capacity, y.numerator, y.denominator, y.initial)
         }
         _ => a == b,
-    }
-}
-
-/// The largest cost a single charge can ever have under `algorithm`.
-fn capacity(algorithm: &Algorithm) -> u64 {
-    match *algorithm {
-        Algorithm::TokenBucket(b) => b.capacity,
-        Algorithm::FixedWindow(w) | Algorithm::SlidingWindow(w) => w.limit,
-    }
-}
-
-/// Whole units available at `now` under `algorithm` with state `s`.
-fn remaining_now(algorithm: &Algorithm, s: State, now: Nanos) -> u64 {
-    match *algorithm {
-        Algorithm::TokenBucket(p) => p.tokens(p.refilled(s.level, s.at, now).0),
-        Algorithm::FixedWindow(w) if now < s.at.saturating_add(w.window) => {
-            w.limit.saturating_sub(s.level)
-        }
-        Algorithm::FixedWindow(w) => w.limit,
-        Algorithm::SlidingWindow(w) => {
-            let sl = Slide::new(w.limit, w.window, Some(s), now);
-            sl.remaining(sl.prev, sl.cur)
-        }
     }
 }
 
@@ -311,6 +356,19 @@ impl TokenBucket {
     /// bucket is full.
     fn time_to_full(&self, credit: u64) -> u64 {
         per(self.cap() - credit, self.numerator)
+    }
+
+    /// Scaled units missing from the bucket at `now`: the capacity less the
+    /// credit refilled to `now`, or, for a state dated after `now` (a debt
+    /// carried over, or a clock that stepped back), less the credit it will
+    /// have then and the refill until then.
+    fn spent(&self, s: State, now: Nanos) -> u128 {
+        if now >= s.at {
+            u128::from(self.cap() - self.refilled(s.level, s.at, now).0)
+        } else {
+            u128::from(self.cap() - s.level.min(self.cap()))
+                + u128::from(s.at - now) * u128::from(self.numerator)
+        }
     }
 
     /// `state`, or `None` when it is idle (refilled to full) at `now`: an

@@ -302,17 +302,17 @@ pub fn cases() -> Vec<Case> {
                 bound(0, &[("k", 0, 3)], OK, &[adm(0, 1500 * MS)]),
                 // 3 of 10 spent: 7 left, one charged.
                 bound(0, &[("k", 1, 1)], OK, &[adm(6, 800 * MS)]),
-                // 4 spent is more than the small bucket holds: empty. The
+                // 4 spent is one more than the small bucket holds: empty,
+                // with a debt of one token (half a second at 2/s). The
                 // refusal spends nothing but converts the state, once.
+                bound(0, &[("k", 0, 1)], denied(S), &[den(S, 0, 2 * S)]),
                 bound(
-                    0,
+                    500 * MS,
                     &[("k", 0, 1)],
                     denied(500 * MS),
                     &[den(500 * MS, 0, 1500 * MS)],
                 ),
-                // So it refills at 2/s from here: one after half a second.
-                bound(500 * MS, &[("k", 0, 1)], OK, &[adm(0, 1500 * MS)]),
-                // Half a second more at 2/s: 2 spent of 10, one charged.
+                // Back up: 2 of 3 spent at 1 s, so 2 of 10; one charged.
                 bound(1000 * MS, &[("k", 1, 1)], OK, &[adm(7, 600 * MS)]),
                 // A tenth of a second at 5/s: 2.5 spent, half a token left.
                 bound(

@@ -52,6 +52,9 @@ struct Model {
     by: usize,
 }
 
+/// The longest debt a conversion keeps, as the store's `MAX_CARRIED_DEBT`.
+const MAX_DEBT: u64 = 2_000_000_000_000_000;
+
 /// The state `plans[j]` reads at `now`: `None` for no state.
 fn read(model: Option<Model>, plans: &[Numbers], j: usize, now: Q) -> Option<Model> {
     let m = model?;
@@ -59,19 +62,35 @@ fn read(model: Option<Model>, plans: &[Numbers], j: usize, now: Q) -> Option<Mod
     if m.by == j {
         return Some(m);
     }
-    // Brought to now under the numbers that wrote it; idle: no state.
-    let t = now.max(m.at);
-    let credit = q(old.capacity).min(m.credit + (t - m.at) * old.rate());
-    if credit == q(old.capacity) {
+    // Brought to now under the numbers that wrote it (a state dated later
+    // counts the refill until then as spent too); idle: no state.
+    let spent = if now >= m.at {
+        q(old.capacity) - q(old.capacity).min(m.credit + (now - m.at) * old.rate())
+    } else {
+        q(old.capacity) - m.credit + (m.at - now) * old.rate()
+    };
+    if spent == q(0) {
         return None;
     }
-    // Spent tokens kept, rounded up to the new unit, at most all.
+    // Spent tokens kept in full, rounded up to the new unit; beyond the new
+    // capacity, a debt: empty until it has refilled.
     let den = Q::from_integer(new.den());
-    let spent = ((q(old.capacity) - credit) * den).ceil() / den;
-    Some(Model {
-        credit: q(new.capacity) - spent.min(q(new.capacity)),
-        at: t,
-        by: j,
+    let spent = (spent * den).ceil() / den;
+    Some(if spent <= q(new.capacity) {
+        Model {
+            credit: q(new.capacity) - spent,
+            at: now,
+            by: j,
+        }
+    } else {
+        let wait = ((spent - q(new.capacity)) / new.rate())
+            .ceil()
+            .min(q(MAX_DEBT));
+        Model {
+            credit: q(0),
+            at: now + wait,
+            by: j,
+        }
     })
 }
 
@@ -210,7 +229,15 @@ proptest! {
         let spent_old = old.capacity - left_old;
         // Whole tokens: at most one more is seen as spent (rounding up).
         prop_assert!(new.capacity - left_new >= spent_old.min(new.capacity));
-        let change = change + after[0].0;
+        // A cost that can never fit touches nothing: the key changes over
+        // at the first charge under the new numbers that could fit.
+        let mut change = change;
+        for &(dt, cost) in &after {
+            change += dt;
+            if cost <= new.capacity {
+                break;
+            }
+        }
         run(&p_new, &after, &mut now, &mut admitted);
         let bound_b = q(old.capacity.max(new.capacity));
         for (i, &(a, _)) in admitted.iter().enumerate() {
@@ -220,6 +247,58 @@ proptest! {
                 let before_t = change.min(b).saturating_sub(a);
                 let after_t = b.saturating_sub(change.max(a));
                 let limit = bound_b + old.rate() * q(before_t) + new.rate() * q(after_t);
+                prop_assert!(q(total) <= limit, "{} admitted in [{}, {}] over {}", total, a, b, limit);
+            }
+        }
+    }
+
+    /// Plans flipping back and forth on one key, the clock frozen or
+    /// moving: for every interval, the cost admitted is at most the largest
+    /// capacity in force in it plus each plan's rate over the time it was in
+    /// force (a plan is in force from the first charge under it that could
+    /// fit, until the next plan's). Flipping never mints credit.
+    #[test]
+    fn flipping_plans_never_mints_credit(
+        plans in proptest::collection::vec(numbers(), 2..4),
+        trace in proptest::collection::vec(
+            (prop_oneof![3 => Just(0u64), 2 => 0u64..200_000_000], 1u64..8, 0usize..4),
+            1..80,
+        ),
+    ) {
+        let policies: Vec<Policy> = plans.iter().map(Numbers::policy).collect();
+        let clock = ManualClock::new(0);
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let mut now = 0u64;
+        // (time, plan) at each change of the plan in force.
+        let mut in_force: Vec<(u64, usize)> = Vec::new();
+        let mut admitted: Vec<(u64, u64)> = Vec::new();
+        for (dt, cost, plan) in trace {
+            let j = plan % plans.len();
+            now += dt;
+            clock.set(now);
+            if cost <= plans[j].capacity && in_force.last().is_none_or(|&(_, k)| k != j) {
+                in_force.push((now, j));
+            }
+            if store.charge_now(&[charge(&policies[j], 0, cost)]).unwrap().is_admitted() {
+                admitted.push((now, cost));
+            }
+        }
+        for (i, &(a, _)) in admitted.iter().enumerate() {
+            let mut total = 0u64;
+            for &(b, cost) in &admitted[i..] {
+                total += cost;
+                let mut limit = q(0);
+                let mut biggest = 0;
+                for (k, &(start, j)) in in_force.iter().enumerate() {
+                    let end = in_force.get(k + 1).map_or(u64::MAX, |s| s.0);
+                    // At a change's instant both plans are in force.
+                    if start <= b && end >= a {
+                        let (from, to) = (a.max(start), b.min(end));
+                        limit += plans[j].rate() * q(to.saturating_sub(from));
+                        biggest = biggest.max(plans[j].capacity);
+                    }
+                }
+                limit += q(biggest);
                 prop_assert!(q(total) <= limit, "{} admitted in [{}, {}] over {}", total, a, b, limit);
             }
         }

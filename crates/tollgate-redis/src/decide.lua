@@ -107,6 +107,8 @@ local NE = floor(sec / ERA_SEC)
 local NO = (sec - NE * ERA_SEC) * 1000000000 + nsec
 local mode = ARGV[5]
 
+-- A write that deletes: a refund that leaves no state.
+local NONE = ""
 local pending = {}
 -- level, prior, era, offset and the numbers that wrote them (nil for a
 -- state that carries none).
@@ -130,29 +132,60 @@ local function state(level, prior, e, o, algo, p1, p2, p3, p4)
   return struct.pack("<ddddddddd", level, prior, e, o, algo, p1, p2, p3, p4)
 end
 
--- Exact products of integers below 2^53, as six base-2^24 limbs (little
--- endian), and their comparison: for the rare carry-over whose products
--- exceed 2^53.
+-- Exact integers beyond 2^53, for the rare carry-over whose products
+-- exceed it: arrays of base-2^24 limbs, little endian. Every limb product
+-- is below 2^48 and a cell sums at most a few, so all is exact.
 local B24 = 16777216
-local function limbs(a)
-  local a0 = a % B24
-  a = (a - a0) / B24
-  local a1 = a % B24
-  return a0, a1, (a - a1) / B24
-end
-local function mul(a, b)
-  local a0, a1, a2 = limbs(a)
-  local b0, b1, b2 = limbs(b)
-  local r = {a0 * b0, a0 * b1 + a1 * b0, a0 * b2 + a1 * b1 + a2 * b0, a1 * b2 + a2 * b1, a2 * b2, 0}
-  for i = 1, 5 do
-    local c = floor(r[i] / B24)
-    r[i] = r[i] - c * B24
-    r[i + 1] = r[i + 1] + c
-  end
+local function big(a)
+  local r = {}
+  repeat
+    local l = a % B24
+    r[#r + 1] = l
+    a = (a - l) / B24
+  until a == 0
   return r
 end
-local function cmp(x, y)
-  for i = 6, 1, -1 do
+local function carries(r)
+  local i = 1
+  while i <= #r do
+    local c = floor(r[i] / B24)
+    if c ~= 0 then
+      r[i] = r[i] - c * B24
+      r[i + 1] = (r[i + 1] or 0) + c
+    end
+    i = i + 1
+  end
+  while #r > 1 and r[#r] == 0 do r[#r] = nil end
+  return r
+end
+-- x times an integer b below 2^53.
+local function bmul(x, b)
+  local bl = big(b)
+  local r = {}
+  for i = 1, #x + #bl do r[i] = 0 end
+  for i = 1, #x do
+    for j = 1, #bl do
+      r[i + j - 1] = r[i + j - 1] + x[i] * bl[j]
+    end
+    for k = i, i + #bl - 1 do
+      local c = floor(r[k] / B24)
+      r[k] = r[k] - c * B24
+      r[k + 1] = r[k + 1] + c
+    end
+  end
+  return carries(r)
+end
+local function badd(x, y)
+  local r = {}
+  for i = 1, math.max(#x, #y) do r[i] = (x[i] or 0) + (y[i] or 0) end
+  return carries(r)
+end
+local function bcmp(x, y)
+  if #x ~= #y then
+    if #x < #y then return -1 end
+    return 1
+  end
+  for i = #x, 1, -1 do
     if x[i] ~= y[i] then
       if x[i] < y[i] then return -1 end
       return 1
@@ -160,17 +193,21 @@ local function cmp(x, y)
   end
   return 0
 end
--- min(m, ceil(a * b / c)), exactly.
-local function cdiv_product(a, b, c, m)
-  local target = mul(a, b)
-  if cmp(mul(m, c), target) < 0 then return m end
-  local lo, hi = 0, m
+-- The smallest v in [0, hi] with holds(v), or hi when none does.
+local function least(hi, holds)
+  local lo = 0
+  if not holds(hi) then return hi end
   while lo < hi do
     local mid = lo + floor((hi - lo) / 2)
-    if cmp(mul(mid, c), target) >= 0 then hi = mid else lo = mid + 1 end
+    if holds(mid) then hi = mid else lo = mid + 1 end
   end
   return lo
 end
+
+-- The longest debt a carried-over bucket keeps (tollgate_core's
+-- algorithm::MAX_CARRIED_DEBT), and the largest whole count carried.
+local MAX_DEBT = 2000000000000000
+local MAX_COUNT = 9007199254740991
 
 -- Under injected time Redis still expires keys on its own clock, which the
 -- injected clock does not follow (a test may hold it still while real time
@@ -185,6 +222,22 @@ local function ttl(e, o)
   local d = diff(e, o, NE, NO)
   if before(e, o, NE, NO) then d = 0 end
   return math.max(MIN_TTL_MS, cdiv(d, 1000000))
+end
+
+-- A fresh bucket (capacity q1 units, q2 units per ns, q3 per token) at
+-- now, lacking spent / per_token tokens (spent a bignum): credit when that
+-- fits, else empty with the rest as a debt of refill time, at most MAX_DEBT.
+local function into_bucket(spent, per_token, q1, q2, q3)
+  local need = bmul(spent, q3)
+  if bcmp(need, bmul(big(q1), per_token)) <= 0 then
+    local units = least(q1, function(y) return bcmp(bmul(big(y), per_token), need) >= 0 end)
+    return q1 - units, 0, NE, NO
+  end
+  local wait = least(MAX_DEBT, function(x)
+    return bcmp(bmul(badd(big(q1), bmul(big(x), q2)), per_token), need) >= 0
+  end)
+  local e, o = add(NE, NO, wait)
+  return 0, 0, e, o
 end
 
 -- The state written under numbers (oa, o1..o4) as read under (a, q1..q4):
@@ -204,39 +257,36 @@ local function carry(oa, o1, o2, o3, o4, level, prior, se, so, a, q1, q2, q3, q4
   if not before(NE, NO, ie, io) then return end
   local te, to = NE, NO
   if before(NE, NO, se, so) then te, to = se, so end
-  if oa == 1 and a == 1 then
-    local credit = refill(level, o1, o2, diff(te, to, se, so))
-    -- Spent kept in the new unit, rounded up, at most all of it.
-    local spent = cdiv_product(o1 - credit, q3, o3, q1)
-    return q1 - spent, 0, te, to
-  end
   if (oa == 2 and a == 2) or (oa == 3 and a == 3 and o2 == q2) then
     return level, prior, se, so
   end
-  -- Anything else: the whole units spent now under the old numbers,
-  -- charged to a fresh state of the new ones.
-  local cap, left
+  -- What was spent, in full: a bucket's missing units (for a state dated
+  -- after now, the refill until then too), else whole units.
+  local spent_units, spent
   if oa == 1 then
-    cap = o1 / o3
-    left = idiv(refill(level, o1, o2, diff(te, to, se, so)), o3)
+    if before(NE, NO, se, so) then
+      spent_units = badd(big(o1 - math.min(level, o1)), bmul(big(diff(se, so, NE, NO)), o2))
+    else
+      spent_units = big(o1 - refill(level, o1, o2, diff(NE, NO, se, so)))
+    end
+    if a == 1 then
+      return into_bucket(spent_units, o3, q1, q2, q3)
+    end
+    spent = least(MAX_COUNT, function(z) return bcmp(bmul(big(z), o3), spent_units) >= 0 end)
   elseif oa == 2 then
-    cap = o1
     -- Not idle, so the window is still open.
-    left = math.max(0, o1 - level)
+    spent = level
   else
-    cap = o1
     local w = o2
     local prv, cur, ws_e, ws_o = roll(w, prior, level, se, so, te, to)
     local e = diff(te, to, ws_e, ws_o)
-    left = idiv(math.max(0, o1 * w - (prv * (w - e) + cur * w)), w)
+    spent = cdiv(prv * (w - e) + cur * w, w)
   end
-  local spent = math.max(0, cap - left)
   if a == 1 then
-    local capacity = q1 / q3
-    return (capacity - math.min(spent, capacity)) * q3, 0, te, to
+    return into_bucket(big(spent), 1, q1, q2, q3)
   end
   if spent == 0 then return end
-  return math.min(spent, q1), 0, te, to
+  return spent, 0, te, to
 end
 
 local replies = {}
@@ -313,7 +363,9 @@ for i = 1, n do
     br, bt = idiv(credit, den), lead + cdiv(cap - credit, num)
     if mode == "refund" then
       credit = math.min(cap, credit + need)
-      write = state(credit, 0, te, to, algo, p1, p2, p3, p4)
+      -- Refilled to full: no state, as if never charged (NONE deletes).
+      write = NONE
+      if credit < cap then write = state(credit, 0, te, to, algo, p1, p2, p3, p4) end
       idle_e, idle_o = add(te, to, cdiv(cap - credit, num))
       ok = 1
     elseif credit >= need then
@@ -357,7 +409,8 @@ for i = 1, n do
     if mode == "refund" then
       ok = 1
       if level ~= nil and re == ws_e and ro == ws_o and count >= need then
-        write = state(count - need, 0, ws_e, ws_o, algo, p1, p2, p3, p4)
+        write = NONE
+        if count > need then write = state(count - need, 0, ws_e, ws_o, algo, p1, p2, p3, p4) end
         idle_e, idle_o = ee, eo
       end
     elseif count + need <= limit then
@@ -399,7 +452,8 @@ for i = 1, n do
           local pe, po = add(re, ro, w)
           if pe == se and po == so and prev >= need then prev = prev - need end
         end
-        write = state(cur, prev, se, so, algo, p1, p2, p3, p4)
+        write = NONE
+        if cur + prev > 0 then write = state(cur, prev, se, so, algo, p1, p2, p3, p4) end
         local _, xe, xo = until_idle(prev, cur)
         idle_e, idle_o = xe, xo
       end
@@ -446,7 +500,11 @@ end
 
 if (mode == "charge" and all) or mode == "refund" then
   for _, wr in ipairs(writes) do
-    redis.call("SET", wr[1], wr[2], "PX", ttl(wr[3], wr[4]))
+    if wr[2] == NONE then
+      redis.call("DEL", wr[1])
+    else
+      redis.call("SET", wr[1], wr[2], "PX", ttl(wr[3], wr[4]))
+    end
   end
 end
 

@@ -270,3 +270,9 @@ impl RedisCluster {
         &self.nodes
     }
 }
+
+/// The Redis Cluster slot of `key` (CRC16 of its hash tag, mod 16384), as
+/// the store groups charges by it.
+pub fn slot(key: &str) -> u16 {
+    crate::script::slot(key)
+}

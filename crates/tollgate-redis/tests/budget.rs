@@ -532,3 +532,57 @@ async fn a_key_charged_twice_in_one_call_is_not_remembered_as_refused() {
     }
     assert_eq!(cached.cache_stats().hits, 0);
 }
+
+/// Found in review: charging slot by slot, a refund that left a bucket full
+/// wrote a full bucket where the memory store keeps no state, and a clock
+/// stepping back then found credit a fresh initially-empty bucket lacks.
+/// A refund that leaves no state now deletes the key.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refund_that_leaves_nothing_spent_leaves_no_state() {
+    use tollgate_core::{Initial, ManualClock, MemoryStore};
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let clock = ManualClock::new(0);
+    let reading = clock.clone();
+    let redis = RedisStore::builder(&server.url())
+        .unwrap()
+        .split_by_slot(true)
+        .injected_time(move || tollgate_core::Clock::now(&reading))
+        .build()
+        .unwrap();
+    let memory = MemoryStore::builder().clock(clock.clone()).build();
+    let bucket = Policy::token_bucket("p", 10, Rate::per_second(5)).unwrap();
+    let gate = Policy::fixed_window("gate", 1, Duration::from_secs(3600)).unwrap();
+    let (first, second) = (Key::new("r").with("b"), Key::new("r").with("a"));
+    let pair = [
+        Charge::new(first.clone(), bucket.clone(), 1).unwrap(),
+        Charge::new(second.clone(), gate.clone(), 1).unwrap(),
+    ];
+    // Two slots, the bucket's charged first: the refund path runs.
+    let slots: Vec<u16> = pair
+        .iter()
+        .map(|c| tollgate_redis::testing::slot(&redis.redis_key(c)))
+        .collect();
+    assert!(slots[0] < slots[1], "{slots:?}");
+    let gate_only = [Charge::new(second, gate, 1).unwrap()];
+    for store in [&redis as &dyn tollgate_core::DynStore, &memory] {
+        assert!(store.charge_boxed(&gate_only).await.unwrap().is_admitted());
+    }
+    clock.set(100_000_000_000);
+    for store in [&redis as &dyn tollgate_core::DynStore, &memory] {
+        assert!(!store.charge_boxed(&pair).await.unwrap().is_admitted());
+    }
+    let stored = server.get_bytes(&redis.redis_key(&pair[0])).unwrap();
+    assert_eq!(stored, None, "the refunded bucket is no state");
+    // The clock steps back a second; an initially-empty bucket of the same
+    // budget is new in both stores.
+    clock.set(99_000_000_000);
+    let empty = [Charge::new(first, bucket.with_initial(Initial::Empty), 1).unwrap()];
+    let (a, b) = (
+        memory.charge(&empty).await.unwrap(),
+        redis.charge(&empty).await.unwrap(),
+    );
+    assert!(!a.is_admitted(), "{a:?}");
+    assert_eq!(a, b);
+}

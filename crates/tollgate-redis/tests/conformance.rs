@@ -40,14 +40,18 @@ async fn redis_store_reproduces_every_case() {
     }
 }
 
-/// A Redis store on injected time and a memory store on the same manual
-/// clock, for differential traces.
-fn side_by_side(server: &RedisServer) -> (ManualClock, RedisStore, tollgate_core::MemoryStore) {
+/// A Redis store on injected time (charging slot by slot with `split`)
+/// and a memory store on the same manual clock, for differential traces.
+fn side_by_side(
+    server: &RedisServer,
+    split: bool,
+) -> (ManualClock, RedisStore, tollgate_core::MemoryStore) {
     let clock = ManualClock::new(0);
     let reading = clock.clone();
     let redis = RedisStore::builder(&server.url())
         .unwrap()
         .injected_time(move || tollgate_core::Clock::now(&reading))
+        .split_by_slot(split)
         .build()
         .unwrap();
     let memory = tollgate_core::MemoryStore::builder()
@@ -67,7 +71,7 @@ async fn large_clock_jumps_agree_with_the_memory_store() {
     let Some(server) = RedisServer::start() else {
         return;
     };
-    let (clock, redis, memory) = side_by_side(&server);
+    let (clock, redis, memory) = side_by_side(&server, false);
     let policies = [
         Policy::token_bucket("tb", 7, Rate::new(3, Duration::from_secs(7))).unwrap(),
         Policy::fixed_window("fw", 5, Duration::from_secs(3600)).unwrap(),
@@ -125,12 +129,25 @@ async fn large_clock_jumps_agree_with_the_memory_store() {
 /// client sees, and a check answers what the next charge answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn policy_changes_carry_over_like_the_memory_store() {
-    use std::time::Duration;
-    use tollgate_core::{Charge, Initial, Key, Policy, Rate, Store};
     let Some(server) = RedisServer::start() else {
         return;
     };
-    let (clock, redis, memory) = side_by_side(&server);
+    for split in [false, true] {
+        // Calls charge one key (one slot), so slot by slot is one script
+        // too, through the per-slot path.
+        let (clock, redis, memory) = side_by_side(&server, split);
+        policy_changes_trace(&clock, &redis, &memory, split).await;
+    }
+}
+
+async fn policy_changes_trace(
+    clock: &ManualClock,
+    redis: &RedisStore,
+    memory: &tollgate_core::MemoryStore,
+    split: bool,
+) {
+    use std::time::Duration;
+    use tollgate_core::{Charge, Initial, Key, Policy, Rate, Store};
     let name = "plan";
     let policies = [
         Policy::token_bucket(name, 3, Rate::per_second(2)).unwrap(),
@@ -145,7 +162,26 @@ async fn policy_changes_carry_over_like_the_memory_store() {
         Policy::fixed_window(name, 2, Duration::from_secs(5)).unwrap(),
         Policy::sliding_window(name, 6, Duration::from_secs(2)).unwrap(),
         Policy::sliding_window(name, 3, Duration::from_secs(9)).unwrap(),
+        // Near the script's exact range: a scaled capacity close to 2^53,
+        // a limit of 2^53 - 1 over the longest window, 3·l·w near 2^53.
+        Policy::token_bucket(name, 3_000_000, Rate::new(3_000, Duration::from_nanos(1))).unwrap(),
+        Policy::token_bucket(
+            name,
+            1_000_000,
+            Rate::new(7, Duration::from_nanos(999_999_937)),
+        )
+        .unwrap(),
+        Policy::fixed_window(
+            name,
+            (1 << 53) - 1,
+            Duration::from_nanos(2_000_000_000_000_000),
+        )
+        .unwrap(),
+        Policy::sliding_window(name, 999_999, Duration::from_secs(3)).unwrap(),
     ];
+    for p in &policies {
+        redis.check_policy(p).unwrap();
+    }
     for seed in [
         0x2545_F491_4F6C_DD1D_u64,
         0x9E37_79B9_7F4A_7C15,
@@ -161,17 +197,21 @@ async fn policy_changes_carry_over_like_the_memory_store() {
         let mut now: i64 = 1_000_000_000_000;
         for step in 0..1500 {
             let r = next();
-            let jump = match r % 8 {
-                0 => -((r >> 8) as i64 % 3_000_000_000),
-                1 => (r >> 8) as i64 % 30_000_000_000,
-                2 | 3 => 0,
+            let jump = match r % 16 {
+                0 | 8 => -((r >> 8) as i64 % 3_000_000_000),
+                1 | 9 => (r >> 8) as i64 % 30_000_000_000,
+                // Now and then weeks ahead, across the script's eras.
+                15 => (r >> 8) as i64 % 5_000_000_000_000_000,
+                2 | 3 | 10 | 11 => 0,
                 _ => (r >> 8) as i64 % 700_000_000,
             };
             now = (now + jump).max(0);
             clock.set(now as u64);
             let p = &policies[(r as usize >> 3) % policies.len()];
-            let cost = 1 + (r >> 40) % 4;
-            let key = ["a", "b"][(r >> 50) as usize % 2];
+            let cost = 1 + (r >> 40) % 4 + u64::from(r % 13 == 0) * ((r >> 20) % 2_000_000);
+            // Keys of their own per seed: every seed's clock starts over.
+            let key = format!("{split}-{seed:x}-{}", (r >> 50) % 2);
+            let key = key.as_str();
             let mut c = vec![Charge::new(Key::new(name).with(key), p.clone(), cost).unwrap()];
             if r % 7 == 0 {
                 // The same key under other numbers in the same call sees the

@@ -307,6 +307,14 @@ impl Store for MemoryStore {
         std::future::ready(Ok(self.check_now(charges)))
     }
 
+    /// Every policy's numbers get their tag here, when a rule (or a
+    /// changed policy) is configured: a store that has met all the sets of
+    /// numbers it can tell apart refuses the new one now, as a
+    /// configuration error, never at runtime.
+    fn check_policy(&self, policy: &Policy) -> Result<(), StoreError> {
+        self.inner.numbers.tag(policy).map(|_| ())
+    }
+
     fn can_check(&self) -> bool {
         true
     }

@@ -89,14 +89,18 @@ impl<St: Store> RulesHandle<St> {
     /// Makes `policy` the policy of every rule whose own (default) policy
     /// has its name and unit, keeping each rule's routes, key, cost, plans
     /// and overrides; how many rules changed (0 when none has that
-    /// policy, and nothing changed). Checked against the store first.
+    /// policy, and nothing changed). A `policy` counting in requests takes
+    /// each rule's unit first (a rule with a content cost counts in
+    /// `content-kib`, say), as [`Rule::plan`] does. Checked against the
+    /// store first.
     pub fn set_policy(&self, policy: Policy) -> Result<usize, UnsupportedRule> {
         let current = self.rules.load();
+        let matches = |r: &Rule| r.policy().same_budget(&r.in_rule_unit(policy.clone()));
         let changed = |rules: &[Rule]| -> Vec<Rule> {
             rules
                 .iter()
                 .map(|r| {
-                    if r.policy().same_budget(&policy) {
+                    if matches(r) {
                         r.clone().with_default_policy(policy.clone())
                     } else {
                         r.clone()
@@ -104,15 +108,12 @@ impl<St: Store> RulesHandle<St> {
                 })
                 .collect()
         };
-        for rule in changed(&current) {
-            if rule.policy() == &policy {
-                self.check(&rule)?;
+        for (before, after) in current.iter().zip(changed(&current)) {
+            if matches(before) {
+                self.check(&after)?;
             }
         }
-        let count = current
-            .iter()
-            .filter(|r| r.policy().same_budget(&policy))
-            .count();
+        let count = current.iter().filter(|r| matches(r)).count();
         if count > 0 {
             // Another change may have landed since: apply to the latest set.
             self.rules.rcu(|rules| changed(rules));

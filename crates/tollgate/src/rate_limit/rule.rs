@@ -433,6 +433,11 @@ impl Rule {
     /// for an account or tenant come first. `choose` runs per request:
     /// keep it to a lookup; the policies it picks from were checked when
     /// they were added.
+    ///
+    /// `choose` sees the whole request head, **including what the client
+    /// writes**: choosing a plan by a header or query parameter lets any
+    /// client pick the most generous plan. Read extensions your own trusted
+    /// layers set (the principal, a verified token's claims).
     #[must_use]
     pub fn plan_from(
         mut self,
@@ -539,7 +544,7 @@ impl Rule {
     }
 
     /// `policy` counting in the rule's unit, unless it names one of its own.
-    fn in_rule_unit(&self, policy: Policy) -> Policy {
+    pub(crate) fn in_rule_unit(&self, policy: Policy) -> Policy {
         if *policy.unit() == Unit::Requests && *self.policy.unit() != Unit::Requests {
             policy.with_unit(self.policy.unit().clone())
         } else {
