@@ -172,6 +172,101 @@ fn idle_since(algorithm: &Algorithm, s: State) -> Nanos {
     }
 }
 
+/// Shaping, for token buckets: the earliest time at or after `now` when
+/// `cost` fits `policy` given `state`, or `None` when the policy cannot
+/// shape it (not a token bucket, a cost above the capacity, or a refill
+/// faster than one token per nanosecond, whose reservations could not be
+/// told from credit).
+pub fn earliest_fit(policy: &Policy, state: Option<State>, now: Nanos, cost: u64) -> Option<Nanos> {
+    let Algorithm::TokenBucket(p) = *policy.algorithm() else {
+        return None;
+    };
+    if cost > p.capacity || p.numerator > p.denominator {
+        return None;
+    }
+    let (credit, t) = p.credit_at(state, now);
+    let need = cost * p.denominator;
+    Some(if credit >= need {
+        now
+    } else {
+        t.saturating_add(per(need - credit, p.numerator))
+    })
+}
+
+/// Shaping, for token buckets: `cost` charged as of `at` (at or after its
+/// [`earliest_fit`]), decided now. The state written keeps the bucket
+/// exact on release times: what a request released at `at` takes is
+/// taken from the credit the bucket will have then, and nothing released
+/// before `at` can use it. It is dated now (or at the state's own later
+/// time); a reservation beyond the credit is a debt, written as an empty
+/// bucket until the instant the debt is repaid, so that every later
+/// charge waits behind it. Panics never; a `cost` that does not fit at
+/// `at` is decided as now.
+pub fn charge_at(policy: &Policy, state: Option<State>, now: Nanos, at: Nanos, cost: u64) -> Step {
+    let Algorithm::TokenBucket(p) = *policy.algorithm() else {
+        return decide(policy, state, now, cost);
+    };
+    let (credit, t) = p.credit_at(state, now);
+    let need = cost.saturating_mul(p.denominator);
+    if at <= t || credit.saturating_add((at - t).saturating_mul(p.numerator)) < need {
+        return decide(policy, state, now, cost);
+    }
+    // What the bucket holds at `at` is at most its capacity: seen from `t`,
+    // the credit it may use now is that, less the refill still to come
+    // (negative when the bucket will have filled up by `at`).
+    let refill = i128::try_from(u128::from(at - t) * u128::from(p.numerator)).unwrap_or(i128::MAX);
+    let held = i128::from(credit).min(i128::from(p.cap()).saturating_sub(refill));
+    let next = match u64::try_from(held - i128::from(need)) {
+        Ok(left) => State {
+            level: left,
+            prior: 0,
+            at: t,
+        },
+        Err(_) => {
+            // A debt: empty until it has refilled.
+            let debt = i128::from(need).saturating_sub(held).unsigned_abs();
+            State {
+                level: 0,
+                prior: 0,
+                at: t.saturating_add(sat(debt.div_ceil(u128::from(p.numerator)))),
+            }
+        }
+    };
+    Step {
+        decision: describe(policy, Some(next), now),
+        next: Some(next),
+        idle_at: idle_since(policy.algorithm(), next),
+    }
+}
+
+/// Shaping, for token buckets: the state after giving `cost` back to the
+/// state a reservation wrote (`written`), for a request dropped before its
+/// release. Never more credit than before the reservation: a debt is
+/// repaid by `cost`'s worth of refill time, credit is returned up to the
+/// capacity.
+pub fn give_back(policy: &Policy, written: State, now: Nanos, cost: u64) -> State {
+    let Algorithm::TokenBucket(p) = *policy.algorithm() else {
+        return written;
+    };
+    let need = cost.saturating_mul(p.denominator);
+    if written.level == 0 && written.at > now {
+        // Empty until `at`: `cost` repays refill time up to now.
+        let back = (need / p.numerator).min(written.at - now);
+        State {
+            level: need - back * p.numerator,
+            prior: 0,
+            at: written.at - back,
+        }
+    } else {
+        let (credit, t) = p.refilled(written.level, written.at, now);
+        State {
+            level: credit.saturating_add(need).min(p.cap()),
+            prior: 0,
+            at: t,
+        }
+    }
+}
+
 /// The longest debt a carried-over bucket keeps (about 23 days): what a key
 /// has spent beyond a new, smaller bucket's capacity is kept as time before
 /// that bucket refills, up to this long. The Redis store's horizon.
@@ -368,6 +463,18 @@ impl TokenBucket {
         } else {
             u128::from(self.cap() - s.level.min(self.cap()))
                 + u128::from(s.at - now) * u128::from(self.numerator)
+        }
+    }
+
+    /// The credit `state` holds at `now` (a new bucket's when there is
+    /// none) and the time it holds at: `now`, or the state's own later time.
+    fn credit_at(&self, state: Option<State>, now: Nanos) -> (u64, Nanos) {
+        match self.unless_idle(state, now) {
+            Some(s) => self.refilled(s.level, s.at, now),
+            None => match self.initial {
+                Initial::Full => (self.cap(), now),
+                Initial::Empty => (0, now),
+            },
         }
     }
 

@@ -28,6 +28,9 @@ pub struct Charge {
     key: Key,
     policy: Policy,
     cost: u64,
+    /// The longest the request may be held for this charge to fit
+    /// ([`Charge::shaped`]); `None`: fit now or be refused.
+    max_delay: Option<Duration>,
 }
 
 /// A charge whose cost was zero.
@@ -45,7 +48,30 @@ impl Charge {
                 policy: policy.name().to_owned(),
             });
         }
-        Ok(Self { key, policy, cost })
+        Ok(Self {
+            key,
+            policy,
+            cost,
+            max_delay: None,
+        })
+    }
+
+    /// The same charge, shaped: when the cost does not fit now but will
+    /// within `max_delay`, a store that can shape ([`Store::can_shape`](crate::Store::can_shape))
+    /// reserves it now for the exact instant it fits and answers an
+    /// [`Outcome::delay`] to wait before the request goes on; beyond
+    /// `max_delay` it is refused as usual. Token buckets only; a store
+    /// that cannot shape, or a policy of another algorithm, answers as if
+    /// unshaped.
+    #[must_use]
+    pub fn shaped(mut self, max_delay: Duration) -> Self {
+        self.max_delay = Some(max_delay);
+        self
+    }
+
+    /// The longest wait this charge accepts ([`Charge::shaped`]).
+    pub fn max_delay(&self) -> Option<Duration> {
+        self.max_delay
     }
 
     /// The key whose budget is charged.
@@ -144,6 +170,33 @@ impl Decision {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
     limits: Limits,
+    /// Zero unless shaped charges were reserved for later: then how long
+    /// to hold the request, and what was reserved.
+    delay: Duration,
+    reservation: Option<Box<Reservation>>,
+}
+
+/// What a store reserved for a delayed [`Outcome`], so that it can give the
+/// reservation back if the request is dropped before its release
+/// ([`Store::cancel`](crate::Store::cancel)): per shaped charge, its index
+/// and the state the reservation wrote, in the store's own time. A store
+/// gives a reservation back only while that state is still what is stored
+/// (nothing was reserved or written after it).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Reservation {
+    entries: Vec<(usize, crate::algorithm::State)>,
+}
+
+impl Reservation {
+    /// The state written for each shaped charge, by charge index.
+    pub fn new(entries: Vec<(usize, crate::algorithm::State)>) -> Self {
+        Self { entries }
+    }
+
+    /// The state written for each shaped charge, by charge index.
+    pub fn entries(&self) -> &[(usize, crate::algorithm::State)] {
+        &self.entries
+    }
 }
 
 /// One decision inline (the common single-limit case needs no allocation),
@@ -177,6 +230,8 @@ impl Outcome {
             [one] => Self::one(*one),
             _ => Self {
                 limits: Limits::Many(limits),
+                delay: Duration::ZERO,
+                reservation: None,
             },
         }
     }
@@ -185,7 +240,31 @@ impl Outcome {
     pub fn one(decision: Decision) -> Self {
         Self {
             limits: Limits::One(decision),
+            delay: Duration::ZERO,
+            reservation: None,
         }
+    }
+
+    /// An admitted outcome whose shaped charges were reserved for `delay`
+    /// from now: the request goes on after `delay` (see
+    /// [`Charge::shaped`]); `reservation` says what to give back if it is
+    /// dropped first.
+    pub fn delayed(limits: Vec<Decision>, delay: Duration, reservation: Reservation) -> Self {
+        let mut outcome = Self::new(limits);
+        outcome.delay = delay;
+        outcome.reservation = Some(Box::new(reservation));
+        outcome
+    }
+
+    /// How long to hold the request before it goes on: zero unless shaped
+    /// charges were reserved for later ([`Charge::shaped`]).
+    pub fn delay(&self) -> Duration {
+        self.delay
+    }
+
+    /// What a delayed outcome reserved ([`Outcome::delayed`]).
+    pub fn reservation(&self) -> Option<&Reservation> {
+        self.reservation.as_deref()
     }
 
     /// The answer every store gives a call in which some charge can never

@@ -52,7 +52,7 @@ mod policy;
 mod store;
 
 pub use clock::{Clock, ManualClock, Nanos, SystemClock};
-pub use decision::{Charge, Decision, InvalidCharge, Outcome, Verdict};
+pub use decision::{Charge, Decision, InvalidCharge, Outcome, Reservation, Verdict};
 pub use key::{InvalidKey, Key};
 pub use memory::{MemoryStore, MemoryStoreBuilder, MemoryStoreStats, OnKeyCap};
 pub use policy::{

@@ -6,7 +6,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use crate::{Charge, Outcome, Policy};
+use crate::{Charge, Outcome, Policy, Reservation};
 
 /// A boxed, sendable future, as returned by [`DynStore`].
 pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -77,6 +77,31 @@ pub trait Store: Send + Sync + 'static {
     fn can_check(&self) -> bool {
         false
     }
+
+    /// Whether the store shapes [`Charge::shaped`] charges (reserves them
+    /// for the instant they fit and answers [`Outcome::delay`]); the
+    /// default: no, and shaped charges are decided as unshaped ones. The
+    /// HTTP layer refuses shaping rules on a store without it.
+    fn can_shape(&self) -> bool {
+        false
+    }
+
+    /// Gives back what `reservation` (from a delayed [`Outcome`] of
+    /// `charges`) reserved, for a request dropped before its release, where
+    /// that is safe: for each shaped charge whose stored state is still the
+    /// one the reservation wrote (nothing was reserved or written after
+    /// it), that charge's cost is returned; otherwise it stays spent, so
+    /// that the requests reserved behind it keep their release times and
+    /// no interval ever releases more than the budget. Other charges of the
+    /// request stay charged. The default gives nothing back.
+    fn cancel<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        reservation: &'a Reservation,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        let _ = (charges, reservation);
+        std::future::ready(Ok(()))
+    }
 }
 
 /// The object-safe form of [`Store`], implemented for every `Store`.
@@ -101,6 +126,16 @@ pub trait DynStore: Send + Sync + 'static {
 
     /// [`Store::can_check`].
     fn can_check_dyn(&self) -> bool;
+
+    /// [`Store::can_shape`].
+    fn can_shape_dyn(&self) -> bool;
+
+    /// [`Store::cancel`], boxed.
+    fn cancel_boxed<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        reservation: &'a Reservation,
+    ) -> StoreFuture<'a, Result<(), StoreError>>;
 }
 
 impl<S: Store> DynStore for S {
@@ -128,6 +163,18 @@ impl<S: Store> DynStore for S {
 
     fn can_check_dyn(&self) -> bool {
         self.can_check()
+    }
+
+    fn can_shape_dyn(&self) -> bool {
+        self.can_shape()
+    }
+
+    fn cancel_boxed<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        reservation: &'a Reservation,
+    ) -> StoreFuture<'a, Result<(), StoreError>> {
+        Box::pin(self.cancel(charges, reservation))
     }
 }
 
@@ -157,6 +204,18 @@ impl Store for Arc<dyn DynStore> {
     fn can_check(&self) -> bool {
         (**self).can_check_dyn()
     }
+
+    fn can_shape(&self) -> bool {
+        (**self).can_shape_dyn()
+    }
+
+    fn cancel<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        reservation: &'a Reservation,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        (**self).cancel_boxed(charges, reservation)
+    }
 }
 
 impl<S: Store> Store for Arc<S> {
@@ -184,6 +243,18 @@ impl<S: Store> Store for Arc<S> {
 
     fn can_check(&self) -> bool {
         (**self).can_check()
+    }
+
+    fn can_shape(&self) -> bool {
+        (**self).can_shape()
+    }
+
+    fn cancel<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        reservation: &'a Reservation,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        (**self).cancel(charges, reservation)
     }
 }
 

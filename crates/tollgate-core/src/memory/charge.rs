@@ -6,7 +6,7 @@ use std::sync::MutexGuard;
 use super::MemoryStore;
 use super::shard::Shard;
 use crate::algorithm::{self, State, Step};
-use crate::{Charge, Decision, Nanos, Outcome, Policy, StoreError};
+use crate::{Charge, Decision, Nanos, Outcome, Policy, Reservation, StoreError};
 
 impl MemoryStore {
     /// Charges `charges` all-or-nothing, synchronously. [`Store::charge`](crate::Store::charge)
@@ -18,7 +18,9 @@ impl MemoryStore {
             return Ok(outcome);
         }
         if let [charge] = charges {
-            return self.charge_one(charge, now);
+            if charge.max_delay().is_none() {
+                return self.charge_one(charge, now);
+            }
         }
         let mut tags = Vec::with_capacity(charges.len());
         for charge in charges {
@@ -68,9 +70,14 @@ impl MemoryStore {
             ));
         }
         let mut outcome = Outcome::new(steps.iter().map(|(_, _, s, _)| s.decision).collect());
-        let admitted = outcome.is_admitted();
+        let mut admitted = outcome.is_admitted();
         if !admitted {
-            outcome = unspent(charges, &before, outcome, now);
+            if let Some(delayed) = shape(charges, &before, &mut steps, &outcome, now) {
+                outcome = delayed;
+                admitted = true;
+            } else {
+                outcome = unspent(charges, &before, outcome, now);
+            }
         }
         // Admissions are written only together; a refusal's state (the
         // creation of an initially-empty bucket) is written regardless.
@@ -169,6 +176,33 @@ impl MemoryStore {
         Ok(Outcome::one(step.decision))
     }
 
+    /// Gives back a delayed outcome's reservation ([`Store::cancel`](crate::Store::cancel)),
+    /// synchronously: each shaped charge whose state is still the one the
+    /// reservation wrote gets its cost back ([`algorithm::give_back`]).
+    pub fn cancel_now(&self, charges: &[Charge], reservation: &Reservation) {
+        let inner = &*self.inner;
+        let now = inner.clock.now();
+        for &(i, written) in reservation.entries() {
+            let Some(charge) = charges.get(i) else {
+                continue;
+            };
+            let policy = charge.policy();
+            let Ok(tag) = inner.numbers.tag(policy) else {
+                continue;
+            };
+            let digest = inner.digest(charge);
+            let mut shard = inner.lock(inner.shard_of(digest));
+            let unchanged = shard
+                .read(digest)
+                .is_some_and(|s| s.tag == tag && s.state(policy.algorithm()) == written);
+            if unchanged {
+                let back = algorithm::give_back(policy, written, now, charge.cost());
+                let idle_at = algorithm::idle_at(policy, Some(back), now);
+                shard.put(digest, tag, policy.algorithm(), back, idle_at);
+            }
+        }
+    }
+
     /// What [`MemoryStore::charge_now`] would answer now, without spending
     /// or writing anything ([`Store::check`](crate::Store::check)). Each
     /// key is read under its own shard lock, so the answer is a snapshot
@@ -227,6 +261,57 @@ impl MemoryStore {
                 .collect(),
         )
     }
+}
+
+/// Shaping: when every charge that refused is shaped ([`Charge::shaped`])
+/// and fits within its wait, the call is admitted as delayed: the release
+/// time is the latest of their earliest fits, every shaped charge is
+/// charged as of it ([`algorithm::charge_at`]) and the unshaped ones now.
+/// `None` (the call stays refused) otherwise, or when a key repeats.
+fn shape(
+    charges: &[Charge],
+    before: &[Option<State>],
+    steps: &mut [(u128, u32, Step, &Policy)],
+    refused: &Outcome,
+    now: Nanos,
+) -> Option<Outcome> {
+    if !charges.iter().any(|c| c.max_delay().is_some())
+        || (1..steps.len()).any(|i| steps[..i].iter().any(|s| s.0 == steps[i].0))
+    {
+        return None;
+    }
+    let mut release = now;
+    for (i, decision) in refused.limits().iter().enumerate() {
+        match decision {
+            Decision::Admitted { .. } => {}
+            Decision::Denied { .. } => {
+                let c = &charges[i];
+                let fit = algorithm::earliest_fit(c.policy(), before[i], now, c.cost())?;
+                let wait = u128::from(fit - now);
+                if wait > c.max_delay()?.as_nanos() {
+                    return None;
+                }
+                release = release.max(fit);
+            }
+            _ => return None,
+        }
+    }
+    let mut written = Vec::new();
+    for (i, c) in charges.iter().enumerate() {
+        if c.max_delay().is_some()
+            && algorithm::earliest_fit(c.policy(), before[i], now, c.cost()).is_some()
+        {
+            let step = algorithm::charge_at(c.policy(), before[i], now, release, c.cost());
+            written.push((i, step.next?));
+            steps[i].2 = step;
+        }
+    }
+    let decisions = steps.iter().map(|(_, _, s, _)| s.decision).collect();
+    Some(Outcome::delayed(
+        decisions,
+        std::time::Duration::from_nanos(release - now),
+        Reservation::new(written),
+    ))
 }
 
 /// Writes `state`, a state carried over to `policy`'s numbers (`tag`), in
@@ -416,5 +501,61 @@ mod tests {
             assert_eq!(a, b, "step {step}, {}", p.name());
             assert_eq!(checked, a, "step {step}, {}", p.name());
         }
+    }
+}
+
+#[cfg(test)]
+mod shaping_tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{Key, ManualClock, Rate, Verdict};
+
+    const MS: u64 = 1_000_000;
+
+    fn shaped(policy: &Policy) -> Charge {
+        Charge::new(Key::new("k"), policy.clone(), 1)
+            .unwrap()
+            .shaped(Duration::from_secs(2))
+    }
+
+    /// A bucket of 1 refilling 2 per second, shaped up to 2 s: a burst of
+    /// six is released 0, 0.5, 1, 1.5 and 2 s from now, and the sixth is
+    /// refused with the exact wait. Dropping the last one gives its
+    /// reservation back; dropping one with others behind it does not.
+    #[test]
+    fn shaped_charges_are_released_at_the_instant_they_fit() {
+        let clock = ManualClock::new(0);
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let p = Policy::token_bucket("p", 1, Rate::per_second(2)).unwrap();
+        let mut delays = Vec::new();
+        let mut last = None;
+        for _ in 0..5 {
+            let o = store.charge_now(&[shaped(&p)]).unwrap();
+            assert!(o.is_admitted(), "{o:?}");
+            delays.push(o.delay().as_millis());
+            last = o.reservation().cloned();
+        }
+        assert_eq!(delays, [0, 500, 1000, 1500, 2000]);
+        let sixth = store.charge_now(&[shaped(&p)]).unwrap();
+        assert_eq!(
+            sixth.verdict(),
+            Verdict::Denied {
+                retry_after: Duration::from_millis(2500)
+            }
+        );
+        // The last in line is given back: the next one takes its place.
+        store.cancel_now(&[shaped(&p)], &last.unwrap());
+        let again = store.charge_now(&[shaped(&p)]).unwrap();
+        assert_eq!(again.delay(), Duration::from_millis(2000));
+        // Time passes; an unshaped charge waits behind the reservations.
+        clock.set(1_000 * MS);
+        let plain = Charge::new(Key::new("k"), p.clone(), 1).unwrap();
+        assert_eq!(
+            store.charge_now(&[plain]).unwrap().verdict(),
+            Verdict::Denied {
+                retry_after: Duration::from_millis(1500)
+            }
+        );
     }
 }

@@ -307,6 +307,20 @@ impl Store for MemoryStore {
         std::future::ready(Ok(self.check_now(charges)))
     }
 
+    /// Shapes token buckets ([`Charge::shaped`](crate::Charge::shaped)).
+    fn can_shape(&self) -> bool {
+        true
+    }
+
+    fn cancel<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        reservation: &'a crate::Reservation,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        self.cancel_now(charges, reservation);
+        std::future::ready(Ok(()))
+    }
+
     /// Every policy's numbers get their tag here, when a rule (or a
     /// changed policy) is configured: a store that has met all the sets of
     /// numbers it can tell apart refuses the new one now, as a
