@@ -33,6 +33,11 @@ pub struct Step {
     /// What each charge's limit must answer, in charge order, where the
     /// table binds it; `None` binds the verdict only.
     pub limits: Option<Vec<Decision>>,
+    /// The delay the outcome must carry (zero unless shaped).
+    pub delay: Nanos,
+    /// Instead of charging: give back the reservation of the step with
+    /// this index ([`Store::cancel`]), whose charges this step repeats.
+    pub cancel: Option<usize>,
 }
 
 /// A named trace over a set of policies.
@@ -42,6 +47,9 @@ pub struct Case {
     pub name: &'static str,
     /// Policies the steps refer to by index.
     pub policies: Vec<Policy>,
+    /// Policies (by index) charged shaped, with their longest wait
+    /// ([`Charge::shaped`]).
+    pub shaped: Vec<(usize, Duration)>,
     /// The trace, in nondecreasing time order unless the case tests a clock
     /// that steps backwards.
     pub steps: Vec<Step>,
@@ -76,6 +84,29 @@ fn step(at: Nanos, charges: &[(&'static str, usize, u64)], expect: Verdict) -> S
         charges: charges.to_vec(),
         expect,
         limits: None,
+        delay: 0,
+        cancel: None,
+    }
+}
+
+/// A step admitted after `delay`, binding every limit's answer.
+fn delayed(
+    at: Nanos,
+    charges: &[(&'static str, usize, u64)],
+    delay: Nanos,
+    limits: &[Decision],
+) -> Step {
+    Step {
+        delay,
+        ..bound(at, charges, OK, limits)
+    }
+}
+
+/// A step that gives back the reservation of step `of` (same charges).
+fn cancel(at: Nanos, charges: &[(&'static str, usize, u64)], of: usize) -> Step {
+    Step {
+        cancel: Some(of),
+        ..step(at, charges, OK)
     }
 }
 
@@ -132,6 +163,7 @@ pub fn cases() -> Vec<Case> {
     let a = [("k", 0, 1)];
     vec![
         Case {
+            shaped: Vec::new(),
             // A bucket of 3 refilling 2 per second: a burst, then exact waits.
             name: "seed-bucket",
             policies: vec![seed.clone()],
@@ -164,6 +196,7 @@ pub fn cases() -> Vec<Case> {
             ],
         },
         Case {
+            shaped: Vec::new(),
             name: "bucket-odd-rate",
             // 3 per 7 s: one token every 2⅓ s, not a whole number of ns.
             policies: vec![tb("odd", 2, Rate::new(3, Duration::from_secs(7)))],
@@ -176,6 +209,7 @@ pub fn cases() -> Vec<Case> {
             ],
         },
         Case {
+            shaped: Vec::new(),
             name: "bucket-empty-start",
             policies: vec![tb("empty", 2, Rate::per_second(4)).with_initial(Initial::Empty)],
             steps: vec![
@@ -189,6 +223,7 @@ pub fn cases() -> Vec<Case> {
             ],
         },
         Case {
+            shaped: Vec::new(),
             name: "bucket-clock-backwards",
             policies: vec![seed.clone()],
             steps: vec![
@@ -201,6 +236,7 @@ pub fn cases() -> Vec<Case> {
             ],
         },
         Case {
+            shaped: Vec::new(),
             name: "fixed-window-anchored",
             policies: vec![Policy::fixed_window("fw", 5, Duration::from_secs(60)).expect("valid")],
             steps: vec![
@@ -220,6 +256,7 @@ pub fn cases() -> Vec<Case> {
             ],
         },
         Case {
+            shaped: Vec::new(),
             name: "sliding-window",
             policies: vec![Policy::sliding_window("sw", 4, Duration::from_secs(1)).expect("valid")],
             steps: vec![
@@ -245,6 +282,7 @@ pub fn cases() -> Vec<Case> {
             ],
         },
         Case {
+            shaped: Vec::new(),
             // Windows are anchored at the key's first admission, not at the
             // clock's origin.
             name: "sliding-window-anchored",
@@ -261,6 +299,7 @@ pub fn cases() -> Vec<Case> {
             ],
         },
         Case {
+            shaped: Vec::new(),
             // One identity rule for every store: state belongs to the key
             // and the policy's name and unit. Policies of another name or
             // unit never share a budget on one key.
@@ -290,6 +329,7 @@ pub fn cases() -> Vec<Case> {
             ],
         },
         Case {
+            shaped: Vec::new(),
             // One name, two sets of numbers (a plan upgrade and back): what
             // the key spent carries over exactly (`algorithm::carry_over`),
             // after refilling under the numbers that wrote it.
@@ -331,6 +371,7 @@ pub fn cases() -> Vec<Case> {
             ],
         },
         Case {
+            shaped: Vec::new(),
             // One name across algorithms: windows keep their count and
             // start; anything else carries the units spent now.
             name: "carry-over-windows",
@@ -366,6 +407,71 @@ pub fn cases() -> Vec<Case> {
             ],
         },
         Case {
+            // A bucket of 1 refilling 2/s, shaped up to 2 s: a burst is
+            // released 0.5 s apart; beyond 2 s it is refused with the exact
+            // wait. The last reservation is given back when dropped; one
+            // with others behind it is not.
+            name: "shaping-bucket",
+            policies: vec![tb("shaped", 1, Rate::per_second(2))],
+            shaped: vec![(0, Duration::from_secs(2))],
+            steps: vec![
+                bound(0, &a, OK, &[adm(0, 500 * MS)]),
+                delayed(0, &a, 500 * MS, &[adm(0, S)]),
+                delayed(0, &a, S, &[adm(0, 1500 * MS)]),
+                delayed(0, &a, 1500 * MS, &[adm(0, 2 * S)]),
+                delayed(0, &a, 2 * S, &[adm(0, 2500 * MS)]),
+                bound(0, &a, denied(2500 * MS), &[den(2500 * MS, 0, 2500 * MS)]),
+                cancel(100 * MS, &a, 4),
+                delayed(100 * MS, &a, 1900 * MS, &[adm(0, 2400 * MS)]),
+                cancel(200 * MS, &a, 2),
+                bound(
+                    200 * MS,
+                    &a,
+                    denied(2300 * MS),
+                    &[den(2300 * MS, 0, 2300 * MS)],
+                ),
+                bound(3 * S, &a, OK, &[adm(0, 500 * MS)]),
+            ],
+        },
+        Case {
+            // A shaped and an unshaped limit on one request: the unshaped
+            // one is charged now and must fit now; the shaped one is
+            // reserved; all or nothing.
+            name: "shaping-all-or-nothing",
+            policies: vec![
+                tb("shaped", 1, Rate::per_second(2)),
+                tb("now", 2, Rate::per_second(1)),
+            ],
+            shaped: vec![(0, Duration::from_secs(2))],
+            steps: vec![
+                bound(
+                    0,
+                    &[("s", 0, 1), ("u", 1, 1)],
+                    OK,
+                    &[adm(0, 500 * MS), adm(1, S)],
+                ),
+                delayed(
+                    0,
+                    &[("s", 0, 1), ("u", 1, 1)],
+                    500 * MS,
+                    &[adm(0, S), adm(0, 2 * S)],
+                ),
+                bound(
+                    0,
+                    &[("s", 0, 1), ("u", 1, 1)],
+                    denied(S),
+                    &[den(S, 0, S), den(S, 0, 2 * S)],
+                ),
+                bound(
+                    S,
+                    &[("s", 0, 1), ("u", 1, 1)],
+                    OK,
+                    &[adm(0, 500 * MS), adm(0, 2 * S)],
+                ),
+            ],
+        },
+        Case {
+            shaped: Vec::new(),
             // Several limits on one request: if any refuses, none is spent.
             name: "all-or-nothing",
             policies: vec![
@@ -422,7 +528,7 @@ pub async fn run_case<S: Store>(
     case: &Case,
     mut set_time: impl FnMut(Nanos),
 ) -> Result<Vec<Outcome>, Mismatch> {
-    let mut outcomes = Vec::with_capacity(case.steps.len());
+    let mut outcomes: Vec<Outcome> = Vec::with_capacity(case.steps.len());
     for (i, s) in case.steps.iter().enumerate() {
         set_time(s.at);
         let charges: Vec<Charge> = s
@@ -433,7 +539,12 @@ pub async fn run_case<S: Store>(
                 // charged on one key keep apart is itself part of the table.
                 let policy = case.policies[p].clone();
                 let key = Key::new(namespace).with(case.name).with(key);
-                Charge::new(key, policy, cost).expect("conformance costs are positive")
+                let charge =
+                    Charge::new(key, policy, cost).expect("conformance costs are positive");
+                match case.shaped.iter().find(|(q, _)| *q == p) {
+                    Some(&(_, max_delay)) => charge.shaped(max_delay),
+                    None => charge,
+                }
             })
             .collect();
         let mismatch = |expected: String, got: String| Mismatch {
@@ -442,10 +553,28 @@ pub async fn run_case<S: Store>(
             expected,
             got,
         };
+        if let Some(of) = s.cancel {
+            let earlier = outcomes[of].clone();
+            let reservation = earlier
+                .reservation()
+                .ok_or_else(|| mismatch(format!("step {of} delayed"), format!("{earlier:?}")))?;
+            store
+                .cancel(&charges, reservation)
+                .await
+                .map_err(|e| mismatch("cancelled".into(), format!("error: {e}")))?;
+            outcomes.push(earlier);
+            continue;
+        }
         let outcome = store
             .charge(&charges)
             .await
             .map_err(|e| mismatch(s.expect.to_string(), format!("error: {e}")))?;
+        if outcome.delay() != Duration::from_nanos(s.delay) {
+            return Err(mismatch(
+                format!("a delay of {:?}", Duration::from_nanos(s.delay)),
+                format!("{:?}", outcome.delay()),
+            ));
+        }
         if outcome.verdict() != s.expect {
             return Err(mismatch(
                 s.expect.to_string(),

@@ -31,8 +31,14 @@ fn op() -> impl Strategy<Value = Op> {
 
 fn bucket() -> impl Strategy<Value = (u64, u64, u64)> {
     // capacity, refill amount, period in ns: at most one token per ns.
-    (1u64..8, 1u64..5, prop_oneof![5u64..5_000, 100_000_000u64..1_500_000_000])
-        .prop_filter("shaping needs at most one token per ns", |&(_, a, p)| a <= p)
+    (
+        1u64..8,
+        1u64..5,
+        prop_oneof![5u64..5_000, 100_000_000u64..1_500_000_000],
+    )
+        .prop_filter("shaping needs at most one token per ns", |&(_, a, p)| {
+            a <= p
+        })
 }
 
 struct Waiting {

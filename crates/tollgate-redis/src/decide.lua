@@ -6,11 +6,14 @@
 -- ARGV[2]   injected seconds since the store epoch, ARGV[3] injected nanoseconds
 -- ARGV[4]   the store epoch, in Unix seconds
 -- ARGV[5]   "charge" (write only if every charge is admitted), "peek" (never
---           write) or "refund" (give back an earlier admission)
+--           write), "refund" (give back an earlier admission) or "cancel"
+--           (give back a delayed call's reservations)
 -- ARGV[5 + i] charge i: eight little-endian doubles (struct "<dddddddd"):
 --           algorithm (1 token bucket, 2 fixed window, 3 sliding window),
 --           p1, p2, p3, p4, need, then for refunds the window start (era,
---           offset) that the admission reported (0, 0 otherwise). The same
+--           offset) that the admission reported; in charge mode, a shaped
+--           charge's longest wait in ns and 0 (0, 0 unshaped); in cancel
+--           mode see below. The same
 --           eight integers as text, joined by ":", are accepted too, for
 --           tools that cannot send binary arguments (redis-benchmark); the
 --           store always sends the packed form, which is cheaper to read.
@@ -33,7 +36,10 @@
 -- Reply: per charge {admitted 1/0, remaining, reset ns, retry ns, era, offset,
 -- remaining before, reset before}: the last two describe the budget as it
 -- stood before this charge, for a call that is refused as a whole (nothing
--- was spent, and every store describes its limits as they stand).
+-- was spent, and every store describes its limits as they stand). A shaped
+-- charge of a delayed call answers {2, remaining, reset ns, the call's delay
+-- ns, the written state's era, offset and level, 0}. Cancel answers
+-- {1 if given back, else 0; then zeros} per charge.
 
 local ERA_SEC = 4000000
 local ERA_NS = 4000000000000000
@@ -72,6 +78,15 @@ local function add(e, o, d)
   while o >= ERA_NS do
     o = o - ERA_NS
     e = e + 1
+  end
+  return e, o
+end
+
+local function sub(e, o, d)
+  o = o - d
+  while o < 0 do
+    o = o + ERA_NS
+    e = e - 1
   end
   return e, o
 end
@@ -295,6 +310,9 @@ local writes = {}
 local converted = {}
 local seen = {}
 local created_now = {}
+-- Shaping: per charge, a shaped token bucket's numbers and credit; whether
+-- it was refused; the index of its write; whether a key repeats.
+local buckets, refused, wrote, repeated = {}, {}, {}, false
 local all = true
 local n = #KEYS
 
@@ -316,6 +334,40 @@ for i = 1, n do
   if a == nil or not ((#a == 64 and string.byte(a, 1) == 0) or string.match(a, TEXT)) then
     return redis.error_reply("tollgate: charge " .. i .. " is neither eight packed doubles nor eight numbers")
   end
+end
+
+-- Cancel: give back a delayed call's reservations (tollgate_core's
+-- give_back), each only while its key still holds the state it wrote.
+-- Per charge: algorithm, p1..p3, the written level (in p4's place), need,
+-- and the written state's (era, offset).
+if mode == "cancel" then
+  for i = 1, n do
+    local key = KEYS[i]
+    local algo, p1, p2, p3, wl, need, we_, wo_ = charge_args(ARGV[5 + i])
+    local level, prior, se, so, oa, o1, o2, o3, o4 = load(key)
+    local back = 0
+    if level ~= nil and algo == 1 and oa == 1 and o1 == p1 and o2 == p2 and o3 == p3
+        and level == wl and se == we_ and so == wo_ then
+      local cap, num = p1, p2
+      local ae, ao, credit
+      if level == 0 and before(NE, NO, se, so) then
+        -- Empty until then: the cost repays refill time up to now.
+        local owed = math.min(idiv(need, num), diff(se, so, NE, NO))
+        credit, ae, ao = need - owed * num, sub(se, so, owed)
+      else
+        local te, to = NE, NO
+        if before(NE, NO, se, so) then te, to = se, so end
+        credit = math.min(cap, refill(level, cap, num, diff(te, to, se, so)) + need)
+        ae, ao = te, to
+      end
+      redis.call("SET", key, state(credit, 0, ae, ao, oa, o1, o2, o3, o4), "PX",
+                 ttl(add(ae, ao, cdiv(cap - credit, num))))
+      back = 1
+    end
+    for j = 1, 8 do replies[(i - 1) * 8 + j] = 0 end
+    replies[(i - 1) * 8 + 1] = back
+  end
+  return replies
 end
 
 for i = 1, n do
@@ -361,6 +413,11 @@ for i = 1, n do
     local el = diff(te, to, se, so)
     credit = refill(credit, cap, num, el)
     br, bt = idiv(credit, den), lead + cdiv(cap - credit, num)
+    -- What shaping needs: the credit at (te, to), and how long it may wait.
+    if re > 0 and mode == "charge" and num <= den then
+      buckets[i] = {credit = credit, te = te, to = to, cap = cap, num = num, den = den,
+                    need = need, wait = re, numbers = {algo, p1, p2, p3, p4}}
+    end
     if mode == "refund" then
       credit = math.min(cap, credit + need)
       -- Refilled to full: no state, as if never charged (NONE deletes).
@@ -488,14 +545,67 @@ for i = 1, n do
   end
 
   if ok == 0 then all = false end
+  refused[i] = ok == 0
+  if not stored then repeated = true end
   if write ~= nil then
     pending[key] = write
     writes[#writes + 1] = {key, write, idle_e, idle_o}
+    wrote[i] = #writes
   end
   replies[nr + 1], replies[nr + 2], replies[nr + 3] = ok, remaining, reset
   replies[nr + 4], replies[nr + 5], replies[nr + 6] = retry, we, wo
   replies[nr + 7], replies[nr + 8] = br, bt
   nr = nr + 8
+end
+
+-- Shaping (tollgate_core's charge_at): a call refused only by shaped
+-- buckets that fit within their waits is admitted as delayed until the
+-- latest of their earliest fits; every shaped bucket is charged as of that
+-- instant, the other charges now. A key that repeats is not shaped.
+if mode == "charge" and not all and not repeated and next(buckets) ~= nil then
+  local fits, re_e, re_o = true, NE, NO
+  for i = 1, n do
+    if refused[i] then
+      local b = buckets[i]
+      if b == nil then fits = false break end
+      local fe, fo = NE, NO
+      if b.credit < b.need then fe, fo = add(b.te, b.to, cdiv(b.need - b.credit, b.num)) end
+      if diff(fe, fo, NE, NO) > b.wait then fits = false break end
+      if before(re_e, re_o, fe, fo) then re_e, re_o = fe, fo end
+    end
+  end
+  if fits then
+    local delay = diff(re_e, re_o, NE, NO)
+    for i, b in pairs(buckets) do
+      local span = 0
+      if before(b.te, b.to, re_e, re_o) then span = diff(re_e, re_o, b.te, b.to) end
+      local level, ae, ao = 0, b.te, b.to
+      if span > idiv(b.cap - b.credit, b.num) then
+        -- Full before the release: what it may use now is the capacity
+        -- less the refill still to come.
+        if span <= idiv(b.cap - b.need, b.num) then
+          level = b.cap - span * b.num - b.need
+        else
+          ae, ao = add(b.te, b.to, span - idiv(b.cap - b.need, b.num))
+        end
+      elseif b.credit >= b.need then
+        level = b.credit - b.need
+      else
+        ae, ao = add(b.te, b.to, cdiv(b.need - b.credit, b.num))
+      end
+      local nb = b.numbers
+      local w = {KEYS[i], state(level, 0, ae, ao, nb[1], nb[2], nb[3], nb[4], nb[5]),
+                 add(ae, ao, cdiv(b.cap - level, b.num))}
+      if wrote[i] then writes[wrote[i]] = w else writes[#writes + 1] = w end
+      local lead = 0
+      if before(NE, NO, ae, ao) then lead = diff(ae, ao, NE, NO) end
+      local r = (i - 1) * 8
+      replies[r + 1], replies[r + 2] = 2, idiv(level, b.den)
+      replies[r + 3], replies[r + 4] = lead + cdiv(b.cap - level, b.num), delay
+      replies[r + 5], replies[r + 6], replies[r + 7] = ae, ao, level
+    end
+    all = true
+  end
 end
 
 if (mode == "charge" and all) or mode == "refund" then
@@ -512,11 +622,14 @@ end
 -- (refused, or in a refused call): written converted, spending nothing.
 -- `c[2]` is how many writes came before its charge: its own write, if
 -- any, is the next one and only lands when the call is admitted.
+local landed = {}
+if all then
+  for _, wr in ipairs(writes) do landed[wr[1]] = true end
+end
 for _, c in ipairs(converted) do
-  local own = writes[c[2] + 1]
-  -- An initially-empty bucket created in place of an idle state is the
-  -- conversion already.
-  if not (all and own ~= nil and own[1] == c[1]) and not created_now[c[1]] then
+  -- A key that was written, or an initially-empty bucket created in place
+  -- of an idle state, is converted already.
+  if not landed[c[1]] and not created_now[c[1]] then
     local key, level, prior, se, so = c[1], c[3], c[4], c[5], c[6]
     if level == nil then
       redis.call("DEL", key)

@@ -83,7 +83,10 @@ use std::time::{Duration, Instant};
 use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
 use tokio::sync::OnceCell;
-use tollgate_core::{Charge, Decision, Nanos, Outcome, Policy, Store, StoreError, StoreErrorKind};
+use tollgate_core::algorithm::State;
+use tollgate_core::{
+    Charge, Decision, Nanos, Outcome, Policy, Reservation, Store, StoreError, StoreErrorKind,
+};
 
 pub use cache::CacheStats;
 use cache::OverLimitCache;
@@ -393,11 +396,13 @@ impl RedisStore {
             return (Some(outcome), Vec::new());
         }
         let keys: Vec<String> = charges.iter().map(|c| self.redis_key(c)).collect();
-        let cached = self
-            .inner
-            .cache
-            .as_ref()
-            .and_then(|cache| cache.refuse(&keys, charges));
+        // A remembered denial says when the cost fits, not whether a
+        // shaped charge would wait for it: shaped calls always ask Redis.
+        let shaped = charges.iter().any(|c| c.max_delay().is_some());
+        let cached = match &self.inner.cache {
+            Some(cache) if !shaped => cache.refuse(&keys, charges),
+            _ => None,
+        };
         (cached, keys)
     }
 
@@ -421,6 +426,17 @@ impl RedisStore {
             .iter()
             .map(|group| Prepared::new(group.iter().map(|&i| (&keys[i], &charges[i]))))
             .collect::<Result<_, _>>()?;
+        // Shaping needs one atomic decision: a call spread over slots is
+        // decided unshaped.
+        let shaping = prepared.len() == 1;
+        let prepared: Vec<Prepared> = if shaping {
+            prepared
+                .into_iter()
+                .map(|p| p.shaping(charges.iter()))
+                .collect()
+        } else {
+            prepared
+        };
         let mut decisions = vec![Decision::Unevaluated; charges.len()];
         let mut before = vec![Decision::Unevaluated; charges.len()];
         let mut admitted: Vec<(Prepared, Vec<i64>)> = Vec::new();
@@ -446,12 +462,33 @@ impl RedisStore {
                 // With slots charged one by one, another call's charge may be
                 // refunded a moment after this refusal saw it: a refusal is
                 // then not a lasting fact, and is not remembered.
-                if let (Some(cache), true, false) = (&self.inner.cache, first, self.inner.split) {
+                let shaped = charges[i].max_delay().is_some();
+                if let (Some(cache), true, false, false) =
+                    (&self.inner.cache, first, self.inner.split, shaped)
+                {
                     cache.remember(&keys[i], &charges[i], sent, d);
                 }
                 all &= d.is_admitted();
                 decisions[i] = d;
                 before[i] = b;
+            }
+            if shaping {
+                let reserved: Vec<(usize, (Duration, State))> = group
+                    .iter()
+                    .enumerate()
+                    .filter_map(|(slot, &i)| {
+                        let values = &reply[slot * script::REPLY..(slot + 1) * script::REPLY];
+                        script::reserved(values).map(|r| (i, r))
+                    })
+                    .collect();
+                if let Some(&(_, (delay, _))) = reserved.first() {
+                    let entries = reserved.into_iter().map(|(i, (_, s))| (i, s)).collect();
+                    return Ok(Outcome::delayed(
+                        decisions,
+                        delay,
+                        Reservation::new(entries),
+                    ));
+                }
             }
             if all {
                 admitted.push((prepared, reply));
@@ -652,5 +689,51 @@ impl Store for RedisStore {
 
     fn can_check(&self) -> bool {
         true
+    }
+
+    /// Shapes token buckets in the script, on Redis time, for calls whose
+    /// keys share a slot (a call spread over slots is decided unshaped).
+    fn can_shape(&self) -> bool {
+        true
+    }
+
+    /// One `cancel` script for the reservation's charges (they share a
+    /// slot: a delayed call was one script).
+    fn cancel<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        reservation: &'a Reservation,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        self.cancel_reserved(charges, reservation)
+    }
+}
+
+impl RedisStore {
+    /// [`Store::cancel`]: one `cancel` script for the reservation's
+    /// charges.
+    async fn cancel_reserved(
+        &self,
+        charges: &[Charge],
+        reservation: &Reservation,
+    ) -> Result<(), StoreError> {
+        let keys: Vec<String> = reservation
+            .entries()
+            .iter()
+            .filter_map(|&(i, _)| charges.get(i).map(|c| self.redis_key(c)))
+            .collect();
+        let items = reservation
+            .entries()
+            .iter()
+            .filter_map(|&(i, s)| charges.get(i).map(|c| (c, s)))
+            .zip(&keys)
+            .map(|((c, s), k)| (k, c, s));
+        let prepared = Prepared::cancel(items)?;
+        if prepared.len() == 0 {
+            return Ok(());
+        }
+        let deadline = tokio::time::Instant::now() + self.inner.timeout;
+        self.invoke(&prepared, Mode::Cancel, deadline)
+            .await
+            .map(|_| ())
     }
 }

@@ -28,6 +28,8 @@ pub(crate) enum Mode {
     /// Decide without writing anything.
     Peek,
     Refund,
+    /// Give back a delayed call's reservations.
+    Cancel,
 }
 
 /// The seven script arguments of one charge (the last one, the window of a
@@ -167,6 +169,43 @@ impl Prepared {
         self.keys.len()
     }
 
+    /// The same charges, with each shaped one's longest wait
+    /// ([`Charge::shaped`]) for the script to shape by.
+    pub(crate) fn shaping<'a>(mut self, charges: impl Iterator<Item = &'a Charge>) -> Self {
+        for (w, charge) in self.windows.iter_mut().zip(charges) {
+            if let Some(wait) = charge.max_delay() {
+                // Waits beyond the horizon are the horizon: exact below 2^53.
+                let ns = wait.as_nanos().min(MAX_HORIZON_NS);
+                *w = (i64::try_from(ns).unwrap_or(0), 0);
+            }
+        }
+        self
+    }
+
+    /// A cancel call for the reservation's shaped charges: each written
+    /// state's level rides in the fifth number, its time in the window.
+    pub(crate) fn cancel<'a>(
+        items: impl Iterator<Item = (&'a String, &'a Charge, tollgate_core::algorithm::State)>,
+    ) -> Result<Self, StoreError> {
+        let mut p = Prepared {
+            keys: Vec::new(),
+            params: Vec::new(),
+            windows: Vec::new(),
+        };
+        for (key, charge, written) in items {
+            let mut params = params(charge.policy(), charge.cost())?;
+            params[4] = u128::from(written.level);
+            p.keys.push(key.clone());
+            p.params.push(params);
+            let era = written.at / ERA_NS;
+            p.windows.push((
+                i64::try_from(era).unwrap_or(i64::MAX),
+                i64::try_from(written.at - era * ERA_NS).unwrap_or(0),
+            ));
+        }
+        Ok(p)
+    }
+
     /// The same charges, to be refunded against the windows `reply` reported.
     pub(crate) fn with_windows(mut self, reply: &[i64]) -> Self {
         for (i, w) in self.windows.iter_mut().enumerate() {
@@ -219,6 +258,7 @@ impl Prepared {
             Mode::Charge => "charge",
             Mode::Peek => "peek",
             Mode::Refund => "refund",
+            Mode::Cancel => "cancel",
         });
         for (p, w) in self.params.iter().zip(&self.windows) {
             cmd.arg(&packed(p, *w)[..]);
@@ -229,13 +269,34 @@ impl Prepared {
 /// Reply values per charge.
 pub(crate) const REPLY: usize = 8;
 
+/// Nanoseconds per era of the script's (era, offset) time.
+pub(crate) const ERA_NS: u64 = 4_000_000_000_000_000;
+
+/// A shaped charge's reservation from its reply values in a delayed call:
+/// the call's delay and the state the script wrote, in the store's time
+/// (nanoseconds since its epoch, or the injected clock's).
+pub(crate) fn reserved(values: &[i64]) -> Option<(Duration, tollgate_core::algorithm::State)> {
+    if values[0] != 2 {
+        return None;
+    }
+    let n = |i: usize| u64::try_from(values[i]).unwrap_or(0);
+    Some((
+        Duration::from_nanos(n(3)),
+        tollgate_core::algorithm::State {
+            level: n(6),
+            prior: 0,
+            at: n(4).saturating_mul(ERA_NS).saturating_add(n(5)),
+        },
+    ))
+}
+
 /// One charge's decision from its reply values: as charged, and the
 /// budget as it stood before the charge (for a call refused as a whole).
 pub(crate) fn decision(values: &[i64], policy: &Policy) -> (Decision, Decision) {
     let n = |i: usize| u64::try_from(values[i]).unwrap_or(0);
     let remaining = n(1).min(policy.capacity());
     let reset = Duration::from_nanos(n(2));
-    let charged = if values[0] == 1 {
+    let charged = if values[0] == 1 || values[0] == 2 {
         Decision::Admitted { remaining, reset }
     } else {
         Decision::Denied {
