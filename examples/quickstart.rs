@@ -24,6 +24,10 @@
 //!   seconds, checked before and charged only for 401 answers (three wrong
 //!   keys, then 429 even for a right key);
 //! - `GET /healthz`: exempt from every rule (200 even while `--store` is down);
+//! - `GET /shaped` (needs a principal): also per account a token bucket of 1,
+//!   refilled 2 per second, *shaped* up to 2 s with at most 4 waiting per
+//!   account: a burst is released 0.5 s apart instead of refused, and what
+//!   would wait longer is refused at once with `Retry-After`;
 //! - admitted requests get 200 and a short text body.
 //!
 //! Flags: `--exempt CIDR` (repeatable) lets clients in those networks skip
@@ -225,6 +229,7 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
     let export_pro = Policy::token_bucket("export", 10, Rate::per_second(5))?;
     let login_failures =
         Policy::token_bucket("login-failures", 3, Rate::new(1, Duration::from_secs(20)))?;
+    let shaped = Policy::token_bucket("shaped", 1, Rate::per_second(2))?;
     let upload = Policy::token_bucket("upload", 1024, Rate::per_second(256))?
         .with_unit(tollgate::Unit::Other("kib".into()));
 
@@ -250,6 +255,11 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
                 .on_route("/login")
                 .charge_only_when(|status| status == StatusCode::UNAUTHORIZED),
         )?
+        // Held up to 2 s instead of refused, at most 4 waiting per account.
+        .try_rule(Rule::per_account(shaped).on_route("/shaped").shape(
+            Duration::from_secs(2),
+            NonZeroUsize::new(4).ok_or("4 is not zero")?,
+        ))?
         .try_rule(
             Rule::per_account(upload)
                 .on_route("/upload")
@@ -274,6 +284,7 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
     Ok(Router::new()
         .route("/", get(|| async { "hello from tollgate\n" }))
         .route("/healthz", get(|| async { "ok\n" }))
+        .route("/shaped", get(|| async { "shaped\n" }))
         .route("/slow", slow_route)
         .route("/export", post(|| async { "export started\n" }))
         .route("/login", post(login))
@@ -512,7 +523,45 @@ async fn demo(server: SocketAddr) -> bool {
             }
         }
     }
+    ok &= shaped_burst(server).await;
     ok
+}
+
+/// Shaping: eight requests of alice at once, from eight addresses (so only
+/// the shaped rule is in play): five are released 0.5 s apart, three are
+/// refused at once.
+async fn shaped_burst(server: SocketAddr) -> bool {
+    println!("alice sends 8 GET /shaped at once: a bucket of 1, 2 per second, shaped up to 2 s");
+    let head = "GET /shaped HTTP/1.1\r\nAuthorization: Bearer alice-key-1";
+    let started = tokio::time::Instant::now();
+    let tasks: Vec<_> = (20u8..28)
+        .map(|last| {
+            let from = IpAddr::from([127, 0, 0, last]);
+            tokio::spawn(async move {
+                let response = send(server, from, head, b"").await;
+                (response, started.elapsed())
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for task in tasks {
+        match task.await {
+            Ok((Ok(response), after)) => answers.push((after, summary(&response))),
+            Ok((Err(e), _)) => {
+                println!("  GET /shaped failed: {e}");
+                return false;
+            }
+            Err(e) => {
+                println!("  task failed: {e}");
+                return false;
+            }
+        }
+    }
+    answers.sort_by_key(|a| a.0);
+    for (after, line) in answers {
+        println!("  after {:>4} ms -> {line}", after.as_millis());
+    }
+    true
 }
 
 async fn step(server: SocketAddr, what: &str, from: IpAddr, head: &str, body: &[u8]) -> bool {

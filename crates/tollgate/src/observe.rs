@@ -48,6 +48,20 @@ pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome, verdict: Verdict) {
 
 /// A cost that can never fit `policy`; the layer refuses it without asking
 /// the store.
+/// A request held by shaping rules for `delay` before it goes on.
+pub(crate) fn shaped(charges: &[Charge], delay: std::time::Duration) {
+    for charge in charges.iter().filter(|c| c.max_delay().is_some()) {
+        let policy = charge.policy().name();
+        tracing::debug!(policy, wait_ms = delay.as_millis(), "request shaped");
+        #[cfg(feature = "metrics")]
+        {
+            metrics::counter!("tollgate_shaped_total", "policy" => policy.to_owned()).increment(1);
+            metrics::histogram!("tollgate_shaped_wait_seconds", "policy" => policy.to_owned())
+                .record(delay.as_secs_f64());
+        }
+    }
+}
+
 pub(crate) fn never_fits(policy: &tollgate_core::Policy, cost: u64) {
     tracing::debug!(policy = policy.name(), cost, "cost can never fit");
     count("tollgate_never_fits_total", policy.name(), 1);

@@ -167,3 +167,41 @@ fn exemptions_and_dry_run_refusals_are_counted() {
     );
     assert_eq!(seen.get("tollgate_denied_cost_total{policy=d-trial}"), None);
 }
+
+/// A request a shaping rule holds is counted in `tollgate_shaped_total`
+/// (and its wait recorded), by policy name.
+#[test]
+fn shaped_requests_are_counted() {
+    use std::num::NonZeroUsize;
+    use std::time::Duration;
+    let recorder = DebuggingRecorder::new();
+    let snapshotter = recorder.snapshotter();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .build()
+        .unwrap();
+    metrics::with_local_recorder(&recorder, || {
+        let _guard = rt.enter();
+        let layer = RateLimitLayer::new(MemoryStore::new()).rule(
+            Rule::per_client_ip(Policy::token_bucket("m-shaped", 1, Rate::per_second(1)).unwrap())
+                .shape(Duration::from_secs(5), NonZeroUsize::new(3).unwrap()),
+        );
+        let mut svc = layer.layer(tower::service_fn(|_req: Request<()>| async {
+            Ok::<_, Infallible>(Response::new(()))
+        }));
+        let mut held = Vec::new();
+        for _ in 0..3 {
+            let mut req = Request::new(());
+            req.extensions_mut()
+                .insert(PeerAddr("203.0.113.9:1".parse::<SocketAddr>().unwrap()));
+            held.push(svc.call(req));
+        }
+        let seen = counters(&snapshotter);
+        assert_eq!(
+            seen.get("tollgate_shaped_total{policy=m-shaped}"),
+            Some(&2),
+            "{seen:?}"
+        );
+        drop(held);
+    });
+}

@@ -12,14 +12,43 @@ use http_body_util::Full;
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
-use super::pipeline::{AfterResponse, Fields};
+use super::pipeline::{Admit, AfterResponse, Fields};
+use super::shaping::Wait;
 use crate::ResponseBody;
 use crate::response::{
     Answer, Protocol, RATELIMIT, RATELIMIT_POLICY, Shape, polled_after_completion,
 };
 
 /// The pipeline's answer, once the store has decided.
-type PendingAnswer = Pin<Box<dyn Future<Output = Result<Fields, Answer>> + Send>>;
+type PendingAnswer = Pin<Box<dyn Future<Output = Result<Admit, Answer>> + Send>>;
+
+/// A request shaping rules hold until its release, with what it needs then.
+struct Held<S, ReqB> {
+    until: Pin<Box<tokio::time::Sleep>>,
+    /// Gives the reservation back if this is dropped before the release.
+    wait: Option<Wait>,
+    pending: Option<(S, Request<ReqB>)>,
+    fields: Fields,
+    after: Option<AfterResponse>,
+}
+
+impl<S, ReqB> Held<S, ReqB> {
+    fn new(
+        wait: Wait,
+        inner: S,
+        req: Request<ReqB>,
+        fields: Fields,
+        after: Option<AfterResponse>,
+    ) -> Box<Self> {
+        Box::new(Self {
+            until: Box::pin(tokio::time::sleep(wait.delay)),
+            wait: Some(wait),
+            pending: Some((inner, req)),
+            fields,
+            after,
+        })
+    }
+}
 
 /// The store's pending decision, with what to do once it is known.
 struct Deciding<S, ReqB> {
@@ -54,6 +83,10 @@ pin_project! {
         // make every response future, on every path, that much larger.
         Deciding {
             deciding: Box<Deciding<S, ReqB>>,
+        },
+        // Boxed too: only shaped requests wait, on the runtime's timer.
+        Waiting {
+            held: Box<Held<S, ReqB>>,
         },
         Calling {
             #[pin]
@@ -107,6 +140,24 @@ where
         }
     }
 
+    /// Admitted: call the inner service now, or once shaping rules release
+    /// the request.
+    pub(crate) fn admitted(
+        inner: S,
+        req: Request<ReqB>,
+        admit: Admit,
+        after: Option<AfterResponse>,
+    ) -> Self {
+        match admit.wait {
+            None => Self::calling(inner, req, admit.fields, after),
+            Some(wait) => Self {
+                state: State::Waiting {
+                    held: Held::new(wait, inner, req, admit.fields, after),
+                },
+            },
+        }
+    }
+
     pub(crate) fn refused(response: Response<Full<Bytes>>) -> Self {
         Self {
             state: State::Refused {
@@ -123,6 +174,7 @@ where
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let state = match &self.state {
             State::Deciding { .. } => "deciding",
+            State::Waiting { .. } => "waiting",
             State::Calling { .. } => "calling",
             State::Refused { .. } => "refused",
         };
@@ -144,10 +196,21 @@ where
                     let result = ready!(deciding.decision.as_mut().poll(cx));
                     let next =
                         match (result, deciding.pending.take()) {
-                            (Ok(fields), Some((mut inner, req))) => State::Calling {
-                                future: inner.call(req),
-                                fields,
-                                after: deciding.after.take(),
+                            (Ok(Admit { fields, wait: None }), Some((mut inner, req))) => {
+                                State::Calling {
+                                    future: inner.call(req),
+                                    fields,
+                                    after: deciding.after.take(),
+                                }
+                            }
+                            (
+                                Ok(Admit {
+                                    fields,
+                                    wait: Some(wait),
+                                }),
+                                Some((inner, req)),
+                            ) => State::Waiting {
+                                held: Held::new(wait, inner, req, fields, deciding.after.take()),
                             },
                             (Err(answer), _) => State::Refused {
                                 response: Some(answer.into_shaped_response(
@@ -159,6 +222,24 @@ where
                                 response: Some(polled_after_completion()),
                             },
                         };
+                    this.state.set(next);
+                }
+                StateProj::Waiting { held } => {
+                    ready!(held.until.as_mut().poll(cx));
+                    // Released: the reservation is the request's now.
+                    if let Some(wait) = held.wait.take() {
+                        wait.released();
+                    }
+                    let next = match held.pending.take() {
+                        Some((mut inner, req)) => State::Calling {
+                            future: inner.call(req),
+                            fields: held.fields.take(),
+                            after: held.after.take(),
+                        },
+                        None => State::Refused {
+                            response: Some(polled_after_completion()),
+                        },
+                    };
                     this.state.set(next);
                 }
                 StateProj::Calling {

@@ -7,10 +7,11 @@ use std::sync::atomic::AtomicBool;
 
 use arc_swap::ArcSwap;
 use http::HeaderValue;
-use tollgate_core::{DynStore, Store, StoreError, StoreErrorKind};
+use tollgate_core::{Algorithm, DynStore, Store, StoreError, StoreErrorKind};
 use tower_layer::Layer;
 
 use super::handle::{RuleSet, RulesHandle};
+use super::shaping::Waiters;
 use super::{Exemption, RateLimit, Rule};
 use crate::ClientIpResolver;
 use crate::response::{RefusalBody, RefusalInfo, Shape};
@@ -52,6 +53,8 @@ impl<St> Clone for Config<St> {
             dry_run: self.dry_run,
             www_authenticate: self.www_authenticate.clone(),
             shape: self.shape.clone(),
+            max_waiting: self.max_waiting,
+            waiters: Arc::default(),
             reported_no_matched_path: AtomicBool::new(false),
         }
     }
@@ -73,6 +76,10 @@ pub(crate) struct Config<St> {
     pub(crate) www_authenticate: HeaderValue,
     /// The application's refusal body writer, if any.
     pub(crate) shape: Option<Shape>,
+    /// At most this many requests held by shaping rules at once.
+    pub(crate) max_waiting: usize,
+    /// The requests shaping rules hold now.
+    pub(crate) waiters: Arc<Waiters>,
     /// Set once requests without axum's `MatchedPath` were reported, so the
     /// error is logged once per layer, not per request.
     pub(crate) reported_no_matched_path: AtomicBool,
@@ -130,6 +137,8 @@ impl<St: Store> RateLimitLayer<St> {
                 dry_run: false,
                 www_authenticate: HeaderValue::from_static("Bearer"),
                 shape: None,
+                max_waiting: 1024,
+                waiters: Arc::default(),
                 reported_no_matched_path: AtomicBool::new(false),
             }),
         }
@@ -266,6 +275,13 @@ impl<St: Store> RateLimitLayer<St> {
         self.edit(|c| c.shape = Some(Shape(Arc::new(body))))
     }
 
+    /// At most `max` requests held by shaping rules ([`Rule::shape`]) at
+    /// once in this layer (default 1024); beyond that a request is decided
+    /// as if its rules did not shape. No queue is unbounded.
+    pub fn max_waiting(self, max: usize) -> Self {
+        self.edit(|c| c.max_waiting = max)
+    }
+
     /// The `WWW-Authenticate` challenge sent with `401` when a rule needs
     /// a principal and the request has none (default: `Bearer`). RFC 9110
     /// requires a `401` to carry one; name your scheme and realm, e.g.
@@ -310,6 +326,29 @@ pub(crate) fn check(store: &(impl Store + ?Sized), rule: &Rule) -> Result<(), Un
             "charge_only_when needs a store that can check a budget without charging it \
              (Store::check)",
         )));
+    }
+    if rule.shaping.is_some() {
+        if !store.can_shape() {
+            return Err(refuse(StoreError::new(
+                StoreErrorKind::Unsupported,
+                "shape needs a store that can reserve credit for later (Store::can_shape)",
+            )));
+        }
+        for policy in rule.policies() {
+            let shapes = match policy.algorithm() {
+                Algorithm::TokenBucket(b) => b.units_per_nanosecond() <= b.units_per_token(),
+                _ => false,
+            };
+            if !shapes {
+                return Err(refuse(StoreError::new(
+                    StoreErrorKind::Unsupported,
+                    format!(
+                        "shape needs token buckets refilling at most one token per nanosecond; \
+                         {policy} cannot be shaped"
+                    ),
+                )));
+            }
+        }
     }
     Ok(())
 }

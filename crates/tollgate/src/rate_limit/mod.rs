@@ -82,6 +82,46 @@
 //! itself (no principal, no `Content-Length`, an invalid cost) are given
 //! by dry-run rules too: they do not depend on the limit being tried.
 //!
+//! # Shaping: delay instead of refusing
+//!
+//! A rule with [`Rule::shape`] holds a request its budget cannot take now
+//! but can within the rule's `max_delay`: the store reserves the credit
+//! now, for the exact instant it fits, and the response future waits on
+//! the runtime's timer until then (no thread blocks, `poll_ready` never
+//! waits) before calling the inner service. Beyond `max_delay` the request
+//! is refused with `429` and the exact wait, as without shaping; a cost
+//! that can never fit is never held.
+//!
+//! - **Exact on release times.** For every trace, what a shaping rule's
+//!   budget releases in any interval of length `t` is at most `B + r·t`,
+//!   also when shaped and immediate requests mix on one key.
+//! - **All or nothing.** A request is reserved in every shaping rule and
+//!   charged now in the others, in one store decision, or charged nowhere;
+//!   a rule that does not shape must fit now. An unshaped rule counts a
+//!   held request when it arrives (its budget bounds arrivals), a shaping
+//!   rule when it is released.
+//! - **Bounded waiting.** At most `per_key` requests of one key, and
+//!   [`RateLimitLayer::max_waiting`] in the layer (1024 by default), wait
+//!   at once; a request beyond that is decided as if its rules did not
+//!   shape.
+//! - **Dropped while waiting.** A request whose future is dropped before
+//!   its release (the client went away, a timeout) gives its reservation
+//!   back when it is the last in line for that key; one with requests
+//!   reserved behind it does not (they keep their release times, and
+//!   giving it back could let a later request be released in the same
+//!   instant as them, over the budget). The rules it was charged to now
+//!   stay charged.
+//! - A request the layer refuses on its own account (`401`, `411`, ...) is
+//!   never held, and dry-run rules and rules charged after the response do
+//!   not shape.
+//!
+//! Shaping needs a tokio runtime (the wait is a `tokio::time::Sleep`), a
+//! store that can shape ([`tollgate_core::Store::can_shape`]: `MemoryStore`
+//! and the Redis store, whose calls whose keys span cluster slots are
+//! decided unshaped) and token buckets refilling at most one token per
+//! nanosecond. Metrics (feature `metrics`): `tollgate_shaped_total` and
+//! the `tollgate_shaped_wait_seconds` histogram, by policy.
+//!
 //! # When the budget is charged
 //!
 //! With a store that needs no I/O ([`tollgate_core::Store::try_charge_now`]
@@ -124,6 +164,7 @@ mod plans;
 mod route;
 mod rule;
 mod service;
+mod shaping;
 
 pub use crate::response::{RefusalBody, RefusalInfo};
 pub use exempt::Exemption;

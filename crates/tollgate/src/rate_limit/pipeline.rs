@@ -20,7 +20,8 @@ use tollgate_core::{Charge, Decision, DynStore, Outcome, Store, StoreError, Verd
 use super::exempt::any_matches;
 use super::layer::{Config, OnStoreError};
 use super::route::RouteMatch;
-use super::rule::{Applies, CostRefusal, StatusFilter};
+use super::rule::{Applies, CostRefusal, Shaping, StatusFilter};
+use super::shaping::{Wait, WaitKeys};
 use crate::identity::{RequestIdentity, operation_route};
 use crate::observe;
 use crate::response::{Answer, Refusal, ratelimit_fields};
@@ -52,6 +53,16 @@ pub(crate) struct Plan {
     /// The layer's own refusal, given once the charges are admitted: the
     /// first in rule order.
     pub(crate) refusal: Option<Answer>,
+    /// The keys of the shaped charges, to wait on if the store holds the
+    /// request (empty when nothing is shaped).
+    pub(crate) shaped: WaitKeys,
+}
+
+/// What an admitted request gets: the `RateLimit` fields, and the wait
+/// before it goes on when shaping rules hold it.
+pub(crate) struct Admit {
+    pub(crate) fields: Fields,
+    pub(crate) wait: Option<Wait>,
 }
 
 pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
@@ -60,6 +71,8 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
     let mut dry = Charges::new();
     let mut after: Vec<Deferred> = Vec::new();
     let mut refusal: Option<Answer> = None;
+    // Charges of shaping rules, by index, with how they shape.
+    let mut shaped: SmallVec<[(usize, Shaping); 1]> = SmallVec::new();
     let layer_exempt = any_matches(&config.exemptions, &mut who, parts);
     let rules = config.rules.load();
     for rule in rules.iter() {
@@ -136,10 +149,32 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
                 dry_run,
             }),
             (Ok(charge), None) if dry_run => dry.push(charge),
-            (Ok(charge), None) => charges.push(charge),
+            (Ok(charge), None) => {
+                if let Some(shaping) = rule.shaping {
+                    shaped.push((charges.len(), shaping));
+                }
+                charges.push(charge);
+            }
             (Err(e), _) => {
                 refusal.get_or_insert_with(|| Answer::new(Refusal::BadRequest, e.to_string()));
             }
+        }
+    }
+    // Shaping holds a request only while there is room in line (checked
+    // again, strictly, when the store has held it), and never one the
+    // layer refuses on its own account.
+    let mut keys = WaitKeys::new();
+    if refusal.is_none() && !shaped.is_empty() {
+        keys = shaped
+            .iter()
+            .map(|&(i, s)| (charges[i].key().as_str().into(), s.per_key.get()))
+            .collect();
+        if config.waiters.has_room(&keys, config.max_waiting) {
+            for (i, s) in shaped {
+                charges[i] = charges[i].clone().shaped(s.max_delay);
+            }
+        } else {
+            keys.clear();
         }
     }
     let enforced = charges.len();
@@ -150,6 +185,7 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
         enforced,
         after,
         refusal,
+        shaped: keys,
     }
 }
 
@@ -177,8 +213,8 @@ fn report_no_matched_path<St>(config: &Config<St>, policy: &str, route: &str) {
 
 /// What [`decide_now`] could settle without waiting.
 pub(crate) enum Now {
-    /// Admitted (with fields) or refused.
-    Decided(Result<Fields, Answer>),
+    /// Admitted (with fields, and a wait when shaped) or refused.
+    Decided(Result<Admit, Answer>),
     /// [`decide`] must finish: the store needs I/O (`None`), or it failed
     /// and the configured outcome may need the fallback store.
     Later(Option<StoreError>),
@@ -190,6 +226,7 @@ pub(crate) fn decide_now<St: Store>(
     charges: &[Charge],
     enforced: usize,
     refusal: &mut Option<Answer>,
+    shaped: &WaitKeys,
 ) -> Now {
     let started = observe::start();
     match config.store.try_charge_now(charges) {
@@ -200,12 +237,17 @@ pub(crate) fn decide_now<St: Store>(
                 // was refused): [`decide`] decides again without it.
                 return Now::Later(None);
             }
+            let wait = match hold(config, &config.store, charges, &outcome, shaped) {
+                Ok(wait) => wait,
+                Err(answer) => return Now::Decided(Err(answer)),
+            };
             Now::Decided(conclude(
                 config,
                 charges,
                 outcome,
                 &Shadowed::default(),
                 refusal.take(),
+                wait,
             ))
         }
         Some(Err(error)) => Now::Later(Some(error)),
@@ -223,7 +265,8 @@ pub(crate) async fn decide<St: Store>(
     mut failed: Option<StoreError>,
     refusal: Option<Answer>,
     checks: Checks,
-) -> Result<Fields, Answer> {
+    shaped: WaitKeys,
+) -> Result<Admit, Answer> {
     if !checks.charges.is_empty() {
         check_first(&config, &checks).await?;
     }
@@ -252,7 +295,7 @@ pub(crate) async fn decide<St: Store>(
             }
             Err(error) => match after_error(&config, &error) {
                 AfterError::Refuse(answer) => return Err(answer),
-                AfterError::Open => return admitted(None, refusal),
+                AfterError::Open => return admitted(None, refusal, None),
                 AfterError::Fallback(fallback) => {
                     on_fallback = Some(fallback);
                     continue;
@@ -263,7 +306,39 @@ pub(crate) async fn decide<St: Store>(
             break outcome;
         }
     };
-    conclude(&config, &charges, outcome, &shadowed, refusal)
+    // A reservation is given back where it was made.
+    let wait = match on_fallback {
+        None => hold(&config, &config.store, &charges, &outcome, &shaped)?,
+        Some(fallback) => hold(&config, fallback, &charges, &outcome, &shaped)?,
+    };
+    conclude(&config, &charges, outcome, &shadowed, refusal, wait)
+}
+
+/// For an outcome the store delayed: the request's wait, with its place in
+/// line; or, when the line is full (other requests took the room since the
+/// plan looked), `429` after the exact wait, the reservation given back.
+fn hold<St, S: Store + Clone>(
+    config: &Config<St>,
+    store: &S,
+    charges: &[Charge],
+    outcome: &Outcome,
+    shaped: &WaitKeys,
+) -> Result<Option<Wait>, Answer> {
+    if outcome.reservation().is_none() {
+        return Ok(None);
+    }
+    match config.waiters.enter(shaped.clone(), config.max_waiting) {
+        Some(place) => Ok(Wait::of(store, charges, outcome, Some(place))),
+        None => {
+            // Dropped at once: the reservation goes back.
+            drop(Wait::of(store, charges, outcome, None));
+            let verdict = Verdict::Denied {
+                retry_after: outcome.delay(),
+            };
+            observe::outcome(charges, outcome, verdict);
+            Err(Answer::from_outcome(charges, outcome, verdict))
+        }
+    }
 }
 
 /// The budgets of the rules charged after the response, checked before
@@ -445,7 +520,8 @@ fn conclude<St>(
     outcome: Outcome,
     shadowed: &Shadowed,
     refusal: Option<Answer>,
-) -> Result<Fields, Answer> {
+    wait: Option<Wait>,
+) -> Result<Admit, Answer> {
     let verdict = outcome.verdict();
     observe::outcome(charges, &outcome, verdict);
     let fields = |charges: &[Charge], outcome: &Outcome| {
@@ -463,7 +539,10 @@ fn conclude<St>(
             } else {
                 None
             };
-            admitted(fields, refusal)
+            if let Some(wait) = &wait {
+                observe::shaped(charges, wait.delay);
+            }
+            admitted(fields, refusal, wait)
         }
         _ => {
             let mut answer = Answer::from_outcome(charges, &outcome, verdict);
@@ -477,10 +556,11 @@ fn conclude<St>(
 
 /// Admitted by the store: pass, or give the layer's own refusal, which
 /// then carries the fields of the limits it was charged to.
-fn admitted(fields: Fields, refusal: Option<Answer>) -> Result<Fields, Answer> {
+fn admitted(fields: Fields, refusal: Option<Answer>, wait: Option<Wait>) -> Result<Admit, Answer> {
     match refusal {
-        None => Ok(fields),
+        None => Ok(Admit { fields, wait }),
         Some(mut answer) => {
+            // (A request the layer refuses is never shaped: no wait.)
             answer.fields = fields.map(Box::new);
             Err(answer)
         }

@@ -2,9 +2,10 @@
 //! what a request costs.
 
 use std::fmt;
-use std::num::NonZeroU64;
+use std::num::{NonZeroU64, NonZeroUsize};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
 
 use http::request::Parts;
 use http::{Method, StatusCode};
@@ -129,6 +130,15 @@ impl Cost {
     }
 }
 
+/// How a rule shapes ([`Rule::shape`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Shaping {
+    /// The longest a request is held.
+    pub(crate) max_delay: Duration,
+    /// How many requests of one key may wait at once.
+    pub(crate) per_key: NonZeroUsize,
+}
+
 /// Which response statuses charge a rule that is charged after the
 /// response ([`Rule::charge_only_when`]).
 #[derive(Clone)]
@@ -224,6 +234,8 @@ pub struct Rule {
     pub(crate) dry_run: bool,
     /// Charged only after a response whose status matches.
     pub(crate) charge_when: Option<StatusFilter>,
+    /// Delay requests up to a bound instead of refusing them.
+    pub(crate) shaping: Option<Shaping>,
     /// Set once a misplaced route (matched only by its tail) was reported,
     /// so that the error is logged once per rule, not per request. Shared
     /// by clones of the rule: they are the same rule.
@@ -265,6 +277,7 @@ impl Rule {
             exemptions: Vec::new(),
             dry_run: false,
             charge_when: None,
+            shaping: None,
             reported_suffix: Arc::new(AtomicBool::new(false)),
             reported_ends_with: Arc::new(AtomicBool::new(false)),
         }
@@ -528,6 +541,26 @@ impl Rule {
         charged: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
     ) -> Self {
         self.charge_when = Some(StatusFilter(Arc::new(charged)));
+        self
+    }
+
+    /// Shapes instead of refusing: a request this rule's budget cannot take
+    /// now but can within `max_delay` is held until the exact instant it
+    /// fits, its credit reserved now; beyond `max_delay` it is refused with
+    /// `429` as usual (with the exact wait in `Retry-After`). At most
+    /// `per_key` requests of one key wait at once (and at most
+    /// [`RateLimitLayer::max_waiting`](crate::RateLimitLayer::max_waiting)
+    /// in the whole layer); beyond that a request is decided as if the rule
+    /// did not shape. See [shaping](super#shaping-delay-instead-of-refusing).
+    ///
+    /// Token buckets only (every policy of the rule, plans included), on a
+    /// store that can shape ([`Store::can_shape`](tollgate_core::Store::can_shape));
+    /// [`RateLimitLayer::try_rule`](crate::RateLimitLayer::try_rule)
+    /// refuses the rule otherwise. A dry-run rule, and a rule charged after
+    /// the response, do not shape.
+    #[must_use]
+    pub fn shape(mut self, max_delay: Duration, per_key: NonZeroUsize) -> Self {
+        self.shaping = Some(Shaping { max_delay, per_key });
         self
     }
 

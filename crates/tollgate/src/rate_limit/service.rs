@@ -88,6 +88,7 @@ where
             enforced,
             after,
             mut refusal,
+            shaped,
         } = pipeline::plan(&self.config, &parts);
         if !after.is_empty() {
             // Rules charged after the response are checked first, which
@@ -101,6 +102,7 @@ where
                 None,
                 refusal,
                 checks,
+                shaped,
             ));
             return ResponseFuture::deciding(
                 decision,
@@ -121,9 +123,9 @@ where
                 }
             };
         }
-        match pipeline::decide_now(&self.config, &charges, enforced, &mut refusal) {
-            Now::Decided(Ok(fields)) => {
-                ResponseFuture::calling(inner, Request::from_parts(parts, body), fields, None)
+        match pipeline::decide_now(&self.config, &charges, enforced, &mut refusal, &shaped) {
+            Now::Decided(Ok(admit)) => {
+                ResponseFuture::admitted(inner, Request::from_parts(parts, body), admit, None)
             }
             Now::Decided(Err(answer)) => ResponseFuture::refused(
                 answer.into_shaped_response(protocol, self.config.shape.as_ref()),
@@ -136,6 +138,7 @@ where
                     failed,
                     refusal,
                     Checks::default(),
+                    shaped,
                 ));
                 ResponseFuture::deciding(
                     decision,

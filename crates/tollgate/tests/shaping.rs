@@ -1,0 +1,80 @@
+//! A request held by a shaping rule and dropped before its release (the
+//! client went away, a timeout) gives its reservation back when it is the
+//! last in line, and leaves its place in line either way.
+
+use std::convert::Infallible;
+use std::num::NonZeroUsize;
+use std::time::Duration;
+
+use http::{Request, Response};
+use tollgate::{
+    Charge, Key, KeyPart, ManualClock, MemoryStore, PeerAddr, Policy, Rate, RateLimitLayer, Rule,
+};
+use tower::{Layer, Service, ServiceExt};
+
+fn held() -> Policy {
+    Policy::token_bucket("held", 1, Rate::per_second(2)).unwrap()
+}
+
+/// How long until the bucket is full again: where the line of
+/// reservations ends, plus one refill.
+fn reset(store: &MemoryStore) -> Duration {
+    let probe = Charge::new(Key::new("held").with("lit=one"), held(), 1).unwrap();
+    store.peek(&[probe]).limits()[0].reset()
+}
+
+fn request() -> Request<()> {
+    let mut req = Request::new(());
+    req.extensions_mut()
+        .insert(PeerAddr("198.51.100.7:5000".parse().unwrap()));
+    req
+}
+
+#[tokio::test]
+async fn a_dropped_waiter_gives_back_its_reservation_when_last_in_line() {
+    let clock = ManualClock::new(0);
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let layer = RateLimitLayer::with_shared_store(std::sync::Arc::new(store.clone())).rule(
+        Rule::new(held())
+            .keyed_by([KeyPart::Literal("one".into())])
+            .shape(Duration::from_secs(2), NonZeroUsize::new(2).unwrap()),
+    );
+    let mut svc = layer.layer(tower::service_fn(|_req: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(()))
+    }));
+    let mut call = || svc.ready().now_or_never().unwrap().unwrap().call(request());
+    // The first goes at once; the next two are held, to 0.5 s and 1 s.
+    let first = call().await.unwrap();
+    assert_eq!(first.status(), 200);
+    let second = call();
+    let third = call();
+    assert_eq!(reset(&store), Duration::from_millis(1500));
+    // The line of two is full: a fourth is refused at once.
+    assert_eq!(call().await.unwrap().status(), 429);
+    // Dropping the second, with the third behind it, gives nothing back.
+    drop(second);
+    assert_eq!(reset(&store), Duration::from_millis(1500));
+    // The third is last in line: dropped, its reservation goes back.
+    drop(third);
+    assert_eq!(reset(&store), Duration::from_millis(1000));
+    // Both left the line: two can wait again, the first taking the place
+    // (and release time) of the one given back.
+    let fourth = call();
+    let fifth = call();
+    assert_eq!(reset(&store), Duration::from_millis(2000));
+    drop((fourth, fifth));
+}
+
+/// Used above: a future that is ready now, or `None`.
+trait NowOrNever: std::future::Future + Sized {
+    fn now_or_never(self) -> Option<Self::Output> {
+        let mut future = std::pin::pin!(self);
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match future.as_mut().poll(&mut cx) {
+            std::task::Poll::Ready(v) => Some(v),
+            std::task::Poll::Pending => None,
+        }
+    }
+}
+
+impl<F: std::future::Future> NowOrNever for F {}
