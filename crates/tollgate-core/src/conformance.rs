@@ -434,6 +434,27 @@ pub fn cases() -> Vec<Case> {
             ],
         },
         Case {
+            // The clock steps back while requests wait: reservations keep
+            // their order and nothing is released early or twice.
+            name: "shaping-clock-backwards",
+            policies: vec![tb("shaped", 1, Rate::per_second(2))],
+            shaped: vec![(0, Duration::from_secs(2))],
+            steps: vec![
+                bound(10 * S, &a, OK, &[adm(0, 500 * MS)]),
+                delayed(10 * S, &a, 500 * MS, &[adm(0, S)]),
+                // At 9 s the line still ends at 10.5 s: next is 11 s.
+                delayed(9 * S, &a, 2 * S, &[adm(0, 2500 * MS)]),
+                bound(
+                    9 * S,
+                    &a,
+                    denied(2500 * MS),
+                    &[den(2500 * MS, 0, 2500 * MS)],
+                ),
+                // Once the line has passed, a request goes at once.
+                bound(11500 * MS, &a, OK, &[adm(0, 500 * MS)]),
+            ],
+        },
+        Case {
             // A shaped and an unshaped limit on one request: the unshaped
             // one is charged now and must fit now; the shaped one is
             // reserved; all or nothing.
