@@ -110,6 +110,10 @@ struct ClusterConn {
     conn: OnceCell<ClusterConnection>,
 }
 
+/// Denials the over-limit cache remembers unless told otherwise
+/// ([`RedisStoreBuilder::over_limit_cache`]).
+pub const DEFAULT_OVER_LIMIT_CACHE: usize = 65_536;
+
 /// Builder for [`RedisStore`].
 #[must_use]
 pub struct RedisStoreBuilder {
@@ -157,7 +161,15 @@ impl RedisStoreBuilder {
     }
 
     /// Remembers up to `max_keys` denials locally until the time Redis said
-    /// the cost would fit, refusing repeats without a round trip.
+    /// the cost would fit, refusing repeats without a round trip; `0` turns
+    /// the cache off. On by default with [`DEFAULT_OVER_LIMIT_CACHE`]
+    /// entries (52 bytes each: about 3.4 MB), so that a client flooding a
+    /// spent budget costs the fleet's Redis about one call per key per
+    /// refill interval, not one per request; off by default with
+    /// [`injected_time`] (the cache keeps real time) and when charging slot
+    /// by slot (below).
+    ///
+    /// [`injected_time`]: RedisStoreBuilder::injected_time
     ///
     /// It relies on credit only growing with time between charges. A store
     /// that charges slot by slot (a cluster, or [`split_by_slot`]) refunds
@@ -219,6 +231,14 @@ impl RedisStoreBuilder {
             })),
         };
         let split = self.split || matches!(conn, Conn::Cluster(_));
+        // The cache keeps real time: with injected time, or when charging
+        // slot by slot (refunds can undo a refusal), only if asked for.
+        let cache = match self.cache {
+            Some(0) => None,
+            Some(n) => Some(n),
+            None if split || matches!(self.time, TimeSource::Injected(_)) => None,
+            None => Some(DEFAULT_OVER_LIMIT_CACHE),
+        };
         Ok(RedisStore {
             inner: Arc::new(Inner {
                 conn,
@@ -227,7 +247,7 @@ impl RedisStoreBuilder {
                 timeout: self.timeout,
                 time: self.time,
                 split,
-                cache: self.cache.map(OverLimitCache::new),
+                cache: cache.map(OverLimitCache::new),
             }),
         })
     }
