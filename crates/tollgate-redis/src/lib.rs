@@ -90,6 +90,9 @@ use tollgate_core::{
 
 pub use cache::CacheStats;
 use cache::OverLimitCache;
+/// The redis-rs this store is built on, for connections you hand it
+/// ([`RedisStore::with_connection_manager`]).
+pub use redis;
 use script::{Mode, Prepared};
 
 /// Where time comes from.
@@ -104,9 +107,9 @@ enum Conn {
     Cluster(Box<ClusterConn>),
 }
 
-/// A cluster connection, made on first use.
+/// A cluster connection, made on first use (or given).
 struct ClusterConn {
-    client: redis::cluster::ClusterClient,
+    client: Option<redis::cluster::ClusterClient>,
     conn: OnceCell<ClusterConnection>,
 }
 
@@ -128,6 +131,10 @@ pub struct RedisStoreBuilder {
 enum Target {
     Single(redis::Client),
     Cluster(redis::cluster::ClusterClient),
+    /// A connection the application made.
+    Manager(ConnectionManager),
+    /// A cluster connection the application made.
+    ClusterConnection(ClusterConnection),
 }
 
 impl fmt::Debug for RedisStoreBuilder {
@@ -226,8 +233,13 @@ impl RedisStoreBuilder {
                 )
             }
             Target::Cluster(client) => Conn::Cluster(Box::new(ClusterConn {
-                client,
+                client: Some(client),
                 conn: OnceCell::new(),
+            })),
+            Target::Manager(manager) => Conn::Single(manager),
+            Target::ClusterConnection(conn) => Conn::Cluster(Box::new(ClusterConn {
+                client: None,
+                conn: OnceCell::new_with(Some(conn)),
             })),
         };
         let split = self.split || matches!(conn, Conn::Cluster(_));
@@ -309,6 +321,36 @@ impl RedisStore {
         Ok(Self::builder_for(Target::Cluster(client)))
     }
 
+    /// A builder for a store on a connection your application already
+    /// has. Set the manager's response timeout no longer than the store's
+    /// [`timeout`](RedisStoreBuilder::timeout); the store never resends a
+    /// script itself, and a connection manager does not either.
+    pub fn with_connection_manager(manager: ConnectionManager) -> RedisStoreBuilder {
+        Self::builder_for(Target::Manager(manager))
+    }
+
+    /// A builder for a store on a cluster connection your application
+    /// already has. **Build it with `ClusterClient::builder(..).retries(0)`**:
+    /// with redis-rs's default retries, a script whose reply was lost would
+    /// be sent again and a charge applied twice (tollgate cannot see a
+    /// connection's retry setting). Charges whose keys span slots are
+    /// charged slot by slot, as with [`RedisStore::cluster_builder`].
+    pub fn with_cluster_connection(conn: ClusterConnection) -> RedisStoreBuilder {
+        Self::builder_for(Target::ClusterConnection(conn))
+    }
+
+    /// The Lua source of the decision script, for operators who pre-load
+    /// it (`SCRIPT LOAD`) or audit it. The store loads it itself when Redis
+    /// answers `NOSCRIPT`.
+    pub fn script_source() -> &'static str {
+        script::SOURCE
+    }
+
+    /// The SHA-1 the store calls the script by (`EVALSHA`).
+    pub fn script_sha() -> String {
+        script::script().get_hash().to_owned()
+    }
+
     fn builder_for(target: Target) -> RedisStoreBuilder {
         RedisStoreBuilder {
             target,
@@ -356,7 +398,15 @@ impl RedisStore {
                 Conn::Cluster(cluster) => {
                     let c = cluster
                         .conn
-                        .get_or_try_init(|| cluster.client.get_async_connection())
+                        .get_or_try_init(|| async {
+                            match &cluster.client {
+                                Some(client) => client.get_async_connection().await,
+                                None => Err(redis::RedisError::from((
+                                    redis::ErrorKind::Io,
+                                    "the given cluster connection is gone",
+                                ))),
+                            }
+                        })
                         .await?;
                     let mut attempt = 0;
                     let mut result = invocation.invoke_async::<Vec<i64>>(&mut c.clone()).await;

@@ -18,8 +18,11 @@ const EXACT: u128 = 1 << 53;
 /// an era, so every difference of interest is exact.
 pub(crate) const MAX_HORIZON_NS: u128 = 2_000_000_000_000_000;
 
+/// The decision script's Lua source.
+pub(crate) const SOURCE: &str = include_str!("decide.lua");
+
 pub(crate) fn script() -> Script {
-    Script::new(include_str!("decide.lua"))
+    Script::new(SOURCE)
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -218,7 +221,7 @@ impl Prepared {
     /// carries the script itself.
     pub(crate) fn eval(&self, now: Option<Nanos>, mode: Mode) -> redis::Cmd {
         let mut cmd = redis::cmd("EVAL");
-        cmd.arg(include_str!("decide.lua")).arg(self.keys.len());
+        cmd.arg(SOURCE).arg(self.keys.len());
         for k in &self.keys {
             cmd.arg(k);
         }

@@ -586,3 +586,49 @@ async fn a_refund_that_leaves_nothing_spent_leaves_no_state() {
     assert!(!a.is_admitted(), "{a:?}");
     assert_eq!(a, b);
 }
+
+/// A store on the application's own connection manager decides like any
+/// other; the script an operator pre-loads is the one the store calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_on_your_own_connection_and_a_preloaded_script() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let sha = server
+        .query(&["SCRIPT", "LOAD", RedisStore::script_source()])
+        .unwrap();
+    assert_eq!(sha, RedisStore::script_sha());
+    let manager = tollgate_redis::redis::Client::open(server.url())
+        .unwrap()
+        .get_connection_manager()
+        .await
+        .unwrap();
+    let store = RedisStore::with_connection_manager(manager)
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let p = Policy::token_bucket("own-conn", 2, Rate::per_hour(1)).unwrap();
+    let c = charge("k", &p, 1);
+    assert!(
+        store
+            .charge(std::slice::from_ref(&c))
+            .await
+            .unwrap()
+            .is_admitted()
+    );
+    assert!(
+        store
+            .charge(std::slice::from_ref(&c))
+            .await
+            .unwrap()
+            .is_admitted()
+    );
+    assert!(!store.charge(&[c]).await.unwrap().is_admitted());
+    // The store called the pre-loaded script: nothing else was loaded.
+    let scripts = server.query(&["INFO", "memory"]).unwrap();
+    let count = scripts
+        .lines()
+        .find_map(|l| l.strip_prefix("number_of_cached_scripts:"))
+        .and_then(|n| n.trim().parse::<u32>().ok());
+    assert_eq!(count, Some(1), "{scripts}");
+}
