@@ -6,6 +6,7 @@
 //! cargo run --example quickstart -- --demo       # serve, drive a scripted client, exit
 //! cargo run --example quickstart -- --addr 127.0.0.1:8080 --trust-proxy 10.0.0.0/8
 //! cargo run --example quickstart -- --store redis://127.0.0.1:6379  # share budgets via Redis
+//! cargo run --example quickstart -- --store rediss://127.0.0.1:6380 --redis-ca ca.pem  # over TLS
 //! ```
 //!
 //! The contract (other checks rely on it):
@@ -65,7 +66,7 @@ use tollgate::{
 };
 use tower_http::timeout::TimeoutLayer;
 
-const USAGE: &str = "usage: quickstart [--addr HOST:PORT] [--trust-proxy CIDR]... [--exempt CIDR]... [--dry-run] [--store redis://HOST:PORT] [--demo]";
+const USAGE: &str = "usage: quickstart [--addr HOST:PORT] [--trust-proxy CIDR]... [--exempt CIDR]... [--dry-run] [--store redis://HOST:PORT|rediss://HOST:PORT] [--redis-ca FILE] [--demo]";
 
 struct Args {
     addr: SocketAddr,
@@ -73,6 +74,8 @@ struct Args {
     exempt: Vec<ipnet::IpNet>,
     dry_run: bool,
     store: Option<String>,
+    /// A CA to trust for a `rediss://` store.
+    redis_ca: Option<Vec<u8>>,
     demo: bool,
 }
 
@@ -98,6 +101,7 @@ fn parse_args() -> Result<Args, String> {
         exempt: Vec::new(),
         dry_run: false,
         store: None,
+        redis_ca: None,
         demo: false,
     };
     let mut it = std::env::args().skip(1);
@@ -114,12 +118,21 @@ fn parse_args() -> Result<Args, String> {
                 let v = it
                     .next()
                     .ok_or("--store needs a URL, e.g. redis://127.0.0.1:6379")?;
-                if !(v.starts_with("redis://") || v.starts_with("redis+unix://")) {
+                if !["redis://", "rediss://", "redis+unix://"]
+                    .iter()
+                    .any(|scheme| v.starts_with(scheme))
+                {
                     return Err(format!(
-                        "--store {v:?}: only redis:// URLs are supported (the default is in-memory)"
+                        "--store {v:?}: only redis://, rediss:// and redis+unix:// URLs are \
+                         supported (the default is in-memory)"
                     ));
                 }
                 args.store = Some(v);
+            }
+            "--redis-ca" => {
+                let v = it.next().ok_or("--redis-ca needs a PEM file")?;
+                args.redis_ca =
+                    Some(std::fs::read(&v).map_err(|e| format!("--redis-ca {v:?}: {e}"))?);
             }
             "--demo" => args.demo = true,
             "-h" | "--help" => return Err(USAGE.to_owned()),
@@ -312,7 +325,13 @@ async fn main() -> ExitCode {
     };
     let store: Arc<dyn DynStore> = match &args.store {
         None => Arc::new(MemoryStore::new()),
-        Some(url) => match RedisStore::builder(url).and_then(|b| b.build()) {
+        Some(url) => match RedisStore::builder(url).and_then(|b| {
+            match args.redis_ca.clone() {
+                Some(ca) => b.tls_root_certificate(ca),
+                None => b,
+            }
+            .build()
+        }) {
             Ok(store) => Arc::new(store),
             Err(e) => {
                 eprintln!("--store {url}: {e}");

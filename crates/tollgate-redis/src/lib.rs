@@ -113,6 +113,13 @@ struct ClusterConn {
     conn: OnceCell<ClusterConnection>,
 }
 
+/// rustls needs one process-wide crypto provider: ring, unless the
+/// application installed another first.
+#[cfg(feature = "tls")]
+fn install_crypto_provider() {
+    let _ = rustls::crypto::ring::default_provider().install_default();
+}
+
 /// Denials the over-limit cache remembers unless told otherwise
 /// ([`RedisStoreBuilder::over_limit_cache`]).
 pub const DEFAULT_OVER_LIMIT_CACHE: usize = 65_536;
@@ -121,6 +128,12 @@ pub const DEFAULT_OVER_LIMIT_CACHE: usize = 65_536;
 #[must_use]
 pub struct RedisStoreBuilder {
     target: Target,
+    /// The URL of a single server, to rebuild the client with TLS
+    /// certificates.
+    #[cfg_attr(not(feature = "tls"), allow(dead_code))]
+    url: Option<String>,
+    #[cfg(feature = "tls")]
+    tls: Option<redis::TlsCertificates>,
     prefix: String,
     timeout: Duration,
     time: TimeSource,
@@ -190,6 +203,41 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// Trusts `ca_pem` (a PEM certificate, or several) for a `rediss://`
+    /// server instead of the system's roots: a managed Redis with a private
+    /// CA, or your own. Feature `tls`.
+    #[cfg(feature = "tls")]
+    pub fn tls_root_certificate(mut self, ca_pem: impl Into<Vec<u8>>) -> Self {
+        self.tls
+            .get_or_insert_with(|| redis::TlsCertificates {
+                client_tls: None,
+                root_cert: None,
+            })
+            .root_cert = Some(ca_pem.into());
+        self
+    }
+
+    /// Presents `cert_pem` with its private key `key_pem` to a `rediss://`
+    /// server that asks clients for certificates (mutual TLS). Feature
+    /// `tls`.
+    #[cfg(feature = "tls")]
+    pub fn tls_client_certificate(
+        mut self,
+        cert_pem: impl Into<Vec<u8>>,
+        key_pem: impl Into<Vec<u8>>,
+    ) -> Self {
+        self.tls
+            .get_or_insert_with(|| redis::TlsCertificates {
+                client_tls: None,
+                root_cert: None,
+            })
+            .client_tls = Some(redis::ClientTlsConfig {
+            client_cert: cert_pem.into(),
+            client_key: key_pem.into(),
+        });
+        self
+    }
+
     /// Charges keys slot by slot with compensating refunds even on a single
     /// node, as on a cluster. For tests of that path; a cluster store always
     /// does this when a request's keys span slots.
@@ -219,7 +267,34 @@ impl RedisStoreBuilder {
     /// use and remade after failures, in the background. Must be called
     /// inside a tokio runtime.
     pub fn build(self) -> Result<RedisStore, StoreError> {
-        let conn = match self.target {
+        #[cfg(feature = "tls")]
+        let target = match (self.tls, &self.url) {
+            (Some(certs), Some(url)) => {
+                install_crypto_provider();
+                Target::Single(
+                    redis::Client::build_with_tls(url.as_str(), certs).map_err(|e| {
+                        StoreError::new(
+                            StoreErrorKind::Unsupported,
+                            "invalid TLS certificates for Redis",
+                        )
+                        .with_source(e)
+                    })?,
+                )
+            }
+            (Some(_), None) => {
+                return Err(StoreError::new(
+                    StoreErrorKind::Unsupported,
+                    "TLS certificates are set on the URL's builder (RedisStore::builder) only",
+                ));
+            }
+            (None, _) => {
+                install_crypto_provider();
+                self.target
+            }
+        };
+        #[cfg(not(feature = "tls"))]
+        let target = self.target;
+        let conn = match target {
             Target::Single(client) => {
                 let config = redis::aio::ConnectionManagerConfig::new()
                     .set_connection_timeout(Some(self.timeout))
@@ -295,14 +370,24 @@ impl RedisStore {
     /// A builder for a single Redis server at `url` (`redis://host:port/db`
     /// or `redis+unix:///path`).
     pub fn builder(url: &str) -> Result<RedisStoreBuilder, StoreError> {
+        #[cfg(feature = "tls")]
+        install_crypto_provider();
         let client = redis::Client::open(url).map_err(|e| {
+            let hint = if url.starts_with("rediss://") && !cfg!(feature = "tls") {
+                " (rediss:// needs the `tls` feature)"
+            } else {
+                ""
+            };
             StoreError::new(
                 StoreErrorKind::Unsupported,
-                format!("invalid Redis URL {url:?}"),
+                format!("invalid Redis URL {url:?}{hint}"),
             )
             .with_source(e)
         })?;
-        Ok(Self::builder_for(Target::Single(client)))
+        Ok(RedisStoreBuilder {
+            url: Some(url.to_owned()),
+            ..Self::builder_for(Target::Single(client))
+        })
     }
 
     /// A builder for a Redis Cluster reachable through `nodes`.
@@ -354,6 +439,9 @@ impl RedisStore {
     fn builder_for(target: Target) -> RedisStoreBuilder {
         RedisStoreBuilder {
             target,
+            url: None,
+            #[cfg(feature = "tls")]
+            tls: None,
             prefix: "tollgate".to_owned(),
             timeout: Duration::from_millis(200),
             time: TimeSource::Server,
@@ -699,7 +787,7 @@ fn not_run(e: &redis::RedisError) -> bool {
 /// Maps a redis-rs error to unavailable (nothing was applied) or uncertain
 /// (it may have been).
 fn classify(e: redis::RedisError) -> StoreError {
-    let kind = if e.is_connection_refusal() {
+    let kind = if e.is_connection_refusal() || tls_refused(&e) {
         StoreErrorKind::Unavailable
     } else if e.is_timeout() || e.is_connection_dropped() || e.is_io_error() {
         StoreErrorKind::Uncertain
@@ -720,6 +808,36 @@ fn classify(e: redis::RedisError) -> StoreError {
         StoreErrorKind::Uncertain
     };
     StoreError::new(kind, "Redis call failed").with_source(e)
+}
+
+/// Whether `e` is a TLS failure (a certificate not trusted, expired, for
+/// another name): TLS is set up before any command is sent, so nothing
+/// was applied.
+#[cfg(feature = "tls")]
+fn tls_refused(e: &redis::RedisError) -> bool {
+    type Shared = Arc<dyn std::error::Error + Send + Sync>;
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(s) = source {
+        // redis-rs keeps I/O errors behind an `Arc`; rustls's error is the
+        // custom error inside the `io::Error`.
+        let io = s.downcast_ref::<std::io::Error>().or_else(|| {
+            s.downcast_ref::<Shared>()
+                .and_then(|shared| shared.downcast_ref::<std::io::Error>())
+        });
+        let tls = io
+            .and_then(std::io::Error::get_ref)
+            .is_some_and(|inner| inner.is::<rustls::Error>());
+        if tls || s.is::<rustls::Error>() {
+            return true;
+        }
+        source = s.source();
+    }
+    false
+}
+
+#[cfg(not(feature = "tls"))]
+fn tls_refused(_: &redis::RedisError) -> bool {
+    false
 }
 
 impl Store for RedisStore {

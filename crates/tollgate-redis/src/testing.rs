@@ -276,3 +276,140 @@ impl RedisCluster {
 pub fn slot(key: &str) -> u16 {
     crate::script::slot(key)
 }
+
+/// Certificates for TLS tests, made with the `openssl` command in a fresh
+/// directory: a CA, a server certificate for `127.0.0.1` it signed, an
+/// expired one, and an unrelated CA (for the wrong-CA case).
+#[derive(Debug)]
+pub struct TestCertificates {
+    dir: PathBuf,
+}
+
+impl TestCertificates {
+    /// Makes the files, or returns `None` (loudly) when `openssl` is not
+    /// installed — except under `CI=true`, where it panics.
+    pub fn generate() -> Option<Self> {
+        if Command::new("openssl").arg("version").output().is_err() {
+            if std::env::var("CI").as_deref() == Ok("true") {
+                panic!("openssl is not on PATH, and CI=true requires the TLS tests to run");
+            }
+            eprintln!(
+                "\n*** SKIPPED: openssl is not on PATH; install it (apt-get install openssl) to run the TLS tests ***\n"
+            );
+            return None;
+        }
+        let dir = std::env::temp_dir().join(format!(
+            "tollgate-tls-{}-{}",
+            std::process::id(),
+            free_port()
+        ));
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {dir:?}: {e}"));
+        let certs = Self { dir };
+        let run = |args: &[&str]| {
+            let out = Command::new("openssl")
+                .args(args)
+                .current_dir(&certs.dir)
+                .output()
+                .unwrap_or_else(|e| panic!("openssl {args:?}: {e}"));
+            assert!(
+                out.status.success(),
+                "openssl {args:?}: {}",
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        for ca in ["ca", "other-ca"] {
+            run(&[
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "2",
+                "-subj",
+                &format!("/CN=tollgate {ca}"),
+                "-keyout",
+                &format!("{ca}.key"),
+                "-out",
+                &format!("{ca}.pem"),
+            ]);
+        }
+        std::fs::write(
+            certs.dir.join("san.ext"),
+            "subjectAltName=IP:127.0.0.1,DNS:localhost\n",
+        )
+        .unwrap_or_else(|e| panic!("writing san.ext: {e}"));
+        run(&[
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-subj",
+            "/CN=localhost",
+            "-keyout",
+            "server.key",
+            "-out",
+            "server.csr",
+        ]);
+        for (name, days) in [("server", "2"), ("expired", "-1")] {
+            run(&[
+                "x509",
+                "-req",
+                "-in",
+                "server.csr",
+                "-CA",
+                "ca.pem",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-days",
+                days,
+                "-extfile",
+                "san.ext",
+                "-out",
+                &format!("{name}.pem"),
+            ]);
+        }
+        Some(certs)
+    }
+
+    /// The path of one of the files: `ca.pem`, `other-ca.pem`,
+    /// `server.pem`, `server.key`, `expired.pem`.
+    pub fn path(&self, file: &str) -> PathBuf {
+        self.dir.join(file)
+    }
+
+    /// A file's contents.
+    pub fn read(&self, file: &str) -> Vec<u8> {
+        std::fs::read(self.path(file)).unwrap_or_else(|e| panic!("reading {file}: {e}"))
+    }
+
+    /// `redis-server` arguments for a TLS port serving `cert` (e.g.
+    /// `server.pem` or `expired.pem`), clients not asked for certificates.
+    pub fn server_args(&self, tls_port: u16, cert: &str) -> Vec<String> {
+        let path = |f: &str| self.path(f).to_string_lossy().into_owned();
+        vec![
+            "--tls-port".into(),
+            tls_port.to_string(),
+            "--tls-cert-file".into(),
+            path(cert),
+            "--tls-key-file".into(),
+            path("server.key"),
+            "--tls-ca-cert-file".into(),
+            path("ca.pem"),
+            "--tls-auth-clients".into(),
+            "no".into(),
+        ]
+    }
+}
+
+impl Drop for TestCertificates {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A free loopback port.
+pub fn free_loopback_port() -> u16 {
+    free_port()
+}

@@ -1,0 +1,130 @@
+//! `rediss://` against a real redis-server with a TLS port and certificates
+//! the test makes: a private CA trusted, the `#insecure` form, a wrong CA
+//! and an expired certificate refused as *unavailable* with nothing spent.
+#![cfg(feature = "tls")]
+
+use std::time::Duration;
+
+use tollgate_core::{Charge, Key, Policy, Rate, Store, StoreErrorKind};
+use tollgate_redis::RedisStore;
+use tollgate_redis::testing::{RedisServer, TestCertificates, free_loopback_port};
+
+fn charge(key: &str) -> Charge {
+    let p = Policy::token_bucket("tls", 2, Rate::per_hour(1)).unwrap();
+    Charge::new(Key::new("tls").with(key), p, 1).unwrap()
+}
+
+/// A server with a TLS port serving `cert`; its plain port stays open for
+/// the test's own inspection.
+fn tls_server(certs: &TestCertificates, cert: &str) -> Option<(RedisServer, String)> {
+    let tls_port = free_loopback_port();
+    let args = certs.server_args(tls_port, cert);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let server = RedisServer::start_with(&args)?;
+    Some((server, format!("rediss://127.0.0.1:{tls_port}")))
+}
+
+/// The whole chain of an error, for messages that must say what was wrong.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_redis_with_a_private_ca() {
+    let Some(certs) = TestCertificates::generate() else {
+        return;
+    };
+    let Some((server, url)) = tls_server(&certs, "server.pem") else {
+        return;
+    };
+    let store = RedisStore::builder(&url)
+        .unwrap()
+        .tls_root_certificate(certs.read("ca.pem"))
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let c = charge("trusted");
+    assert!(
+        store
+            .charge(std::slice::from_ref(&c))
+            .await
+            .unwrap()
+            .is_admitted()
+    );
+    assert!(
+        store
+            .charge(std::slice::from_ref(&c))
+            .await
+            .unwrap()
+            .is_admitted()
+    );
+    assert!(
+        !store
+            .charge(std::slice::from_ref(&c))
+            .await
+            .unwrap()
+            .is_admitted()
+    );
+    // The state is the server's, seen through its plain port.
+    assert!(server.get_bytes(&store.redis_key(&c)).unwrap().is_some());
+    // redis-rs's `#insecure` form skips verification (local tries only):
+    // it reaches the same server and the same budget.
+    let insecure = RedisStore::builder(&format!("{url}/#insecure"))
+        .unwrap()
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    assert!(!insecure.charge(&[c]).await.unwrap().is_admitted());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_wrong_ca_or_an_expired_certificate_is_unavailable_and_spends_nothing() {
+    let Some(certs) = TestCertificates::generate() else {
+        return;
+    };
+    for (served, trusted, why) in [
+        (
+            "server.pem",
+            Some("other-ca.pem"),
+            "a certificate from another CA",
+        ),
+        ("server.pem", None, "a private CA the system does not trust"),
+        ("expired.pem", Some("ca.pem"), "an expired certificate"),
+    ] {
+        let Some((server, url)) = tls_server(&certs, served) else {
+            return;
+        };
+        let mut builder = RedisStore::builder(&url)
+            .unwrap()
+            .timeout(Duration::from_secs(2));
+        if let Some(ca) = trusted {
+            builder = builder.tls_root_certificate(certs.read(ca));
+        }
+        let store = builder.build().unwrap();
+        let c = charge("refused");
+        let e = store.charge(std::slice::from_ref(&c)).await.unwrap_err();
+        assert_eq!(
+            e.kind(),
+            StoreErrorKind::Unavailable,
+            "{why}: {}",
+            chain(&e)
+        );
+        assert!(
+            chain(&e).to_lowercase().contains("certificate"),
+            "{why}: the error says what was wrong: {}",
+            chain(&e)
+        );
+        assert_eq!(
+            server.get_bytes(&store.redis_key(&c)).unwrap(),
+            None,
+            "{why}: nothing spent"
+        );
+    }
+}
