@@ -209,7 +209,7 @@ impl RedisStoreBuilder {
     #[cfg(feature = "tls")]
     pub fn tls_root_certificate(mut self, ca_pem: impl Into<Vec<u8>>) -> Self {
         self.tls
-            .get_or_insert_with(|| redis::TlsCertificates {
+            .get_or_insert(redis::TlsCertificates {
                 client_tls: None,
                 root_cert: None,
             })
@@ -227,7 +227,7 @@ impl RedisStoreBuilder {
         key_pem: impl Into<Vec<u8>>,
     ) -> Self {
         self.tls
-            .get_or_insert_with(|| redis::TlsCertificates {
+            .get_or_insert(redis::TlsCertificates {
                 client_tls: None,
                 root_cert: None,
             })
