@@ -105,6 +105,36 @@ enum TimeSource {
 enum Conn {
     Single(ConnectionManager),
     Cluster(Box<ClusterConn>),
+    Sentinel(Box<SentinelConn>),
+}
+
+/// The master of a Sentinel-monitored group, found through its sentinels
+/// and found again after a failover.
+struct SentinelConn {
+    sentinel: tokio::sync::Mutex<redis::sentinel::SentinelClient>,
+    /// The connection to the master last found; cleared when a call fails
+    /// in a way that says the master may have moved.
+    master: tokio::sync::Mutex<Option<ConnectionManager>>,
+    config: redis::aio::ConnectionManagerConfig,
+}
+
+impl SentinelConn {
+    /// The master's connection, asking the sentinels when there is none.
+    async fn master(&self) -> redis::RedisResult<ConnectionManager> {
+        let mut master = self.master.lock().await;
+        if let Some(m) = &*master {
+            return Ok(m.clone());
+        }
+        let client = self.sentinel.lock().await.async_get_client().await?;
+        let manager = ConnectionManager::new_with_config(client, self.config.clone()).await?;
+        *master = Some(manager.clone());
+        Ok(manager)
+    }
+
+    /// Forgets the master's connection: the next call asks the sentinels.
+    async fn lost(&self) {
+        *self.master.lock().await = None;
+    }
 }
 
 /// A cluster connection, made on first use (or given).
@@ -148,6 +178,8 @@ enum Target {
     Manager(ConnectionManager),
     /// A cluster connection the application made.
     ClusterConnection(ClusterConnection),
+    /// The master of a Sentinel-monitored group.
+    Sentinel(redis::sentinel::SentinelClient),
 }
 
 impl fmt::Debug for RedisStoreBuilder {
@@ -159,6 +191,18 @@ impl fmt::Debug for RedisStoreBuilder {
             .field("over_limit_cache", &self.cache)
             .finish_non_exhaustive()
     }
+}
+
+/// How the store's own connections time out and reconnect: a call never
+/// waits longer than the decision's time limit, and reconnects in the
+/// background.
+fn manager_config(timeout: Duration) -> redis::aio::ConnectionManagerConfig {
+    redis::aio::ConnectionManagerConfig::new()
+        .set_connection_timeout(Some(timeout))
+        .set_response_timeout(Some(timeout))
+        .set_number_of_retries(1)
+        .set_min_delay(Duration::from_millis(20))
+        .set_max_delay(Duration::from_millis(500))
 }
 
 fn config_error(e: impl std::error::Error + Send + Sync + 'static, what: &str) -> StoreError {
@@ -295,23 +339,20 @@ impl RedisStoreBuilder {
         #[cfg(not(feature = "tls"))]
         let target = self.target;
         let conn = match target {
-            Target::Single(client) => {
-                let config = redis::aio::ConnectionManagerConfig::new()
-                    .set_connection_timeout(Some(self.timeout))
-                    .set_response_timeout(Some(self.timeout))
-                    .set_number_of_retries(1)
-                    .set_min_delay(Duration::from_millis(20))
-                    .set_max_delay(Duration::from_millis(500));
-                Conn::Single(
-                    ConnectionManager::new_lazy_with_config(client, config)
-                        .map_err(|e| config_error(e, "creating the Redis connection manager"))?,
-                )
-            }
+            Target::Single(client) => Conn::Single(
+                ConnectionManager::new_lazy_with_config(client, manager_config(self.timeout))
+                    .map_err(|e| config_error(e, "creating the Redis connection manager"))?,
+            ),
             Target::Cluster(client) => Conn::Cluster(Box::new(ClusterConn {
                 client: Some(client),
                 conn: OnceCell::new(),
             })),
             Target::Manager(manager) => Conn::Single(manager),
+            Target::Sentinel(client) => Conn::Sentinel(Box::new(SentinelConn {
+                sentinel: tokio::sync::Mutex::new(client),
+                master: tokio::sync::Mutex::new(None),
+                config: manager_config(self.timeout),
+            })),
             Target::ClusterConnection(conn) => Conn::Cluster(Box::new(ClusterConn {
                 client: None,
                 conn: OnceCell::new_with(Some(conn)),
@@ -431,6 +472,30 @@ impl RedisStore {
         script::SOURCE
     }
 
+    /// A builder for the master of the Sentinel-monitored group `master`,
+    /// found through any of `sentinels` (`redis://host:port` URLs of
+    /// sentinels). After a failover the store finds the new master by
+    /// itself: a call that fails because the master went away or became a
+    /// replica (`READONLY`) gets the configured store-failure outcome, and
+    /// the next call asks the sentinels again. What a failover can lose,
+    /// see the crate docs.
+    pub fn sentinel_builder(
+        sentinels: &[&str],
+        master: &str,
+    ) -> Result<RedisStoreBuilder, StoreError> {
+        let client = redis::sentinel::SentinelClient::build(
+            sentinels.to_vec(),
+            master.to_owned(),
+            None,
+            redis::sentinel::SentinelServerType::Master,
+        )
+        .map_err(|e| {
+            StoreError::new(StoreErrorKind::Unsupported, "invalid Redis Sentinel nodes")
+                .with_source(e)
+        })?;
+        Ok(Self::builder_for(Target::Sentinel(client)))
+    }
+
     /// The SHA-1 the store calls the script by (`EVALSHA`).
     pub fn script_sha() -> String {
         script::script().get_hash().to_owned()
@@ -482,6 +547,18 @@ impl RedisStore {
                 Conn::Single(manager) => {
                     let mut c = manager.clone();
                     invocation.invoke_async::<Vec<i64>>(&mut c).await
+                }
+                Conn::Sentinel(sentinel) => {
+                    let result = match sentinel.master().await {
+                        Ok(mut c) => invocation.invoke_async::<Vec<i64>>(&mut c).await,
+                        Err(e) => Err(e),
+                    };
+                    if let Err(e) = &result {
+                        if master_may_have_moved(e) {
+                            sentinel.lost().await;
+                        }
+                    }
+                    result
                 }
                 Conn::Cluster(cluster) => {
                     let c = cluster
@@ -808,6 +885,19 @@ fn classify(e: redis::RedisError) -> StoreError {
         StoreErrorKind::Uncertain
     };
     StoreError::new(kind, "Redis call failed").with_source(e)
+}
+
+/// Whether a failure says the master may be elsewhere now: it is gone,
+/// unreachable, or a replica (`READONLY`).
+fn master_may_have_moved(e: &redis::RedisError) -> bool {
+    e.is_connection_refusal()
+        || e.is_connection_dropped()
+        || e.is_io_error()
+        || e.is_timeout()
+        || matches!(
+            e.kind(),
+            redis::ErrorKind::Server(redis::ServerErrorKind::ReadOnly)
+        )
 }
 
 /// Whether `e` is a TLS failure (a certificate not trusted, expired, for

@@ -413,3 +413,103 @@ impl Drop for TestCertificates {
 pub fn free_loopback_port() -> u16 {
     free_port()
 }
+
+/// A private `redis-sentinel` monitoring one master (quorum 1, the master
+/// judged down after 1 s), stopped on drop.
+#[derive(Debug)]
+pub struct RedisSentinel {
+    child: Child,
+    port: u16,
+    dir: PathBuf,
+}
+
+impl RedisSentinel {
+    /// Starts a sentinel for the master `name` at `master_port`, or returns
+    /// `None` (loudly) when `redis-sentinel` is not installed — except under
+    /// `CI=true`, where it panics.
+    pub fn start(name: &str, master_port: u16) -> Option<Self> {
+        if Command::new("redis-sentinel")
+            .arg("--version")
+            .output()
+            .is_err()
+        {
+            if std::env::var("CI").as_deref() == Ok("true") {
+                panic!(
+                    "redis-sentinel is not on PATH, and CI=true requires the Sentinel tests to run"
+                );
+            }
+            eprintln!(
+                "\n*** SKIPPED: redis-sentinel is not on PATH; install it (apt-get install redis-sentinel) to run the Sentinel tests ***\n"
+            );
+            return None;
+        }
+        let port = free_port();
+        let dir =
+            std::env::temp_dir().join(format!("tollgate-sentinel-{}-{port}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap_or_else(|e| panic!("creating {dir:?}: {e}"));
+        let conf = dir.join("sentinel.conf");
+        std::fs::write(
+            &conf,
+            format!(
+                "port {port}\nbind 127.0.0.1\ndir {}\n\
+                 sentinel monitor {name} 127.0.0.1 {master_port} 1\n\
+                 sentinel down-after-milliseconds {name} 1000\n\
+                 sentinel failover-timeout {name} 3000\n\
+                 sentinel parallel-syncs {name} 1\n",
+                dir.display()
+            ),
+        )
+        .unwrap_or_else(|e| panic!("writing {conf:?}: {e}"));
+        let child = Command::new("redis-sentinel")
+            .arg(&conf)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting redis-sentinel: {e}"));
+        let sentinel = Self { child, port, dir };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while sentinel.query(&["PING"]).is_err() {
+            assert!(
+                Instant::now() < deadline,
+                "redis-sentinel did not start within 10 s"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        Some(sentinel)
+    }
+
+    /// `redis://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    /// Runs one command on the sentinel and returns its reply as text.
+    pub fn query(&self, args: &[&str]) -> Result<String, String> {
+        let client = redis::Client::open(self.url()).map_err(|e| e.to_string())?;
+        let mut conn = client
+            .get_connection_with_timeout(Duration::from_secs(2))
+            .map_err(|e| e.to_string())?;
+        let mut cmd = redis::cmd(args[0]);
+        for a in &args[1..] {
+            cmd.arg(*a);
+        }
+        let value: redis::Value = cmd.query(&mut conn).map_err(|e| e.to_string())?;
+        Ok(text(&value))
+    }
+
+    /// The port of the master the sentinel believes in now.
+    pub fn master_port(&self, name: &str) -> Option<u16> {
+        let reply = self
+            .query(&["SENTINEL", "GET-MASTER-ADDR-BY-NAME", name])
+            .ok()?;
+        reply.lines().nth(1)?.trim().parse().ok()
+    }
+}
+
+impl Drop for RedisSentinel {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -1,0 +1,132 @@
+//! Redis Sentinel with real processes: a master, a replica and a sentinel
+//! the test starts. A store that finds its master through the sentinel
+//! follows a `SENTINEL FAILOVER` under load: every call answers within its
+//! time limit (admitted, or a classified store error), and the store
+//! writes to the new master without being rebuilt.
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::{Duration, Instant};
+
+use tollgate_core::{Charge, Key, Policy, Rate, Store, StoreErrorKind};
+use tollgate_redis::RedisStore;
+use tollgate_redis::testing::{RedisSentinel, RedisServer};
+
+const NAME: &str = "tollgate-master";
+
+async fn wait_until(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + within;
+    while !done() {
+        assert!(Instant::now() < deadline, "{what} within {within:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_follows_a_sentinel_failover_under_load() {
+    let Some(mut master) = RedisServer::start() else {
+        return;
+    };
+    let master_port = master.port().to_string();
+    let Some(replica) = RedisServer::start_with(&["--replicaof", "127.0.0.1", &master_port]) else {
+        return;
+    };
+    wait_until("the replica in sync", Duration::from_secs(10), || {
+        replica
+            .query(&["INFO", "replication"])
+            .is_ok_and(|i| i.contains("master_link_status:up"))
+    })
+    .await;
+    let Some(sentinel) = RedisSentinel::start(NAME, master.port()) else {
+        return;
+    };
+    wait_until(
+        "the sentinel sees the replica",
+        Duration::from_secs(15),
+        || {
+            sentinel
+                .query(&["SENTINEL", "REPLICAS", NAME])
+                .is_ok_and(|r| r.contains(&replica.port().to_string()))
+        },
+    )
+    .await;
+    let timeout = Duration::from_millis(300);
+    let store = RedisStore::sentinel_builder(&[&sentinel.url()], NAME)
+        .unwrap()
+        .timeout(timeout)
+        .build()
+        .unwrap();
+    let policy = Policy::token_bucket("failover", 1_000_000, Rate::per_second(1)).unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for t in 0..4 {
+        let (store, policy, stop) = (store.clone(), policy.clone(), stop.clone());
+        tasks.push(tokio::spawn(async move {
+            let charge = Charge::new(Key::new("failover").with(t.to_string()), policy, 1).unwrap();
+            // (elapsed, error kind) per call.
+            let mut calls: Vec<(Duration, Option<StoreErrorKind>)> = Vec::new();
+            while !stop.load(Ordering::Relaxed) {
+                let started = Instant::now();
+                let result = store.charge(std::slice::from_ref(&charge)).await;
+                calls.push((started.elapsed(), result.err().map(|e| e.kind())));
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+            calls
+        }));
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    sentinel
+        .query(&["SENTINEL", "FAILOVER", NAME])
+        .expect("SENTINEL FAILOVER");
+    let failed_over = Instant::now();
+    let sentinel_view = || sentinel.master_port(NAME) == Some(replica.port());
+    wait_until(
+        "the sentinel promotes the replica",
+        Duration::from_secs(20),
+        sentinel_view,
+    )
+    .await;
+    // Let calls run on the new master, then take the old one away for
+    // good: calls that still succeed can only be landing on the new one.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    master.kill();
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    let errors: Vec<_> = all.iter().filter_map(|(_, e)| *e).collect();
+    // Every call answered within its time limit (plus scheduling slack).
+    let slowest = all.iter().map(|(d, _)| *d).max().unwrap();
+    assert!(
+        slowest < timeout + Duration::from_millis(700),
+        "a call took {slowest:?}"
+    );
+    // Errors during the switch are the documented kinds.
+    let odd: Vec<_> = errors
+        .iter()
+        .filter(|k| !matches!(k, StoreErrorKind::Unavailable | StoreErrorKind::Uncertain))
+        .take(3)
+        .collect();
+    assert!(odd.is_empty(), "{} errors, such as {odd:?}", errors.len());
+    // Recovered without a rebuild: the last calls of every task succeeded.
+    let tail = all.iter().rev().take(40);
+    assert!(tail.clone().all(|(_, e)| e.is_none()), "not recovered");
+    // And the budget now lives on the promoted replica, which is a master.
+    let role = replica.query(&["INFO", "replication"]).unwrap();
+    assert!(role.contains("role:master"), "{role}");
+    let probe = Charge::new(Key::new("failover").with("0"), policy, 1).unwrap();
+    assert!(
+        replica
+            .get_bytes(&store.redis_key(&probe))
+            .unwrap()
+            .is_some()
+    );
+    eprintln!(
+        "sentinel failover: {} calls, {} errors, promoted in {:?}",
+        all.len(),
+        errors.len(),
+        failed_over.elapsed()
+    );
+}
