@@ -483,9 +483,11 @@ impl RedisStore {
         sentinels: &[&str],
         master: &str,
     ) -> Result<RedisStoreBuilder, StoreError> {
+        // A `String`: redis-rs takes one without TLS, any `AsRef<str>` with.
+        let name = String::from(master);
         let client = redis::sentinel::SentinelClient::build(
             sentinels.to_vec(),
-            master.to_owned(),
+            name,
             None,
             redis::sentinel::SentinelServerType::Master,
         )
