@@ -291,7 +291,11 @@ pub const MAX_CARRIED_DEBT: Nanos = 2_000_000_000_000_000;
 ///   debt, kept as the time the new bucket needs to refill it before its
 ///   credit starts to grow (at most [`MAX_CARRIED_DEBT`]). So lowering a
 ///   capacity never gives a burst, raising it never forgets what was spent,
-///   and switching back and forth never mints credit.
+///   and switching back and forth never mints credit. A bucket dated
+///   after `now` (requests reserved for later by shaping, or a debt carried
+///   before) also stays empty until that date under the new numbers, so a
+///   faster rate never admits new requests alongside the ones already held
+///   for then.
 /// - Fixed window to fixed window: the count and the window's start are
 ///   kept; the window ends at that start plus the new length.
 /// - Sliding window to sliding window of the same length: the counts are
@@ -299,7 +303,7 @@ pub const MAX_CARRIED_DEBT: Nanos = 2_000_000_000_000_000;
 /// - Anything else (another algorithm, a sliding window of another
 ///   length): the units spent under `from` (a bucket's missing tokens, a
 ///   fixed window's count, a sliding window's weighted count, each rounded
-///   up) are charged to a fresh state of `to` at `now`: a bucket lacking
+///   up, at most [`MAX_CARRIED_COUNT`]) are charged to a fresh state of `to` at `now`: a bucket lacking
 ///   them (with a debt beyond its capacity, as above), or a window whose
 ///   count they are.
 ///
@@ -324,12 +328,22 @@ pub fn carry_over(from: &Algorithm, state: State, to: &Algorithm, now: Nanos) ->
         (Algorithm::SlidingWindow(a), Algorithm::SlidingWindow(b)) if a.window == b.window => {
             Some(state)
         }
-        (Algorithm::TokenBucket(a), Algorithm::TokenBucket(b)) => Some(into_bucket(
-            &b,
-            a.spent(state, now),
-            u128::from(a.denominator),
-            now,
-        )),
+        (Algorithm::TokenBucket(a), Algorithm::TokenBucket(b)) => {
+            let carried = into_bucket(&b, a.spent(state, now), u128::from(a.denominator), now);
+            // Dated later still: requests reserved for then (shaping) or a
+            // debt carried before. The new bucket stays empty until then
+            // too, or a faster rate would admit new requests alongside the
+            // ones already held for that instant.
+            Some(if state.at > carried.at {
+                State {
+                    level: 0,
+                    prior: 0,
+                    at: state.at,
+                }
+            } else {
+                carried
+            })
+        }
         (_, Algorithm::TokenBucket(b)) => Some(into_bucket(
             &b,
             u128::from(spent_units(from, state, now)),
@@ -401,11 +415,16 @@ fn wide_mul(a: u128, b: u128) -> (u128, u128) {
     (high, low)
 }
 
+/// The most units a conversion between algorithms carries (2^53 - 1, the
+/// Redis store's exact range): more is as spent as that for any window, and
+/// is repaid as that much by a bucket.
+pub const MAX_CARRIED_COUNT: u64 = (1 << 53) - 1;
+
 /// Whole units spent under `algorithm` at `now`, rounded up: a bucket's
 /// missing tokens (a debt included), a fixed window's count while it is
-/// open, a sliding window's weighted count.
+/// open, a sliding window's weighted count; at most [`MAX_CARRIED_COUNT`].
 fn spent_units(algorithm: &Algorithm, s: State, now: Nanos) -> u64 {
-    match *algorithm {
+    let spent = match *algorithm {
         Algorithm::TokenBucket(p) => sat(p.spent(s, now).div_ceil(u128::from(p.denominator))),
         Algorithm::FixedWindow(w) if now < s.at.saturating_add(w.window) => s.level,
         Algorithm::FixedWindow(_) => 0,
@@ -413,7 +432,8 @@ fn spent_units(algorithm: &Algorithm, s: State, now: Nanos) -> u64 {
             let sl = Slide::new(w.limit, w.window, Some(s), now);
             sat(sl.weighted(sl.prev, sl.cur).div_ceil(sl.w))
         }
-    }
+    };
+    spent.min(MAX_CARRIED_COUNT)
 }
 
 /// Whether two algorithms decide alike: equal, or token buckets whose rates

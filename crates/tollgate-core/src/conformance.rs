@@ -455,6 +455,38 @@ pub fn cases() -> Vec<Case> {
             ],
         },
         Case {
+            // Found in review: requests held for later, then the policy's
+            // rate raised under its name. The new bucket stays empty until
+            // the last held request goes, so none goes alongside it.
+            name: "shaping-then-plan-change",
+            policies: vec![
+                tb("plan", 1, Rate::per_second(1)),
+                tb("plan", 1, Rate::per_second(100)),
+            ],
+            shaped: vec![(0, Duration::from_secs(5))],
+            steps: vec![
+                bound(10 * S, &a, OK, &[adm(0, S)]),
+                delayed(10 * S, &a, S, &[adm(0, 2 * S)]),
+                delayed(10 * S, &a, 2 * S, &[adm(0, 3 * S)]),
+                delayed(10 * S, &a, 3 * S, &[adm(0, 4 * S)]),
+                // Two tokens spent at 12 s are 10 ms of debt at 100/s, but
+                // the last held request goes at 13 s: empty until then.
+                bound(
+                    12 * S,
+                    &[("k", 1, 1)],
+                    denied(1010 * MS),
+                    &[den(1010 * MS, 0, 1010 * MS)],
+                ),
+                bound(
+                    13 * S,
+                    &[("k", 1, 1)],
+                    denied(10 * MS),
+                    &[den(10 * MS, 0, 10 * MS)],
+                ),
+                bound(13010 * MS, &[("k", 1, 1)], OK, &[adm(0, 10 * MS)]),
+            ],
+        },
+        Case {
             // A shaped and an unshaped limit on one request: the unshaped
             // one is charged now and must fit now; the shaped one is
             // reserved; all or nothing.

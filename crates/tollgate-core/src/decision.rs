@@ -63,11 +63,19 @@ impl Charge {
     /// `max_delay` it is refused as usual. Token buckets only; a store
     /// that cannot shape, or a policy of another algorithm, answers as if
     /// unshaped.
+    ///
+    /// A wait of zero is no wait: the charge stays unshaped. Waits longer
+    /// than [`Charge::MAX_DELAY`] (about 23 days) are that long, in every
+    /// store alike.
     #[must_use]
     pub fn shaped(mut self, max_delay: Duration) -> Self {
-        self.max_delay = Some(max_delay);
+        self.max_delay = (!max_delay.is_zero()).then(|| max_delay.min(Self::MAX_DELAY));
         self
     }
+
+    /// The longest a shaped charge may wait: 2·10^15 ns, about 23 days,
+    /// the horizon every store computes exactly within.
+    pub const MAX_DELAY: Duration = Duration::from_nanos(2_000_000_000_000_000);
 
     /// The longest wait this charge accepts ([`Charge::shaped`]).
     pub fn max_delay(&self) -> Option<Duration> {

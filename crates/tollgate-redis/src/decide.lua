@@ -285,7 +285,11 @@ local function carry(oa, o1, o2, o3, o4, level, prior, se, so, a, q1, q2, q3, q4
       spent_units = big(o1 - refill(level, o1, o2, diff(NE, NO, se, so)))
     end
     if a == 1 then
-      return into_bucket(spent_units, o3, q1, q2, q3)
+      -- A state dated later still (requests reserved for then, a debt
+      -- carried before) keeps the new bucket empty until then.
+      local l, p, e, o = into_bucket(spent_units, o3, q1, q2, q3)
+      if before(e, o, se, so) then return 0, 0, se, so end
+      return l, p, e, o
     end
     spent = least(MAX_COUNT, function(z) return bcmp(bmul(big(z), o3), spent_units) >= 0 end)
   elseif oa == 2 then
