@@ -133,3 +133,70 @@ async fn waiting_is_bounded_per_key_and_per_layer() {
         assert!(started.elapsed() < Duration::from_secs(3));
     }
 }
+
+/// A bucket of 1 at 2/s that may hold a request 10 s, but at most two of
+/// one address at once.
+fn tight_app<St: tollgate::Store + Clone>(store: St) -> Router {
+    let layer = RateLimitLayer::new(store).rule(
+        Rule::new(Policy::token_bucket("tight", 1, Rate::per_second(2)).unwrap())
+            .keyed_by([tollgate::KeyPart::ClientIp])
+            .shape(Duration::from_secs(10), NonZeroUsize::new(2).unwrap()),
+    );
+    Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer)
+}
+
+/// Found in review: on Redis, twenty requests of one address decided at
+/// the same time were all reserved before any entered the line; the
+/// seventeen beyond `per_key` were then refused, but their reservations
+/// (not last in line) stayed spent, and the one request that did get a
+/// place waited 9 s. The store now bounds the line itself: one at once,
+/// two held (0.5 s, 1 s), the rest refused at once spending nothing, so
+/// the next request waits for the line, not for seventeen ghosts.
+async fn a_burst_beyond_per_key_spends_nothing(addr: std::net::SocketAddr, from: &'static str) {
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..20)
+        .map(|_| {
+            tokio::spawn(async move {
+                let r = send(addr, ip(from), "GET", "/", &[], b"").await;
+                (r.status, started.elapsed())
+            })
+        })
+        .collect();
+    let mut admitted = Vec::new();
+    for t in tasks {
+        let (status, after) = t.await.unwrap();
+        match status {
+            StatusCode::OK => admitted.push(after),
+            StatusCode::TOO_MANY_REQUESTS => assert!(after < Duration::from_millis(900)),
+            other => panic!("unexpected {other}"),
+        }
+    }
+    admitted.sort();
+    assert_eq!(admitted.len(), 3, "{admitted:?}");
+    assert!(admitted[2] < Duration::from_millis(1900), "{admitted:?}");
+    // The line ended at 1 s: a request now is held to 1.5 s at most.
+    let r = send(addr, ip(from), "GET", "/", &[], b"").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(started.elapsed() < Duration::from_millis(2400));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_burst_beyond_per_key_spends_nothing_in_memory() {
+    let addr = serve(tight_app(MemoryStore::new())).await;
+    a_burst_beyond_per_key_spends_nothing(addr, "127.0.74.1").await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_burst_beyond_per_key_spends_nothing_in_redis() {
+    let Some(server) = tollgate::redis::testing::RedisServer::start() else {
+        return;
+    };
+    let store = tollgate::RedisStore::builder(&server.url())
+        .unwrap()
+        .build()
+        .unwrap();
+    let addr = serve(tight_app(store)).await;
+    a_burst_beyond_per_key_spends_nothing(addr, "127.0.74.2").await;
+}

@@ -16,7 +16,7 @@ use crate::{Algorithm, Decision, Initial, Nanos, Policy, TokenBucket};
 ///
 /// | algorithm      | `level`                        | `prior`                  | `at`                    |
 /// |----------------|--------------------------------|--------------------------|-------------------------|
-/// | token bucket   | credit in `1/denominator` units | 0                        | time of that credit     |
+/// | token bucket   | credit in `1/denominator` units | 1: held until `at`, else 0 | time of that credit   |
 /// | fixed window   | admitted cost in the window    | 0                        | window start            |
 /// | sliding window | admitted cost, current window  | admitted cost, previous  | current window's start  |
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
@@ -223,11 +223,13 @@ pub fn charge_at(policy: &Policy, state: Option<State>, now: Nanos, at: Nanos, c
             at: t,
         },
         Err(_) => {
-            // A debt: empty until it has refilled.
+            // A debt: empty until it has refilled, which is when the
+            // request is released; marked as holding requests until then
+            // (see `carry_over`).
             let debt = i128::from(need).saturating_sub(held).unsigned_abs();
             State {
                 level: 0,
-                prior: 0,
+                prior: HELD,
                 at: t.saturating_add(sat(debt.div_ceil(u128::from(p.numerator)))),
             }
         }
@@ -252,9 +254,10 @@ pub fn give_back(policy: &Policy, written: State, now: Nanos, cost: u64) -> Stat
     if written.level == 0 && written.at > now {
         // Empty until `at`: `cost` repays refill time up to now.
         let back = (need / p.numerator).min(written.at - now);
+        // Requests reserved before it are still held until then.
         State {
             level: need - back * p.numerator,
-            prior: 0,
+            prior: written.prior,
             at: written.at - back,
         }
     } else {
@@ -266,6 +269,11 @@ pub fn give_back(policy: &Policy, written: State, now: Nanos, cost: u64) -> Stat
         }
     }
 }
+
+/// A token bucket's `prior` when the state was written by a reservation
+/// ([`charge_at`]) whose bucket is empty until `at`: requests are held
+/// until then.
+const HELD: u64 = 1;
 
 /// The longest debt a carried-over bucket keeps (about 23 days): what a key
 /// has spent beyond a new, smaller bucket's capacity is kept as time before
@@ -291,11 +299,12 @@ pub const MAX_CARRIED_DEBT: Nanos = 2_000_000_000_000_000;
 ///   debt, kept as the time the new bucket needs to refill it before its
 ///   credit starts to grow (at most [`MAX_CARRIED_DEBT`]). So lowering a
 ///   capacity never gives a burst, raising it never forgets what was spent,
-///   and switching back and forth never mints credit. A bucket dated
-///   after `now` (requests reserved for later by shaping, or a debt carried
-///   before) also stays empty until that date under the new numbers, so a
-///   faster rate never admits new requests alongside the ones already held
-///   for then.
+///   and switching back and forth never mints credit. A bucket holding
+///   requests for later (shaping: `prior` is 1 and `at` is after `now`)
+///   stays empty until then under the new numbers too, so a faster rate
+///   never releases new requests alongside the ones already held; a debt
+///   that holds no request is carried as tokens, so a raised limit admits
+///   its new room at once.
 /// - Fixed window to fixed window: the count and the window's start are
 ///   kept; the window ends at that start plus the new length.
 /// - Sliding window to sliding window of the same length: the counts are
@@ -330,14 +339,13 @@ pub fn carry_over(from: &Algorithm, state: State, to: &Algorithm, now: Nanos) ->
         }
         (Algorithm::TokenBucket(a), Algorithm::TokenBucket(b)) => {
             let carried = into_bucket(&b, a.spent(state, now), u128::from(a.denominator), now);
-            // Dated later still: requests reserved for then (shaping) or a
-            // debt carried before. The new bucket stays empty until then
-            // too, or a faster rate would admit new requests alongside the
-            // ones already held for that instant.
-            Some(if state.at > carried.at {
+            // Requests held until later (shaping): the new bucket stays
+            // empty until then too, or a faster rate would release new
+            // requests alongside the ones already held for that instant.
+            Some(if state.prior == HELD && state.at > carried.at {
                 State {
                     level: 0,
-                    prior: 0,
+                    prior: HELD,
                     at: state.at,
                 }
             } else {

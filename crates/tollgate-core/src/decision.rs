@@ -372,6 +372,21 @@ mod tests {
         assert!(e.to_string().contains("cost 0"));
     }
 
+    /// Found in review: the stores disagreed on a zero wait (one shaped
+    /// it, one did not) and on waits beyond the Redis horizon.
+    #[test]
+    fn a_zero_wait_is_unshaped_and_long_waits_are_the_horizon() {
+        let p = Policy::token_bucket("p", 3, Rate::per_second(1)).unwrap();
+        let c = Charge::new(Key::new("p"), p, 1).unwrap();
+        assert_eq!(c.clone().shaped(Duration::ZERO).max_delay(), None);
+        assert_eq!(
+            c.clone().shaped(Duration::MAX).max_delay(),
+            Some(Charge::MAX_DELAY)
+        );
+        let second = Duration::from_secs(1);
+        assert_eq!(c.shaped(second).max_delay(), Some(second));
+    }
+
     #[test]
     fn verdict_takes_the_longest_wait_and_never_fits_wins() {
         let denied = |s| Decision::Denied {

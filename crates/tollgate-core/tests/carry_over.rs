@@ -76,7 +76,7 @@ fn read(model: Option<Model>, plans: &[Numbers], j: usize, now: Q) -> Option<Mod
     // capacity, a debt: empty until it has refilled.
     let den = Q::from_integer(new.den());
     let spent = (spent * den).ceil() / den;
-    let carried = if spent <= q(new.capacity) {
+    Some(if spent <= q(new.capacity) {
         Model {
             credit: q(new.capacity) - spent,
             at: now,
@@ -91,17 +91,6 @@ fn read(model: Option<Model>, plans: &[Numbers], j: usize, now: Q) -> Option<Mod
             at: now + wait,
             by: j,
         }
-    };
-    // A state dated later than that (requests reserved for then) keeps
-    // the new bucket empty until its date.
-    Some(if m.at > carried.at {
-        Model {
-            credit: q(0),
-            at: m.at,
-            by: j,
-        }
-    } else {
-        carried
     })
 }
 

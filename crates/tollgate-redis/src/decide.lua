@@ -31,14 +31,16 @@
 -- plan upgrade, a limit changed at runtime) first carries the state over
 -- by the rule of tollgate_core's algorithm::carry_over, implemented in
 -- `carry` below. States of 32 bytes, or text "level:prior:era:offset",
--- carry no numbers and are read as written under the charge's own.
+-- carry no numbers and are read as written under the charge's own. A
+-- token bucket's prior is 1 when a reservation wrote it empty until its
+-- time (requests are held until then), else 0.
 --
 -- Reply: per charge {admitted 1/0, remaining, reset ns, retry ns, era, offset,
 -- remaining before, reset before}: the last two describe the budget as it
 -- stood before this charge, for a call that is refused as a whole (nothing
 -- was spent, and every store describes its limits as they stand). A shaped
 -- charge of a delayed call answers {2, remaining, reset ns, the call's delay
--- ns, the written state's era, offset and level, 0}. Cancel answers
+-- ns, the written state's era, offset, level and prior}. Cancel answers
 -- {1 if given back, else 0; then zeros} per charge.
 
 local ERA_SEC = 4000000
@@ -285,10 +287,10 @@ local function carry(oa, o1, o2, o3, o4, level, prior, se, so, a, q1, q2, q3, q4
       spent_units = big(o1 - refill(level, o1, o2, diff(NE, NO, se, so)))
     end
     if a == 1 then
-      -- A state dated later still (requests reserved for then, a debt
-      -- carried before) keeps the new bucket empty until then.
+      -- Requests held until later (prior 1: written by a reservation)
+      -- keep the new bucket empty until then.
       local l, p, e, o = into_bucket(spent_units, o3, q1, q2, q3)
-      if before(e, o, se, so) then return 0, 0, se, so end
+      if prior == 1 and before(e, o, se, so) then return 0, 1, se, so end
       return l, p, e, o
     end
     spent = least(MAX_COUNT, function(z) return bcmp(bmul(big(z), o3), spent_units) >= 0 end)
@@ -354,17 +356,20 @@ if mode == "cancel" then
         and level == wl and se == we_ and so == wo_ then
       local cap, num = p1, p2
       local ae, ao, credit
+      local held = 0
       if level == 0 and before(NE, NO, se, so) then
-        -- Empty until then: the cost repays refill time up to now.
+        -- Empty until then: the cost repays refill time up to now; the
+        -- requests reserved before it are still held (prior kept).
         local owed = math.min(idiv(need, num), diff(se, so, NE, NO))
         credit, ae, ao = need - owed * num, sub(se, so, owed)
+        held = prior
       else
         local te, to = NE, NO
         if before(NE, NO, se, so) then te, to = se, so end
         credit = math.min(cap, refill(level, cap, num, diff(te, to, se, so)) + need)
         ae, ao = te, to
       end
-      redis.call("SET", key, state(credit, 0, ae, ao, oa, o1, o2, o3, o4), "PX",
+      redis.call("SET", key, state(credit, held, ae, ao, oa, o1, o2, o3, o4), "PX",
                  ttl(add(ae, ao, cdiv(cap - credit, num))))
       back = 1
     end
@@ -583,7 +588,9 @@ if mode == "charge" and not all and not repeated and next(buckets) ~= nil then
     for i, b in pairs(buckets) do
       local span = 0
       if before(b.te, b.to, re_e, re_o) then span = diff(re_e, re_o, b.te, b.to) end
-      local level, ae, ao = 0, b.te, b.to
+      -- held: 1 when the bucket is empty until the release (a debt), the
+      -- mark tollgate_core's charge_at writes in `prior`.
+      local level, ae, ao, held = 0, b.te, b.to, 0
       if span > idiv(b.cap - b.credit, b.num) then
         -- Full before the release: what it may use now is the capacity
         -- less the refill still to come.
@@ -591,14 +598,16 @@ if mode == "charge" and not all and not repeated and next(buckets) ~= nil then
           level = b.cap - span * b.num - b.need
         else
           ae, ao = add(b.te, b.to, span - idiv(b.cap - b.need, b.num))
+          held = 1
         end
       elseif b.credit >= b.need then
         level = b.credit - b.need
       else
         ae, ao = add(b.te, b.to, cdiv(b.need - b.credit, b.num))
+        held = 1
       end
       local nb = b.numbers
-      local w = {KEYS[i], state(level, 0, ae, ao, nb[1], nb[2], nb[3], nb[4], nb[5]),
+      local w = {KEYS[i], state(level, held, ae, ao, nb[1], nb[2], nb[3], nb[4], nb[5]),
                  add(ae, ao, cdiv(b.cap - level, b.num))}
       if wrote[i] then writes[wrote[i]] = w else writes[#writes + 1] = w end
       local lead = 0
@@ -607,6 +616,7 @@ if mode == "charge" and not all and not repeated and next(buckets) ~= nil then
       replies[r + 1], replies[r + 2] = 2, idiv(level, b.den)
       replies[r + 3], replies[r + 4] = lead + cdiv(b.cap - level, b.num), delay
       replies[r + 5], replies[r + 6], replies[r + 7] = ae, ao, level
+      replies[r + 8] = held
     end
     all = true
   end

@@ -287,7 +287,7 @@ pub(crate) fn reserved(values: &[i64]) -> Option<(Duration, tollgate_core::algor
         Duration::from_nanos(n(3)),
         tollgate_core::algorithm::State {
             level: n(6),
-            prior: 0,
+            prior: n(7),
             at: n(4).saturating_mul(ERA_NS).saturating_add(n(5)),
         },
     ))

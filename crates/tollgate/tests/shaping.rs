@@ -57,12 +57,15 @@ async fn a_dropped_waiter_gives_back_its_reservation_when_last_in_line() {
     // The third is last in line: dropped, its reservation goes back.
     drop(third);
     assert_eq!(reset(&store), Duration::from_millis(1000));
-    // Both left the line: two can wait again, the first taking the place
-    // (and release time) of the one given back.
+    // Both left the line, but the store bounds it by time too (two refills
+    // of one request: 1 s), and the second's reservation, not given back,
+    // is still in it: the fourth takes the place (and release time) of the
+    // one given back; a fifth is refused at once, spending nothing.
     let fourth = call();
-    let fifth = call();
-    assert_eq!(reset(&store), Duration::from_millis(2000));
-    drop((fourth, fifth));
+    assert_eq!(reset(&store), Duration::from_millis(1500));
+    assert_eq!(call().await.unwrap().status(), 429);
+    assert_eq!(reset(&store), Duration::from_millis(1500));
+    drop(fourth);
 }
 
 /// Used above: a future that is ready now, or `None`.
@@ -78,3 +81,76 @@ trait NowOrNever: std::future::Future + Sized {
 }
 
 impl<F: std::future::Future> NowOrNever for F {}
+
+/// Found in review: a held request kept the inner service it was made
+/// ready with for its whole wait, so a service whose readiness is a
+/// resource (here tower's `ConcurrencyLimit` of one) stayed taken and an
+/// unrelated request waited as long. Now the wait lets it go, and the held
+/// request is made ready again when released.
+#[tokio::test]
+async fn a_held_request_does_not_keep_the_inner_service_ready() {
+    let layer = RateLimitLayer::new(MemoryStore::new()).rule(
+        Rule::new(held())
+            .on_route("/held")
+            .keyed_by([KeyPart::Literal("one".into())])
+            .shape(Duration::from_secs(2), NonZeroUsize::new(2).unwrap()),
+    );
+    let inner = tower::limit::ConcurrencyLimitLayer::new(1).layer(tower::service_fn(
+        |_req: Request<()>| async { Ok::<_, Infallible>(Response::new(())) },
+    ));
+    let mut svc = layer.layer(inner);
+    let to = |path: &str| {
+        let mut req = request();
+        *req.uri_mut() = path.parse().unwrap();
+        req
+    };
+    let first = svc.ready().await.unwrap().call(to("/held")).await.unwrap();
+    assert_eq!(first.status(), 200);
+    // The second is held for 0.5 s.
+    let held = tokio::spawn(svc.ready().await.unwrap().call(to("/held")));
+    tokio::task::yield_now().await;
+    // The only permit is free again at once: an unrelated request goes.
+    let ready = svc
+        .ready()
+        .now_or_never()
+        .expect("ready while the other waits");
+    assert_eq!(
+        ready.unwrap().call(to("/free")).await.unwrap().status(),
+        200
+    );
+    assert_eq!(held.await.unwrap().unwrap().status(), 200);
+}
+
+/// Holding needs tokio's timer. Outside a runtime a request that would be
+/// held is refused (its reservation given back), not a panic.
+#[test]
+fn without_a_runtime_a_request_that_would_wait_is_refused() {
+    let clock = ManualClock::new(0);
+    let store = MemoryStore::builder().clock(clock.clone()).build();
+    let layer = RateLimitLayer::with_shared_store(std::sync::Arc::new(store.clone())).rule(
+        Rule::new(held())
+            .keyed_by([KeyPart::Literal("one".into())])
+            .shape(Duration::from_secs(2), NonZeroUsize::new(2).unwrap()),
+    );
+    let mut svc = layer.layer(tower::service_fn(|_req: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(()))
+    }));
+    let mut call = || {
+        let ready = svc.ready().now_or_never().unwrap().unwrap();
+        ready.call(request()).now_or_never().unwrap().unwrap()
+    };
+    assert_eq!(call().status(), 200);
+    assert_eq!(call().status(), 429);
+    // Nothing stayed reserved: the bucket is full again in 0.5 s.
+    assert_eq!(reset(&store), Duration::from_millis(500));
+}
+
+/// A zero wait shapes nothing: the rule is refused with a clear error.
+#[test]
+fn a_zero_wait_is_refused_as_a_rule() {
+    let rule = Rule::new(held()).shape(Duration::ZERO, NonZeroUsize::new(2).unwrap());
+    let error = RateLimitLayer::new(MemoryStore::new())
+        .try_rule(rule)
+        .unwrap_err();
+    assert!(error.to_string().contains("above zero"), "{error}");
+}

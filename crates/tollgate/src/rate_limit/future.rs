@@ -27,12 +27,18 @@ struct Held<S, ReqB> {
     until: Pin<Box<tokio::time::Sleep>>,
     /// Gives the reservation back if this is dropped before the release.
     wait: Option<Wait>,
+    /// A clone of the inner service, not yet ready: it is driven to
+    /// readiness once the request is released.
     pending: Option<(S, Request<ReqB>)>,
     fields: Fields,
     after: Option<AfterResponse>,
 }
 
-impl<S, ReqB> Held<S, ReqB> {
+impl<S: Clone, ReqB> Held<S, ReqB> {
+    /// Holds `req` for `wait`. The ready `inner` is let go at once: a
+    /// service whose readiness is a resource (a permit of tower's
+    /// `ConcurrencyLimit`, a `Buffer` slot) must not be held by a request
+    /// that only waits; a fresh clone is made ready after the wait.
     fn new(
         wait: Wait,
         inner: S,
@@ -40,10 +46,12 @@ impl<S, ReqB> Held<S, ReqB> {
         fields: Fields,
         after: Option<AfterResponse>,
     ) -> Box<Self> {
+        let idle = inner.clone();
+        drop(inner);
         Box::new(Self {
             until: Box::pin(tokio::time::sleep(wait.delay)),
             wait: Some(wait),
-            pending: Some((inner, req)),
+            pending: Some((idle, req)),
             fields,
             after,
         })
@@ -102,7 +110,7 @@ pin_project! {
 
 impl<S, ReqB> ResponseFuture<S, ReqB>
 where
-    S: Service<Request<ReqB>>,
+    S: Service<Request<ReqB>> + Clone,
 {
     pub(crate) fn deciding(
         decision: PendingAnswer,
@@ -184,7 +192,7 @@ where
 
 impl<S, ReqB, ResB> Future for ResponseFuture<S, ReqB>
 where
-    S: Service<Request<ReqB>, Response = Response<ResB>>,
+    S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
 {
     type Output = Result<Response<ResponseBody<ResB>>, S::Error>;
 
@@ -229,6 +237,9 @@ where
                     // Released: the reservation is the request's now.
                     if let Some(wait) = held.wait.take() {
                         wait.released();
+                    }
+                    if let Some((inner, _)) = held.pending.as_mut() {
+                        ready!(inner.poll_ready(cx))?;
                     }
                     let next = match held.pending.take() {
                         Some((mut inner, req)) => State::Calling {

@@ -327,7 +327,13 @@ pub(crate) fn check(store: &(impl Store + ?Sized), rule: &Rule) -> Result<(), Un
              (Store::check)",
         )));
     }
-    if rule.shaping.is_some() {
+    if let Some(shaping) = &rule.shaping {
+        if shaping.max_delay.is_zero() {
+            return Err(refuse(StoreError::new(
+                StoreErrorKind::Unsupported,
+                "shape needs a longest wait above zero (a zero wait shapes nothing)",
+            )));
+        }
         if !store.can_shape() {
             return Err(refuse(StoreError::new(
                 StoreErrorKind::Unsupported,

@@ -103,24 +103,39 @@
 //! - **Bounded waiting.** At most `per_key` requests of one key, and
 //!   [`RateLimitLayer::max_waiting`] in the layer (1024 by default), wait
 //!   at once; a request beyond that is decided as if its rules did not
-//!   shape.
+//!   shape. The store bounds the line too, atomically: a request waits no
+//!   longer than `per_key` of its own cost take to refill, so requests
+//!   decided together (on Redis, in flight at once) beyond the line are
+//!   refused at once and spend nothing.
+//! - **Across a change of numbers.** A bucket holding requests for later
+//!   stays empty until the last is released, under new numbers too
+//!   ([`tollgate_core::algorithm::carry_over`]).
 //! - **Dropped while waiting.** A request whose future is dropped before
 //!   its release (the client went away, a timeout) gives its reservation
 //!   back when it is the last in line for that key; one with requests
 //!   reserved behind it does not (they keep their release times, and
 //!   giving it back could let a later request be released in the same
 //!   instant as them, over the budget). The rules it was charged to now
-//!   stay charged.
+//!   stay charged. Dropped while the store is still deciding (Redis, before
+//!   the reply), it cannot give back what the reply reserves: that credit
+//!   stays spent, as if the request had been served.
 //! - A request the layer refuses on its own account (`401`, `411`, ...) is
 //!   never held, and dry-run rules and rules charged after the response do
 //!   not shape.
 //!
-//! Shaping needs a tokio runtime (the wait is a `tokio::time::Sleep`), a
-//! store that can shape ([`tollgate_core::Store::can_shape`]: `MemoryStore`
+//! Shaping needs a tokio runtime with its timer (the wait is a
+//! `tokio::time::Sleep`; outside a runtime a request that would wait is
+//! refused instead), a store that can shape ([`tollgate_core::Store::can_shape`]: `MemoryStore`
 //! and the Redis store, whose calls whose keys span cluster slots are
 //! decided unshaped) and token buckets refilling at most one token per
-//! nanosecond. Metrics (feature `metrics`): `tollgate_shaped_total` and
-//! the `tollgate_shaped_wait_seconds` histogram, by policy.
+//! nanosecond. A call whose charges repeat a key is not shaped. Waits are
+//! at most [`tollgate_core::Charge::MAX_DELAY`]. A held request lets go of
+//! the inner service it was made ready with (a clone is made ready on
+//! release), so readiness that is a resource is not held by a wait. The
+//! `RateLimit` fields of a held response are as of its reservation.
+//! Metrics (feature `metrics`): `tollgate_shaped_total` (every request the
+//! store held, also those later dropped) and the
+//! `tollgate_shaped_wait_seconds` histogram, by policy.
 //!
 //! # When the budget is charged
 //!

@@ -11,11 +11,12 @@
 
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
+use std::time::Duration;
 
 use http::request::Parts;
 use http::{HeaderValue, StatusCode};
 use smallvec::SmallVec;
-use tollgate_core::{Charge, Decision, DynStore, Outcome, Store, StoreError, Verdict};
+use tollgate_core::{Algorithm, Charge, Decision, DynStore, Outcome, Store, StoreError, Verdict};
 
 use super::exempt::any_matches;
 use super::layer::{Config, OnStoreError};
@@ -171,7 +172,8 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
             .collect();
         if config.waiters.has_room(&keys, config.max_waiting) {
             for (i, s) in shaped {
-                charges[i] = charges[i].clone().shaped(s.max_delay);
+                let wait = longest_wait(&charges[i], s);
+                charges[i] = charges[i].clone().shaped(wait);
             }
         } else {
             keys.clear();
@@ -187,6 +189,24 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
         refusal,
         shaped: keys,
     }
+}
+
+/// How long a shaped charge may wait: the rule's `max_delay`, and no longer
+/// than `per_key` of this request's cost take to refill. So the store itself
+/// holds about `per_key` requests of one key in line and refuses the rest at
+/// once, spending nothing, even when many are decided at the same time (the
+/// layer's count of waiters only sees them once the store has answered).
+fn longest_wait(charge: &Charge, shaping: Shaping) -> Duration {
+    let Algorithm::TokenBucket(bucket) = charge.policy().algorithm() else {
+        return shaping.max_delay;
+    };
+    let units = u128::from(charge.cost())
+        * shaping.per_key.get() as u128
+        * u128::from(bucket.units_per_token());
+    let ns = units.div_ceil(u128::from(bucket.units_per_nanosecond()));
+    shaping
+        .max_delay
+        .min(Duration::from_nanos(u64::try_from(ns).unwrap_or(u64::MAX)))
 }
 
 /// Logs, once per layer, that a rule's route matched a request path that
@@ -316,7 +336,8 @@ pub(crate) async fn decide<St: Store>(
 
 /// For an outcome the store delayed: the request's wait, with its place in
 /// line; or, when the line is full (other requests took the room since the
-/// plan looked), `429` after the exact wait, the reservation given back.
+/// plan looked) or there is no tokio runtime to wait on, `429` after the
+/// exact wait, the reservation given back.
 fn hold<St, S: Store + Clone>(
     config: &Config<St>,
     store: &S,
@@ -327,7 +348,13 @@ fn hold<St, S: Store + Clone>(
     if outcome.reservation().is_none() {
         return Ok(None);
     }
-    match config.waiters.enter(shaped.clone(), config.max_waiting) {
+    // Holding needs the runtime's timer; without a runtime the request is
+    // refused (as when the line is full) rather than panicking.
+    let place = match tokio::runtime::Handle::try_current() {
+        Ok(_) => config.waiters.enter(shaped.clone(), config.max_waiting),
+        Err(_) => None,
+    };
+    match place {
         Some(place) => Ok(Wait::of(store, charges, outcome, Some(place))),
         None => {
             // Dropped at once: the reservation goes back.

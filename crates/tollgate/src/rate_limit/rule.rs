@@ -551,13 +551,19 @@ impl Rule {
     /// `per_key` requests of one key wait at once (and at most
     /// [`RateLimitLayer::max_waiting`](crate::RateLimitLayer::max_waiting)
     /// in the whole layer); beyond that a request is decided as if the rule
-    /// did not shape. See [shaping](super#shaping-delay-instead-of-refusing).
+    /// did not shape. The store enforces the per-key bound too, atomically:
+    /// a request may wait no longer than `per_key` of its own cost take to
+    /// refill, so a burst decided all at once (on Redis, many in flight to
+    /// the store together) is refused beyond it without spending anything.
+    /// See [shaping](super#shaping-delay-instead-of-refusing).
     ///
     /// Token buckets only (every policy of the rule, plans included), on a
     /// store that can shape ([`Store::can_shape`](tollgate_core::Store::can_shape));
     /// [`RateLimitLayer::try_rule`](crate::RateLimitLayer::try_rule)
-    /// refuses the rule otherwise. A dry-run rule, and a rule charged after
-    /// the response, do not shape.
+    /// refuses the rule otherwise, and a `max_delay` of zero. Waits beyond
+    /// [`Charge::MAX_DELAY`](tollgate_core::Charge::MAX_DELAY) (about 23
+    /// days) are that long. A dry-run rule, and a rule charged after the
+    /// response, do not shape.
     #[must_use]
     pub fn shape(mut self, max_delay: Duration, per_key: NonZeroUsize) -> Self {
         self.shaping = Some(Shaping { max_delay, per_key });
