@@ -287,10 +287,13 @@ async fn shaping_agrees_with_the_memory_store() {
     let (mut delayed, mut dropped) = (0, 0);
     for step in 0..2000 {
         let r = next();
-        now += match r % 8 {
-            0..=3 => 0,
-            7 => (r >> 8) % 3_000_000_000,
-            _ => (r >> 8) % 100_000_000,
+        now = match r % 16 {
+            0..=6 => now,
+            7 | 15 => now + (r >> 8) % 3_000_000_000,
+            // Now and then the clock steps back (by up to 1 s) while
+            // requests wait: both stores keep the line's order alike.
+            14 => now.saturating_sub((r >> 8) % 1_000_000_000),
+            _ => now + (r >> 8) % 100_000_000,
         };
         clock.set(now);
         waiting.retain(|w| w.2 > now);
