@@ -11,6 +11,8 @@
 //! - [`Charge`], [`Decision`], [`Outcome`]: what is asked and answered;
 //! - [`Store`]: one atomic, all-or-nothing decision for a set of charges, with
 //!   [`MemoryStore`] as the embedded default;
+//! - [`LeaseStore`]: in-flight counts shared by a fleet, as leases that
+//!   expire by themselves;
 //! - `conformance` (feature `conformance`): a trace table every store
 //!   must reproduce.
 //!
@@ -47,6 +49,7 @@ mod clock;
 pub mod conformance;
 mod decision;
 mod key;
+mod lease;
 mod memory;
 mod policy;
 mod store;
@@ -54,6 +57,7 @@ mod store;
 pub use clock::{Clock, ManualClock, Nanos, SystemClock};
 pub use decision::{Charge, Decision, InvalidCharge, Outcome, Reservation, Verdict};
 pub use key::{InvalidKey, Key};
+pub use lease::{Acquired, Lease, LeaseRequest, LeaseStore};
 pub use memory::{MemoryStore, MemoryStoreBuilder, MemoryStoreStats, OnKeyCap};
 pub use policy::{
     Algorithm, Initial, InvalidName, InvalidPolicy, Policy, Rate, TokenBucket, Unit, Window,

@@ -72,6 +72,7 @@
 //! ```
 
 mod cache;
+mod leases;
 mod script;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -544,15 +545,48 @@ impl RedisStore {
             TimeSource::Injected(f) => Some(f()),
         };
         let invocation = prepared.invocation(&inner.script, now, mode);
+        let reply: Vec<i64> = self
+            .run(&invocation, || prepared.eval(now, mode), deadline)
+            .await?;
+        if reply.len() == script::REPLY * prepared.len() {
+            Ok(reply)
+        } else {
+            Err(StoreError::new(
+                StoreErrorKind::Protocol,
+                format!(
+                    "script returned {} values for {} charges",
+                    reply.len(),
+                    prepared.len()
+                ),
+            ))
+        }
+    }
+
+    /// When a call started now must be answered.
+    pub(crate) fn deadline(&self) -> tokio::time::Instant {
+        tokio::time::Instant::now() + self.inner.timeout
+    }
+
+    /// Runs a script on the connection (finding a Sentinel master again
+    /// when it may have moved; in a cluster, following `ASK` with `eval`,
+    /// the same call as a plain `EVAL`, and sending again what Redis
+    /// certainly did not run), answered by `deadline`.
+    pub(crate) async fn run<T: redis::FromRedisValue>(
+        &self,
+        invocation: &redis::ScriptInvocation<'_>,
+        eval: impl Fn() -> redis::Cmd,
+        deadline: tokio::time::Instant,
+    ) -> Result<T, StoreError> {
+        let inner = &*self.inner;
         let call = async {
             match &inner.conn {
                 Conn::Single(manager) => {
                     let mut c = manager.clone();
-                    invocation.invoke_async::<Vec<i64>>(&mut c).await
+                    invocation.invoke_async::<T>(&mut c).await
                 }
                 Conn::Sentinel(sentinel) => {
                     let result = match sentinel.master().await {
-                        Ok(mut c) => invocation.invoke_async::<Vec<i64>>(&mut c).await,
+                        Ok(mut c) => invocation.invoke_async::<T>(&mut c).await,
                         Err(e) => Err(e),
                     };
                     if let Err(e) = &result {
@@ -576,7 +610,7 @@ impl RedisStore {
                         })
                         .await?;
                     let mut attempt = 0;
-                    let mut result = invocation.invoke_async::<Vec<i64>>(&mut c.clone()).await;
+                    let mut result = invocation.invoke_async::<T>(&mut c.clone()).await;
                     loop {
                         match result {
                             Err(e) if attempt < 3 && not_run(&e) => {
@@ -585,7 +619,7 @@ impl RedisStore {
                                     // The key has moved to the node importing
                                     // its slot: ask that node directly.
                                     redis::ErrorKind::Server(redis::ServerErrorKind::Ask) => {
-                                        ask(&mut c.clone(), &e, prepared, now, mode).await
+                                        ask(&mut c.clone(), &e, eval()).await
                                     }
                                     // Refused before running (the slot moved,
                                     // the cluster is re-forming): safe to
@@ -594,7 +628,7 @@ impl RedisStore {
                                     _ => {
                                         tokio::time::sleep(Duration::from_millis(10 << attempt))
                                             .await;
-                                        invocation.invoke_async::<Vec<i64>>(&mut c.clone()).await
+                                        invocation.invoke_async::<T>(&mut c.clone()).await
                                     }
                                 };
                             }
@@ -605,20 +639,12 @@ impl RedisStore {
             }
         };
         match tokio::time::timeout_at(deadline, call).await {
-            Ok(Ok(reply)) if reply.len() == script::REPLY * prepared.len() => Ok(reply),
-            Ok(Ok(reply)) => Err(StoreError::new(
-                StoreErrorKind::Protocol,
-                format!(
-                    "script returned {} values for {} charges",
-                    reply.len(),
-                    prepared.len()
-                ),
-            )),
+            Ok(Ok(reply)) => Ok(reply),
             Ok(Err(e)) => Err(classify(e)),
             Err(_) => Err(StoreError::new(
                 StoreErrorKind::Uncertain,
                 format!(
-                    "no answer from Redis within {:?}; the charge may have been applied",
+                    "no answer from Redis within {:?}; the call may have been applied",
                     inner.timeout
                 ),
             )),
@@ -823,13 +849,11 @@ impl RedisStore {
 /// Sends the script to the node an `ASK` redirection names, after
 /// `ASKING`, as the cluster protocol asks during a slot migration. The
 /// script travels whole (`EVAL`): the importing node may not have loaded it.
-async fn ask(
+async fn ask<T: redis::FromRedisValue>(
     conn: &mut ClusterConnection,
     redirect: &redis::RedisError,
-    prepared: &Prepared,
-    now: Option<Nanos>,
-    mode: Mode,
-) -> redis::RedisResult<Vec<i64>> {
+    eval: redis::Cmd,
+) -> redis::RedisResult<T> {
     let Some((host, port)) = redirect
         .redirect_node()
         .and_then(|(addr, _)| addr.rsplit_once(':'))
@@ -842,7 +866,7 @@ async fn ask(
     };
     let mut pipe = redis::pipe();
     pipe.cmd("ASKING").ignore();
-    pipe.add_command(prepared.eval(now, mode));
+    pipe.add_command(eval);
     let route = redis::cluster_routing::SingleNodeRoutingInfo::ByAddress { host, port };
     let mut values = conn.route_pipeline(pipe, 1, 1, route).await?;
     Ok(redis::from_redis_value(

@@ -1,0 +1,72 @@
+//! [`LeaseStore`]: in-flight counts shared by a fleet, as leases that
+//! expire by themselves.
+//!
+//! A request in flight holds a lease on its limit's slots (per key and in
+//! all) until it is released; the holder renews it while the request runs,
+//! and a lease that is not renewed in time expires, so an instance that
+//! dies never holds capacity for longer than one lease.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::{StoreError, StoreFuture};
+
+/// What a lease is asked for: one slot of the limit `limit` in all (at most
+/// `global`) and, with a key, one of the key's (at most `per_key`), for
+/// `ttl` unless renewed.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LeaseRequest {
+    /// The limit's name (a concurrency layer's).
+    pub limit: Arc<str>,
+    /// The key whose slots are counted, if the limit has a per-key bound.
+    pub key: Option<Box<str>>,
+    /// At most this many in flight per key.
+    pub per_key: Option<u64>,
+    /// At most this many in flight in all.
+    pub global: Option<u64>,
+    /// How long the lease lasts unless renewed.
+    pub ttl: Duration,
+}
+
+/// A lease held: what to renew and release.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Lease {
+    /// The request it was granted for.
+    pub request: LeaseRequest,
+    /// Tells this lease from every other; chosen by the holder.
+    pub id: u128,
+}
+
+/// The answer to a [`LeaseRequest`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Acquired {
+    /// Granted: the slots are held until released or expired.
+    Granted(Lease),
+    /// The key has `per_key` leases already; nothing was taken.
+    PerKeyFull,
+    /// The limit has `global` leases already; nothing was taken.
+    GlobalFull,
+}
+
+/// Where in-flight leases live when a limit must hold across processes
+/// (the Redis store implements it). Object-safe: use it as
+/// `Arc<dyn LeaseStore>`.
+///
+/// Every operation is atomic on the store's own clock: expired leases are
+/// dropped, the bounds checked and the lease taken in one step, so the
+/// number of unexpired leases never exceeds a bound.
+pub trait LeaseStore: Send + Sync + 'static {
+    /// Takes a lease if every bound has room; `id` names it.
+    fn acquire<'a>(
+        &'a self,
+        request: &'a LeaseRequest,
+        id: u128,
+    ) -> StoreFuture<'a, Result<Acquired, StoreError>>;
+
+    /// Extends `lease` by its `ttl` from now; `false` when it had expired
+    /// (it is not taken again: the slots may be someone else's now).
+    fn renew<'a>(&'a self, lease: &'a Lease) -> StoreFuture<'a, Result<bool, StoreError>>;
+
+    /// Gives `lease` back (nothing if it had expired).
+    fn release<'a>(&'a self, lease: &'a Lease) -> StoreFuture<'a, Result<(), StoreError>>;
+}

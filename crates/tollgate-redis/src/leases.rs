@@ -1,0 +1,135 @@
+//! [`LeaseStore`] for [`RedisStore`]: in-flight limits shared by every
+//! instance on one Redis, as leases in sorted sets scored by their expiry
+//! on Redis's clock (`leases.lua`).
+//!
+//! Keys: `PREFIX:{inflight/NAME}:all` holds every lease of the limit
+//! `NAME`, `PREFIX:{inflight/NAME}:k:KEY` those of one key. One hash tag
+//! for the limit, so that both bounds are checked and taken in one atomic
+//! script, on one node of a cluster.
+
+use std::sync::LazyLock;
+
+use tollgate_core::{
+    Acquired, Lease, LeaseRequest, LeaseStore, StoreError, StoreErrorKind, StoreFuture,
+};
+
+use crate::RedisStore;
+
+static LEASES: LazyLock<redis::Script> =
+    LazyLock::new(|| redis::Script::new(include_str!("leases.lua")));
+
+impl RedisStore {
+    /// The Redis keys of `request`'s leases: the limit's, and its key's.
+    pub fn lease_keys(&self, request: &LeaseRequest) -> Vec<String> {
+        let tag = format!("{}:{{inflight/{}}}", self.inner.prefix, request.limit);
+        let mut keys = vec![format!("{tag}:all")];
+        if let Some(key) = &request.key {
+            let mut k = format!("{tag}:k:");
+            for c in key.chars() {
+                match c {
+                    '{' => k.push_str("%7B"),
+                    '}' => k.push_str("%7D"),
+                    c => k.push(c),
+                }
+            }
+            keys.push(k);
+        }
+        keys
+    }
+
+    async fn lease_call(
+        &self,
+        request: &LeaseRequest,
+        op: &str,
+        id: u128,
+        bounds: (u64, u64),
+    ) -> Result<i64, StoreError> {
+        let keys = self.lease_keys(request);
+        let ttl_ms = u64::try_from(request.ttl.as_millis())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        let mut invocation = LEASES.prepare_invoke();
+        for k in &keys {
+            invocation.key(k);
+        }
+        invocation
+            .arg(op)
+            .arg(format!("{id:032x}"))
+            .arg(ttl_ms)
+            .arg(bounds.0)
+            .arg(bounds.1);
+        let eval = || {
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(include_str!("leases.lua")).arg(keys.len());
+            for k in &keys {
+                cmd.arg(k);
+            }
+            cmd.arg(op)
+                .arg(format!("{id:032x}"))
+                .arg(ttl_ms)
+                .arg(bounds.0)
+                .arg(bounds.1);
+            cmd
+        };
+        self.run::<i64>(&invocation, eval, self.deadline()).await
+    }
+}
+
+fn unexpected(op: &str, reply: i64) -> StoreError {
+    StoreError::new(
+        StoreErrorKind::Protocol,
+        format!("lease script answered {reply} to {op}"),
+    )
+}
+
+impl LeaseStore for RedisStore {
+    fn acquire<'a>(
+        &'a self,
+        request: &'a LeaseRequest,
+        id: u128,
+    ) -> StoreFuture<'a, Result<Acquired, StoreError>> {
+        Box::pin(async move {
+            let bounds = (
+                request.global.unwrap_or(0),
+                request
+                    .per_key
+                    .filter(|_| request.key.is_some())
+                    .unwrap_or(0),
+            );
+            match self.lease_call(request, "acquire", id, bounds).await? {
+                0 => Ok(Acquired::Granted(Lease {
+                    request: request.clone(),
+                    id,
+                })),
+                1 => Ok(Acquired::PerKeyFull),
+                2 => Ok(Acquired::GlobalFull),
+                other => Err(unexpected("acquire", other)),
+            }
+        })
+    }
+
+    fn renew<'a>(&'a self, lease: &'a Lease) -> StoreFuture<'a, Result<bool, StoreError>> {
+        Box::pin(async move {
+            match self
+                .lease_call(&lease.request, "renew", lease.id, (0, 0))
+                .await?
+            {
+                0 => Ok(false),
+                1 => Ok(true),
+                other => Err(unexpected("renew", other)),
+            }
+        })
+    }
+
+    fn release<'a>(&'a self, lease: &'a Lease) -> StoreFuture<'a, Result<(), StoreError>> {
+        Box::pin(async move {
+            match self
+                .lease_call(&lease.request, "release", lease.id, (0, 0))
+                .await?
+            {
+                1 => Ok(()),
+                other => Err(unexpected("release", other)),
+            }
+        })
+    }
+}
