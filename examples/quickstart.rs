@@ -19,7 +19,9 @@
 //! - `GET /`: public, the address rule only;
 //! - `GET /slow?ms=N` (needs a principal): sleeps N ms (default 1000, at most
 //!   10000), then streams a short body; at most 2 in flight per account and 8
-//!   in all (429 / 503 beyond), held until the body has been sent;
+//!   in all (429 / 503 beyond), held until the body has been sent; with
+//!   `--store` these limits hold across every quickstart on that Redis
+//!   (leases of 2 s: a killed instance's slots are free again within 2 s);
 //! - `POST /login`: 200 when the bearer key is known, 401 otherwise; besides
 //!   the address rule, per address `login-failures`: 3, refilled 1 per 20
 //!   seconds, checked before and charged only for 401 answers (three wrong
@@ -62,9 +64,12 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket};
 use tollgate::{
     ClientIpResolver, ConcurrencyLimitLayer, Cost, DynStore, Exemption, ForwardedHeader, KeyPart,
-    MemoryStore, Policy, Principal, Rate, RateLimitLayer, RedisStore, Rule,
+    LeaseStore, MemoryStore, Policy, Principal, Rate, RateLimitLayer, RedisStore, Rule,
 };
 use tower_http::timeout::TimeoutLayer;
+
+/// How long `/slow`'s shared in-flight leases last unless renewed.
+const SLOW_LEASE: Duration = Duration::from_secs(2);
 
 const USAGE: &str = "usage: quickstart [--addr HOST:PORT] [--trust-proxy CIDR]... [--exempt CIDR]... [--dry-run] [--store redis://HOST:PORT|rediss://HOST:PORT] [--redis-ca FILE] [--demo]";
 
@@ -84,6 +89,8 @@ struct Options {
     trusted: Vec<ipnet::IpNet>,
     exempt: Vec<ipnet::IpNet>,
     dry_run: bool,
+    /// With `--store`: where `/slow`'s in-flight leases are shared.
+    leases: Option<Arc<dyn LeaseStore>>,
 }
 
 /// A CIDR, or a bare address as its single-address network.
@@ -287,6 +294,13 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
             [KeyPart::Account],
         )
         .global(NonZeroUsize::new(8).ok_or("8 is not zero")?);
+    // With `--store`, the limits hold across every instance on that Redis:
+    // leases of 2 s, renewed every 2/3 s, so a dead instance's slots are
+    // free again at most 2 s after its last renewal.
+    let in_flight = match options.leases {
+        Some(leases) => in_flight.shared(leases).lease_ttl(SLOW_LEASE),
+        None => in_flight,
+    };
     let slow_route = get(slow)
         .route_layer(TimeoutLayer::with_status_code(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -323,8 +337,8 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    let store: Arc<dyn DynStore> = match &args.store {
-        None => Arc::new(MemoryStore::new()),
+    let (store, leases): (Arc<dyn DynStore>, Option<Arc<dyn LeaseStore>>) = match &args.store {
+        None => (Arc::new(MemoryStore::new()), None),
         Some(url) => match RedisStore::builder(url).and_then(|b| {
             match args.redis_ca.clone() {
                 Some(ca) => b.tls_root_certificate(ca),
@@ -332,7 +346,7 @@ async fn main() -> ExitCode {
             }
             .build()
         }) {
-            Ok(store) => Arc::new(store),
+            Ok(store) => (Arc::new(store.clone()), Some(Arc::new(store))),
             Err(e) => {
                 eprintln!("--store {url}: {e}");
                 return ExitCode::from(2);
@@ -343,6 +357,7 @@ async fn main() -> ExitCode {
         trusted: args.trusted,
         exempt: args.exempt,
         dry_run: args.dry_run,
+        leases,
     };
     let app = match app(options, store) {
         Ok(app) => app,

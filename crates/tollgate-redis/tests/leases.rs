@@ -173,8 +173,7 @@ async fn contend(url: &str, tag: &str) -> Vec<(u128, u128)> {
     for t in tasks {
         t.await.unwrap();
     }
-    let v = intervals.lock().unwrap().clone();
-    v
+    Arc::into_inner(intervals).unwrap().into_inner().unwrap()
 }
 
 /// Run by the test below in a second process: contends, then prints its

@@ -113,7 +113,7 @@ pub mod rate_limit;
 mod response;
 
 pub use body::ResponseBody;
-pub use concurrency::{ConcurrencyLimit, ConcurrencyLimitLayer};
+pub use concurrency::{ConcurrencyLimit, ConcurrencyLimitLayer, OnLeaseError};
 pub use identity::{
     ClientIp, ClientIpError, ClientIpResolver, CustomPart, ForwardedHeader, InvalidNetwork,
     InvalidPrefix, KeyPart, MissingPrincipal, Operation, PeerAddr, Principal,
@@ -123,10 +123,10 @@ pub use rate_limit::{
     RefusalBody, RefusalInfo, Rule, RulesHandle, UnsupportedRule,
 };
 pub use tollgate_core::{
-    self as core, Algorithm, Charge, Clock, Decision, DynStore, Initial, InvalidCharge, InvalidKey,
-    InvalidName, InvalidPolicy, Key, ManualClock, MemoryStore, MemoryStoreBuilder,
-    MemoryStoreStats, OnKeyCap, Outcome, Policy, Rate, Store, StoreError, StoreErrorKind,
-    SystemClock, Unit, Verdict,
+    self as core, Acquired, Algorithm, Charge, Clock, Decision, DynStore, Initial, InvalidCharge,
+    InvalidKey, InvalidName, InvalidPolicy, Key, Lease, LeaseRequest, LeaseStore, ManualClock,
+    MemoryStore, MemoryStoreBuilder, MemoryStoreStats, OnKeyCap, Outcome, Policy, Rate, Store,
+    StoreError, StoreErrorKind, SystemClock, Unit, Verdict,
 };
 /// The Redis store (feature `redis`): see [`tollgate_redis`].
 #[cfg(feature = "redis")]

@@ -13,14 +13,15 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use super::PermitBody;
+use super::fleet::Slot;
 use super::in_flight::{Held, hold};
 use super::layer::Config;
-use super::limiter::{Permit, Saturated};
+use super::limiter::Saturated;
 use super::service::refusal;
 use crate::ResponseBody;
 use crate::response::Protocol;
 
-type Acquire = Pin<Box<dyn Future<Output = Result<Permit, Saturated>> + Send>>;
+type Acquire = Pin<Box<dyn Future<Output = Result<Slot, Saturated>> + Send>>;
 
 pin_project! {
     /// Response future of [`ConcurrencyLimit`](super::ConcurrencyLimit).
@@ -41,6 +42,10 @@ pin_project! {
     {
         Waiting {
             acquire: Acquire,
+            // The slot, once acquired, while the inner service gets ready.
+            acquired: Option<Slot>,
+            // A clone of the inner service, not yet ready: a request that
+            // waits does not hold the readiness of the one it was called on.
             pending: Option<(S, Request<ReqB>)>,
             config: Arc<Config>,
             protocol: Protocol,
@@ -62,7 +67,7 @@ impl<S, ReqB> ResponseFuture<S, ReqB>
 where
     S: Service<Request<ReqB>>,
 {
-    pub(crate) fn calling(mut inner: S, mut req: Request<ReqB>, permit: Permit) -> Self {
+    pub(crate) fn calling(mut inner: S, mut req: Request<ReqB>, permit: Slot) -> Self {
         let permit = hold(permit, &mut req);
         Self {
             state: State::Calling {
@@ -78,11 +83,17 @@ where
         req: Request<ReqB>,
         config: Arc<Config>,
         protocol: Protocol,
-    ) -> Self {
+    ) -> Self
+    where
+        S: Clone,
+    {
+        let idle = inner.clone();
+        drop(inner);
         Self {
             state: State::Waiting {
                 acquire,
-                pending: Some((inner, req)),
+                acquired: None,
+                pending: Some((idle, req)),
                 config,
                 protocol,
             },
@@ -124,22 +135,37 @@ where
             match this.state.as_mut().project() {
                 StateProj::Waiting {
                     acquire,
+                    acquired,
                     pending,
                     config,
                     protocol,
                 } => {
-                    let next = match (ready!(acquire.as_mut().poll(cx)), pending.take()) {
-                        (Ok(permit), Some((mut inner, mut req))) => {
-                            let permit = hold(permit, &mut req);
+                    if acquired.is_none() {
+                        match ready!(acquire.as_mut().poll(cx)) {
+                            Ok(slot) => *acquired = Some(slot),
+                            Err(full) => {
+                                let response = refusal(config, full).into_response(*protocol);
+                                this.state.set(State::Refused {
+                                    response: Some(response),
+                                });
+                                continue;
+                            }
+                        }
+                    }
+                    // Holding its slot, the request waits for the inner
+                    // service to be ready, as if it had just arrived.
+                    if let Some((inner, _)) = pending.as_mut() {
+                        ready!(inner.poll_ready(cx))?;
+                    }
+                    let next = match (acquired.take(), pending.take()) {
+                        (Some(slot), Some((mut inner, mut req))) => {
+                            let permit = hold(slot, &mut req);
                             State::Calling {
                                 future: inner.call(req),
                                 permit: Some(permit),
                             }
                         }
-                        (Err(full), _) => State::Refused {
-                            response: Some(refusal(config, full).into_response(*protocol)),
-                        },
-                        (Ok(_), None) => State::Refused {
+                        _ => State::Refused {
                             response: Some(crate::response::polled_after_completion()),
                         },
                     };

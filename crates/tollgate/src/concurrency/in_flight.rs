@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use http::{Method, Request, header};
 
-use super::limiter::Permit;
+use super::fleet::Slot;
 
 /// A request's slot in a [`ConcurrencyLimitLayer`](super::ConcurrencyLimitLayer),
 /// for connections that outlive their response.
@@ -50,7 +50,7 @@ pub struct InFlight {
     // Never read: holding them is the point. One per concurrency layer the
     // request passed through (layers nest: a global one on the app and a
     // per-key one on the route each add their slot to the same handle).
-    _slots: Vec<Arc<Permit>>,
+    _slots: Vec<Arc<Slot>>,
 }
 
 impl fmt::Debug for InFlight {
@@ -63,14 +63,14 @@ impl fmt::Debug for InFlight {
 /// Never read: holding it is the point.
 pub(crate) enum Held {
     /// Alone: the slot is freed with the body.
-    Own { _slot: Permit },
+    Own { _slot: Slot },
     /// With the [`InFlight`] handed to the handler.
-    Shared { _slot: Arc<Permit> },
+    Shared { _slot: Arc<Slot> },
 }
 
 /// The permit of `req`, shared with the handler through an [`InFlight`] in
 /// its extensions when the request asks for an upgrade.
-pub(crate) fn hold<B>(permit: Permit, req: &mut Request<B>) -> Held {
+pub(crate) fn hold<B>(permit: Slot, req: &mut Request<B>) -> Held {
     let upgrade = req.method() == Method::CONNECT || req.headers().contains_key(header::UPGRADE);
     if !upgrade {
         return Held::Own { _slot: permit };

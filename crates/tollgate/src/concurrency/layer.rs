@@ -6,10 +6,11 @@ use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_core::{InvalidName, check_name};
+use tollgate_core::{InvalidName, LeaseStore, check_name};
 use tower_layer::Layer;
 
 use super::ConcurrencyLimit;
+use super::fleet::{Fleet, MIN_LEASE, OnLeaseError, Sharing};
 use super::limiter::{ConcurrencyStats, Limiter, Limits};
 use crate::ClientIpResolver;
 use crate::identity::{KeyPart, MissingPrincipal};
@@ -17,9 +18,33 @@ use crate::identity::{KeyPart, MissingPrincipal};
 #[derive(Clone)]
 pub(crate) struct Config {
     pub(crate) limiter: Arc<Limiter>,
+    /// Where the limit is shared by a fleet, if it is, and how.
+    pub(crate) lease_store: Option<Arc<dyn LeaseStore>>,
+    pub(crate) lease: LeaseOptions,
+    /// The shared limit's counters in this process (made with `limiter`).
+    pub(crate) fleet: Option<Arc<Fleet>>,
     pub(crate) key: Vec<KeyPart>,
     pub(crate) missing: MissingPrincipal,
     pub(crate) resolver: ClientIpResolver,
+}
+
+/// A shared limit's lease: how long, how often waiters poll, what a store
+/// failure does.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct LeaseOptions {
+    ttl: Duration,
+    poll: Duration,
+    on_error: OnLeaseError,
+}
+
+impl Default for LeaseOptions {
+    fn default() -> Self {
+        Self {
+            ttl: Duration::from_secs(10),
+            poll: Duration::from_millis(50),
+            on_error: OnLeaseError::FailClosed,
+        }
+    }
 }
 
 /// Bounds the requests in flight: globally, per key, or both.
@@ -48,6 +73,8 @@ impl fmt::Debug for ConcurrencyLimitLayer {
             .field("per_key", &l.per_key_max)
             .field("key", &self.config.key)
             .field("waiting", &l.waiting)
+            .field("shared", &self.config.lease_store.is_some())
+            .field("lease", &self.config.lease)
             .finish_non_exhaustive()
     }
 }
@@ -65,6 +92,9 @@ impl ConcurrencyLimitLayer {
                     per_key_max: None,
                     waiting: None,
                 })),
+                lease_store: None,
+                lease: LeaseOptions::default(),
+                fleet: None,
                 key: Vec::new(),
                 missing: MissingPrincipal::Reject,
                 resolver: ClientIpResolver::peer_only(),
@@ -80,7 +110,68 @@ impl ConcurrencyLimitLayer {
         let mut limits = config.limiter.limits.clone();
         f(config, &mut limits);
         config.limiter = Arc::new(Limiter::new(limits));
+        config.fleet = config.lease_store.clone().map(|store| {
+            Arc::new(Fleet::new(Sharing {
+                store,
+                ttl: config.lease.ttl,
+                poll: config.lease.poll,
+                on_error: config.lease.on_error,
+            }))
+        });
         self
+    }
+
+    /// Makes the limit hold across every instance that shares `store`
+    /// (the Redis store implements [`LeaseStore`]): each request in flight
+    /// holds a lease there, for its key and in all, from admission until
+    /// its response body ends.
+    ///
+    /// - A lease lasts [`lease_ttl`](Self::lease_ttl) (10 s by default)
+    ///   unless renewed; it is renewed every third of that while the
+    ///   request runs, and given back when it ends. An instance that dies
+    ///   (`kill -9`, a lost host) stops holding its slots at most one lease
+    ///   after its last renewal.
+    /// - Never more than the limit in flight while leases are renewed in
+    ///   time. A process paused (or cut off from the store) for longer than
+    ///   a lease loses its leases while its requests still run: others may
+    ///   take those slots, so the fleet can exceed the limit by the paused
+    ///   requests until they end. The renewal finds the lease expired, does
+    ///   not take it again, and logs and counts it
+    ///   ([`ConcurrencyStats::leases_expired`]).
+    /// - Waiting ([`wait`](Self::wait)) works across instances by polling:
+    ///   a waiting request tries again every
+    ///   [`poll_every`](Self::poll_every) (50 ms by default), one store
+    ///   round trip each, until its wait is over. Waiters are not served in
+    ///   arrival order across instances.
+    /// - When the store fails: [`on_lease_error`](Self::on_lease_error)
+    ///   (fail closed with `503` by default).
+    ///
+    /// Every decision is one atomic script on the store's clock; the
+    /// limit's leases share one cluster hash slot.
+    pub fn shared(self, store: Arc<dyn LeaseStore>) -> Self {
+        self.edit(|c, _| c.lease_store = Some(store))
+    }
+
+    /// How long a shared limit's lease lasts unless renewed (default 10 s;
+    /// at least 100 ms, a shorter one is 100 ms). Shorter frees the slots
+    /// of a dead instance sooner and costs more renewals (one store round
+    /// trip per request in flight every third of it); a process paused
+    /// for longer loses its leases. No effect unless [`shared`](Self::shared).
+    pub fn lease_ttl(self, ttl: Duration) -> Self {
+        self.edit(|c, _| c.lease.ttl = ttl.max(MIN_LEASE))
+    }
+
+    /// How often a shared limit's waiting request tries again (default
+    /// 50 ms, at least 1 ms). No effect unless [`shared`](Self::shared).
+    pub fn poll_every(self, every: Duration) -> Self {
+        self.edit(|c, _| c.lease.poll = every.max(Duration::from_millis(1)))
+    }
+
+    /// What a shared limit does when its store fails or does not answer in
+    /// time (default [`OnLeaseError::FailClosed`]). No effect unless
+    /// [`shared`](Self::shared).
+    pub fn on_lease_error(self, what: OnLeaseError) -> Self {
+        self.edit(|c, _| c.lease.on_error = what)
     }
 
     /// At most `max` requests in flight through this layer in all (503 beyond).
@@ -115,9 +206,21 @@ impl ConcurrencyLimitLayer {
         self.edit(|c, _| c.resolver = resolver)
     }
 
-    /// The counters: in flight, waiting, refused.
+    /// The counters: in flight, waiting, refused. For a
+    /// [shared](Self::shared) limit, in flight and waiting count this
+    /// process's requests (holding a lease, polling for one).
     pub fn stats(&self) -> ConcurrencyStats {
-        self.config.limiter.stats()
+        let mut stats = self.config.limiter.stats();
+        if let Some(fleet) = &self.config.fleet {
+            let (held, waiting, peak, expired) = fleet.counts();
+            // Failing over to local counts (OnLeaseError::Local) counts
+            // those requests in `limiter` too.
+            stats.in_flight += held;
+            stats.waiting += waiting;
+            stats.peak_waiting = stats.peak_waiting.max(peak);
+            stats.leases_expired = expired;
+        }
+        stats
     }
 }
 

@@ -16,6 +16,8 @@ pub(crate) enum Saturated {
     PerKey,
     /// Bounded waiting is on, but every waiting slot is taken.
     Queue,
+    /// The fleet's lease store failed, and the layer fails closed.
+    Unavailable,
 }
 
 #[derive(Default)]
@@ -82,8 +84,14 @@ pub struct ConcurrencyStats {
     pub peak_waiting: usize,
     /// Requests refused by the per-key limit.
     pub refused_per_key: u64,
-    /// Requests refused by the global limit or a full waiting queue.
+    /// Requests refused by the global limit, a full waiting queue, or (for
+    /// a [shared](crate::ConcurrencyLimitLayer::shared) limit) a failed
+    /// lease store.
     pub refused_global: u64,
+    /// Shared limits: leases that expired while their request still ran
+    /// (the process was paused, or the store unreachable, for longer than
+    /// the lease).
+    pub leases_expired: u64,
 }
 
 /// What a limiter bounds.
@@ -249,14 +257,14 @@ impl Limiter {
     pub(crate) fn refused(&self, full: Saturated) -> Saturated {
         let counter = match full {
             Saturated::PerKey => &self.refused_per_key,
-            Saturated::Global | Saturated::Queue => &self.refused_global,
+            Saturated::Global | Saturated::Queue | Saturated::Unavailable => &self.refused_global,
         };
         counter.fetch_add(1, Ordering::Relaxed);
         #[cfg(feature = "metrics")]
         metrics::counter!(
             "tollgate_concurrency_refused_total",
             "layer" => self.limits.name.to_string(),
-            "scope" => match full { Saturated::PerKey => "per_key", Saturated::Global => "global", Saturated::Queue => "queue" }
+            "scope" => match full { Saturated::PerKey => "per_key", Saturated::Global => "global", Saturated::Queue => "queue", Saturated::Unavailable => "store_unavailable" }
         )
         .increment(1);
         full
@@ -281,6 +289,7 @@ impl Limiter {
             peak_waiting: self.peak_waiters.load(Ordering::Relaxed),
             refused_per_key: self.refused_per_key.load(Ordering::Relaxed),
             refused_global: self.refused_global.load(Ordering::Relaxed),
+            leases_expired: 0,
         }
     }
 }

@@ -24,8 +24,12 @@
 //! response head, and `tower_http::timeout::ResponseBodyTimeoutLayer` the
 //! gaps in a streaming body.
 //!
-//! This is an in-process limit. A Redis-backed distributed in-flight limit
-//! (leases with TTLs) is not built.
+//! By default the counts are this process's. With
+//! [`ConcurrencyLimitLayer::shared`] they hold across a fleet: every
+//! request in flight holds a lease in a shared [`tollgate_core::LeaseStore`]
+//! (the Redis store is one), renewed while it runs and expiring on its own
+//! if its instance dies; see there for what a paused process can do and
+//! what a store failure does ([`OnLeaseError`]).
 //!
 //! ```
 //! use std::num::NonZeroUsize;
@@ -41,6 +45,7 @@
 //! ```
 
 mod body;
+mod fleet;
 mod future;
 mod in_flight;
 mod layer;
@@ -48,6 +53,7 @@ mod limiter;
 mod service;
 
 pub use body::PermitBody;
+pub use fleet::OnLeaseError;
 pub use future::ResponseFuture;
 pub use in_flight::InFlight;
 pub use layer::ConcurrencyLimitLayer;

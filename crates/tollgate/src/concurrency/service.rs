@@ -8,6 +8,7 @@ use http::{Request, Response};
 use tower_service::Service;
 
 use super::ResponseFuture;
+use super::fleet::{self, Slot};
 use super::layer::Config;
 use super::limiter::Saturated;
 use crate::identity::RequestIdentity;
@@ -86,6 +87,14 @@ pub(crate) fn refusal(config: &Config, full: Saturated) -> Answer {
             answer.fields = fields.finish().map(Box::new);
             answer
         }
+        Saturated::Unavailable => {
+            let mut answer = Answer::new(
+                Refusal::StoreUnavailable,
+                "the in-flight limit's store is unavailable; try again later",
+            );
+            answer.policy = Some(Limit::InFlight(l.name.clone()));
+            answer
+        }
         Saturated::Global | Saturated::Queue => {
             let mut answer = Answer::new(
                 Refusal::Overloaded,
@@ -135,10 +144,15 @@ where
             None
         };
         let req = Request::from_parts(parts, body);
+        if let Some(fleet) = &config.fleet {
+            let acquire = Box::pin(fleet::acquire(config.limiter.clone(), fleet.clone(), key));
+            return ResponseFuture::waiting(acquire, inner, req, config.clone(), protocol);
+        }
         match config.limiter.try_acquire(key.as_deref()) {
-            Ok(permit) => ResponseFuture::calling(inner, req, permit),
+            Ok(permit) => ResponseFuture::calling(inner, req, Slot::local(permit)),
             Err(_) if config.limiter.limits.waiting.is_some() => {
-                let waiting = Box::pin(config.limiter.clone().acquire(key));
+                let limiter = config.limiter.clone();
+                let waiting = Box::pin(async move { limiter.acquire(key).await.map(Slot::local) });
                 ResponseFuture::waiting(waiting, inner, req, config.clone(), protocol)
             }
             Err(full) => {
