@@ -213,6 +213,17 @@ pub struct Quickstart {
     pub log: Arc<Mutex<String>>,
 }
 
+impl Quickstart {
+    /// Sends `signal` (`STOP`, `CONT`, `KILL`, ...) to the process.
+    pub fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([&format!("-{signal}"), &self.child.id().to_string()])
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{signal}");
+    }
+}
+
 impl Drop for Quickstart {
     fn drop(&mut self) {
         let _ = self.child.kill();

@@ -1,0 +1,343 @@
+//! Fleet-wide in-flight limits over real processes and a real Redis: two
+//! quickstarts share `/slow`'s limits; a killed instance's slots come free
+//! within the lease; a paused instance loses its leases (the documented way
+//! a fleet can exceed its limit); leases are renewed while a response body
+//! streams; waiting works across instances; a stopped Redis gets the
+//! configured outcome within the store's timeout and leaks no lease.
+
+mod common;
+
+use std::num::NonZeroUsize;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use axum::Router;
+use axum::routing::get;
+use bytes::Bytes;
+use common::{Quickstart, ip, quickstart, send, serve};
+use http::StatusCode;
+use http_body::Frame;
+use tollgate::redis::testing::RedisServer;
+use tollgate::{ConcurrencyLimitLayer, KeyPart, LeaseStore, OnLeaseError, RedisStore};
+
+const ALICE: (&str, &str) = ("Authorization", "Bearer alice-key-1");
+const BOB: (&str, &str) = ("Authorization", "Bearer bob-key");
+/// The quickstart's lease for `/slow` with `--store`.
+const LEASE: Duration = Duration::from_secs(2);
+
+fn n(v: usize) -> NonZeroUsize {
+    NonZeroUsize::new(v).unwrap()
+}
+
+/// `GET /slow?ms=N` as `who` from `from`, spawned: (status, when it ended).
+fn slow(
+    q: &Quickstart,
+    from: &str,
+    who: (&'static str, &'static str),
+    ms: u64,
+) -> tokio::task::JoinHandle<(StatusCode, Instant)> {
+    let (addr, from) = (q.addr, ip(from));
+    tokio::spawn(async move {
+        let r = send(addr, from, "GET", &format!("/slow?ms={ms}"), &[who], b"").await;
+        (r.status, Instant::now())
+    })
+}
+
+async fn status(q: &Quickstart, from: &str, who: (&'static str, &'static str)) -> StatusCode {
+    slow(q, from, who, 0).await.unwrap().0
+}
+
+/// Two instances on one Redis: alice's two slots taken on the first are
+/// full on the second, bob is admitted on either, and alice is admitted
+/// on the second once one of hers on the first has finished.
+#[tokio::test(flavor = "multi_thread")]
+async fn two_quickstarts_share_the_slow_limits() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let url = redis.url();
+    let (a, b) = (
+        quickstart(&["--store", &url]),
+        quickstart(&["--store", &url]),
+    );
+    let short = slow(&a, "127.0.90.1", ALICE, 1500);
+    let long = slow(&a, "127.0.90.2", ALICE, 6000);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let asked = Instant::now();
+    assert_eq!(
+        status(&b, "127.0.90.3", ALICE).await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert!(
+        asked.elapsed() < Duration::from_millis(500),
+        "refused at once"
+    );
+    assert_eq!(status(&b, "127.0.90.4", BOB).await, StatusCode::OK);
+    assert_eq!(status(&a, "127.0.90.5", BOB).await, StatusCode::OK);
+    let (done, _) = short.await.unwrap();
+    assert_eq!(done, StatusCode::OK);
+    assert_eq!(status(&b, "127.0.90.6", ALICE).await, StatusCode::OK);
+    // The long one still holds its slot: one more fits, not two.
+    let third = slow(&b, "127.0.90.7", ALICE, 1500);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        status(&a, "127.0.90.8", ALICE).await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(third.await.unwrap().0, StatusCode::OK);
+    assert_eq!(long.await.unwrap().0, StatusCode::OK);
+}
+
+/// `kill -9` of the instance holding alice's slots: they stay taken (the
+/// leases are in Redis) until the lease runs out, at most one lease after
+/// its last renewal, then alice is admitted on the other instance.
+#[tokio::test(flavor = "multi_thread")]
+async fn killing_the_holder_frees_its_slots_within_the_lease() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let url = redis.url();
+    let (a, b) = (
+        quickstart(&["--store", &url]),
+        quickstart(&["--store", &url]),
+    );
+    let _held = (
+        slow(&a, "127.0.91.1", ALICE, 10_000),
+        slow(&a, "127.0.91.2", ALICE, 10_000),
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        status(&b, "127.0.91.3", ALICE).await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    a.signal("KILL");
+    let killed = Instant::now();
+    assert_eq!(
+        status(&b, "127.0.91.4", ALICE).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "the dead instance's leases outlive it until they expire"
+    );
+    let mut from = 10u8;
+    while status(&b, &format!("127.0.91.{from}"), ALICE).await != StatusCode::OK {
+        assert!(
+            killed.elapsed() < LEASE + Duration::from_millis(700),
+            "still refused {:?} after the kill",
+            killed.elapsed()
+        );
+        from += 1;
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    eprintln!(
+        "slots free {:?} after kill -9 (lease {LEASE:?})",
+        killed.elapsed()
+    );
+}
+
+/// A process paused for longer than the lease loses its leases while its
+/// requests still run: the other instance admits alice again, so for a
+/// while she has more than two in flight (documented). On resuming, the
+/// paused instance finds its leases expired, logs it, and does not take
+/// them back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_paused_instance_loses_its_leases() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let url = redis.url();
+    let (a, b) = (
+        quickstart(&["--store", &url]),
+        quickstart(&["--store", &url]),
+    );
+    let held = (
+        slow(&a, "127.0.92.1", ALICE, 3000),
+        slow(&a, "127.0.92.2", ALICE, 3000),
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        status(&b, "127.0.92.3", ALICE).await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    a.signal("STOP");
+    let stopped = Instant::now();
+    tokio::time::sleep(LEASE + Duration::from_millis(500)).await;
+    // Both of a's leases are gone: two more of alice's run on b.
+    let more = (
+        slow(&b, "127.0.92.4", ALICE, 2000),
+        slow(&b, "127.0.92.5", ALICE, 2000),
+    );
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    a.signal("CONT");
+    assert_eq!(held.0.await.unwrap().0, StatusCode::OK);
+    assert_eq!(held.1.await.unwrap().0, StatusCode::OK);
+    assert_eq!(more.0.await.unwrap().0, StatusCode::OK);
+    assert_eq!(more.1.await.unwrap().0, StatusCode::OK);
+    assert!(stopped.elapsed() > LEASE);
+    let log = a.log.lock().unwrap().clone();
+    assert!(
+        log.contains("in-flight lease expired while its request was still running"),
+        "{log}"
+    );
+}
+
+/// A body that sends one chunk every `every`, `left` times.
+struct Trickle {
+    left: u32,
+    every: Duration,
+    timer: Pin<Box<tokio::time::Sleep>>,
+}
+
+impl http_body::Body for Trickle {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        if self.left == 0 {
+            return Poll::Ready(None);
+        }
+        std::task::ready!(self.timer.as_mut().poll(cx));
+        self.left -= 1;
+        let next = tokio::time::Instant::now() + self.every;
+        self.timer.as_mut().reset(next);
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from_static(b"tick\n")))))
+    }
+}
+
+use std::future::Future as _;
+
+/// An app whose `/` streams ten chunks 100 ms apart under a limit of one
+/// per address shared through `store`, with short leases.
+fn streaming_app(store: &RedisStore, wait: Option<Duration>, on_error: OnLeaseError) -> Router {
+    let leases: Arc<dyn LeaseStore> = Arc::new(store.clone());
+    let mut limit = ConcurrencyLimitLayer::new("stream")
+        .unwrap()
+        .per_key(n(1), [KeyPart::ClientIp])
+        .shared(leases)
+        .lease_ttl(Duration::from_millis(300))
+        .poll_every(Duration::from_millis(20))
+        .on_lease_error(on_error);
+    if let Some(wait) = wait {
+        limit = limit.wait(4, wait);
+    }
+    Router::new()
+        .route(
+            "/",
+            get(|| async {
+                axum::body::Body::new(Trickle {
+                    left: 10,
+                    every: Duration::from_millis(100),
+                    timer: Box::pin(tokio::time::sleep(Duration::ZERO)),
+                })
+            }),
+        )
+        .route_layer(limit)
+}
+
+/// The lease is renewed while the response body streams (1 s, over three
+/// leases of 300 ms): another instance keeps refusing until the body ends.
+/// With waiting, the other instance's request polls and is admitted as
+/// soon as the body has ended.
+#[tokio::test(flavor = "multi_thread")]
+async fn leases_are_renewed_while_the_body_streams_and_waiters_poll_across_instances() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    let first = serve(streaming_app(&store, None, OnLeaseError::FailClosed)).await;
+    let second = serve(streaming_app(&store, None, OnLeaseError::FailClosed)).await;
+    let waiting = serve(streaming_app(
+        &store,
+        Some(Duration::from_secs(3)),
+        OnLeaseError::FailClosed,
+    ))
+    .await;
+    let from = ip("127.0.93.1");
+    let started = Instant::now();
+    let streaming = tokio::spawn(async move { send(first, from, "GET", "/", &[], b"").await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let waiter = tokio::spawn(async move {
+        let r = send(waiting, from, "GET", "/", &[], b"").await;
+        (r.status, Instant::now())
+    });
+    for _ in 0..8 {
+        assert!(started.elapsed() < Duration::from_millis(950));
+        assert_eq!(
+            send(second, from, "GET", "/", &[], b"").await.status,
+            StatusCode::TOO_MANY_REQUESTS
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let streamed = streaming.await.unwrap();
+    let ended = Instant::now();
+    assert_eq!(streamed.status, StatusCode::OK);
+    assert_eq!(streamed.body.matches("tick").count(), 10);
+    let (status, admitted) = waiter.await.unwrap();
+    assert_eq!(status, StatusCode::OK);
+    // Admitted after the body ended, within a few polls of it (it then
+    // streamed its own second).
+    let waited = admitted.duration_since(ended);
+    assert!(waited > Duration::from_millis(900), "{waited:?}");
+    assert!(waited < Duration::from_millis(1600), "{waited:?}");
+}
+
+/// Redis stopped (`SIGSTOP`) past the store's timeout: each outcome within
+/// the timeout, as configured; after `SIGCONT` the limit works again, and
+/// the acquire that timed out (Redis ran it on resuming) was given back.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_stopped_redis_gets_the_configured_outcome_and_leaks_no_lease() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url())
+        .unwrap()
+        .timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let closed = serve(streaming_app(&store, None, OnLeaseError::FailClosed)).await;
+    let open = serve(streaming_app(&store, None, OnLeaseError::FailOpen)).await;
+    let local = serve(streaming_app(&store, None, OnLeaseError::Local)).await;
+    redis.signal("STOP");
+    let from = ip("127.0.94.1");
+    let asked = Instant::now();
+    let r = send(closed, from, "GET", "/", &[], b"").await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        asked.elapsed() < Duration::from_millis(600),
+        "{:?}",
+        asked.elapsed()
+    );
+    assert_eq!(r.header("cache-control"), Some("no-store"));
+    // Fail open: admitted, uncounted (two at once from one address).
+    let both = tokio::join!(
+        send(open, from, "GET", "/", &[], b""),
+        send(open, from, "GET", "/", &[], b"")
+    );
+    assert_eq!(
+        (both.0.status, both.1.status),
+        (StatusCode::OK, StatusCode::OK)
+    );
+    // Local: this process's counts, with the same limit of one.
+    let both = tokio::join!(send(local, from, "GET", "/", &[], b""), async {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        send(local, from, "GET", "/", &[], b"").await
+    });
+    assert_eq!(
+        (both.0.status, both.1.status),
+        (StatusCode::OK, StatusCode::TOO_MANY_REQUESTS)
+    );
+    redis.signal("CONT");
+    let resumed = Instant::now();
+    while send(closed, from, "GET", "/", &[], b"").await.status != StatusCode::OK {
+        assert!(resumed.elapsed() < Duration::from_secs(3), "not recovered");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    eprintln!("recovered {:?} after SIGCONT", resumed.elapsed());
+    // Every lease came back: nothing is left in flight.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let left = redis.query(&["KEYS", "*inflight*"]).unwrap();
+    assert!(left.trim().is_empty(), "leases left: {left}");
+}
