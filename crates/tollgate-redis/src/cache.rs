@@ -1,12 +1,24 @@
 //! The over-limit cache: denials remembered until the time Redis said the
-//! cost would fit.
+//! cost would fit, and token buckets that an admission left without room
+//! for another such cost, until they have it again.
+//!
+//! When such a bucket's deadline passes, its next cost is due to fit, and
+//! every request waiting at that moment would go to Redis at once (a
+//! flood's connections all miss together). Instead, one request *probes*:
+//! it asks Redis while the others are refused locally, for as long as the
+//! bucket cannot hold two costs (one refill of a cost after the deadline),
+//! which is exactly when only one of them could have been admitted. The
+//! probe's answer is remembered again (a denial, or an admission that
+//! left too little), so a flood costs Redis about one call per key per
+//! refill of a cost. Windows do not probe: at a window's end the whole
+//! limit is back at once.
 //!
 //! A fixed table of small sets (four ways each), each behind its own lock:
 //! a key's set is picked by a keyed 128-bit digest of its Redis key, and a
 //! new denial replaces the entry of the same key, else a free or expired
 //! slot, else the one that expires first. Every operation is O(1) and the
-//! memory per entry is fixed (48 bytes for the digest and four numbers,
-//! plus a quarter of its set's lock: 52 in all), so a flood of distinct
+//! memory per entry is fixed (64 bytes for the digest and six numbers,
+//! plus a quarter of its set's lock: 68 in all), so a flood of distinct
 //! exhausted keys costs the same per denial at the bound as below it.
 
 use std::hash::{BuildHasher, RandomState};
@@ -40,6 +52,11 @@ struct Slot {
     cost: u64,
     /// Units available then: a lower bound later, since credit only grows.
     remaining: u64,
+    /// Token buckets: the refill time of one `cost` (0 for windows: they
+    /// do not probe).
+    step: u64,
+    /// A probe is asking Redis until then (0: none).
+    probe: u64,
 }
 
 pub(crate) struct OverLimitCache {
@@ -51,12 +68,26 @@ pub(crate) struct OverLimitCache {
     seeds: (RandomState, RandomState),
     hits: AtomicU64,
     remembered: AtomicU64,
+    /// How long a probe owns its key: the store's time limit per call.
+    probe_for: Duration,
+}
+
+/// The refill time of `cost` in `policy`'s token bucket, rounded up; 0
+/// for windows.
+fn step(policy: &Policy, cost: u64) -> u64 {
+    match policy.algorithm() {
+        tollgate_core::Algorithm::TokenBucket(b) => {
+            let units = u128::from(cost) * u128::from(b.units_per_token());
+            u64::try_from(units.div_ceil(u128::from(b.units_per_nanosecond()))).unwrap_or(u64::MAX)
+        }
+        _ => 0,
+    }
 }
 
 impl OverLimitCache {
     /// A cache holding at most about `max` denials (rounded up to whole
-    /// sets).
-    pub(crate) fn new(max: usize) -> Self {
+    /// sets), whose probes own their key for `probe_for`.
+    pub(crate) fn new(max: usize, probe_for: Duration) -> Self {
         let sets = max.div_ceil(WAYS).max(1);
         Self {
             sets: (0..sets)
@@ -66,6 +97,7 @@ impl OverLimitCache {
             seeds: (RandomState::new(), RandomState::new()),
             hits: AtomicU64::new(0),
             remembered: AtomicU64::new(0),
+            probe_for,
         }
     }
 
@@ -95,7 +127,6 @@ impl OverLimitCache {
     /// before the request was sent, so the local deadlines are never later
     /// than the server's.
     pub(crate) fn remember(&self, key: &str, charge: &Charge, sent: Instant, refusal: Decision) {
-        let cost = charge.cost();
         let Decision::Denied {
             retry_after,
             remaining,
@@ -104,12 +135,71 @@ impl OverLimitCache {
         else {
             return;
         };
+        self.keep(
+            key,
+            charge,
+            self.at(sent + retry_after),
+            self.at(sent + reset),
+            remaining,
+        );
+    }
+
+    /// Records an admission of `charge` on `key` that left a token bucket
+    /// without room for the same cost again: it is refused until the time
+    /// it fits, computed from what Redis answered (the time until full, a
+    /// lower bound on the credit), counted from when the answer came
+    /// (`answered`). That is later than Redis's instant by up to the round
+    /// trip, so the probe at the deadline finds the cost refilled and takes
+    /// it in one call (counted from before sending, it would arrive a
+    /// moment early, be refused with a wait of microseconds and probe
+    /// again). A request in that moment is refused though Redis might have
+    /// taken it; the credit is not lost, it is there for the probe.
+    pub(crate) fn remember_spent(
+        &self,
+        key: &str,
+        charge: &Charge,
+        answered: Instant,
+        admitted: Decision,
+    ) {
+        let (Decision::Admitted { remaining, reset }, tollgate_core::Algorithm::TokenBucket(b)) =
+            (admitted, charge.policy().algorithm())
+        else {
+            return;
+        };
+        if remaining >= charge.cost() {
+            return;
+        }
+        // Full after `reset`: the credit is at least capacity - reset·rate
+        // (less one ns of rounding), so `cost` fits no earlier than
+        // reset - (capacity - cost)/rate, rounded down.
+        let (den, num) = (
+            u128::from(b.units_per_token()),
+            u128::from(b.units_per_nanosecond()),
+        );
+        let spare = (u128::from(b.capacity()) - u128::from(charge.cost())) * den / num + 1;
+        let Some(wait) = reset.as_nanos().checked_sub(spare) else {
+            return;
+        };
+        let wait = Duration::from_nanos(u64::try_from(wait).unwrap_or(u64::MAX));
+        self.keep(
+            key,
+            charge,
+            self.at(answered + wait),
+            self.at(answered + reset),
+            remaining,
+        );
+    }
+
+    fn keep(&self, key: &str, charge: &Charge, until: u64, full_at: u64, remaining: u64) {
+        let cost = charge.cost();
         let seen = Slot {
             digest: self.digest(key, charge.policy()),
-            until: self.at(sent + retry_after),
-            full_at: self.at(sent + reset),
+            until,
+            full_at,
             cost,
             remaining,
+            step: step(charge.policy(), cost),
+            probe: 0,
         };
         let now = self.at(Instant::now());
         let mut set = self.set(seen.digest);
@@ -132,30 +222,62 @@ impl OverLimitCache {
     }
 
     /// A refusal without a round trip, if one of the keys is known to be
-    /// over its limit for at least its cost.
-    pub(crate) fn refuse(&self, keys: &[String], charges: &[Charge]) -> Option<Outcome> {
-        let now_instant = Instant::now();
-        let now = self.at(now_instant);
-        let (i, seen) = keys
-            .iter()
-            .zip(charges)
-            .enumerate()
-            .find_map(|(i, (k, c))| {
-                let digest = self.digest(k, c.policy());
-                let set = self.set(digest);
-                let seen = *set
-                    .iter()
-                    .find(|s| s.digest == digest && s.until > now && c.cost() >= s.cost)?;
-                Some((i, seen))
-            })?;
-        self.hits.fetch_add(1, Ordering::Relaxed);
-        let mut decisions = vec![Decision::Unevaluated; charges.len()];
-        decisions[i] = Decision::Denied {
-            retry_after: Duration::from_nanos(seen.until - now),
-            remaining: seen.remaining,
-            reset: Duration::from_nanos(seen.full_at.saturating_sub(now)),
-        };
-        Some(Outcome::new(decisions))
+    /// over its limit for at least its cost, or another request is probing
+    /// a bucket that cannot yet hold two costs. Otherwise `None`, and, when
+    /// the caller will ask Redis (`asking`), this request is the probe of
+    /// every bucket whose deadline has just passed.
+    pub(crate) fn refuse(
+        &self,
+        keys: &[String],
+        charges: &[Charge],
+        asking: bool,
+    ) -> Option<Outcome> {
+        let now = self.at(Instant::now());
+        let probe = self.at(Instant::now() + self.probe_for);
+        // Probes this request took, given back if another charge refuses.
+        let mut probes: Vec<(u128, usize)> = Vec::new();
+        for (i, (k, c)) in keys.iter().zip(charges).enumerate() {
+            let digest = self.digest(k, c.policy());
+            let mut set = self.set(digest);
+            let Some(w) = set
+                .iter()
+                .position(|s| s.until != 0 && s.digest == digest && c.cost() >= s.cost)
+            else {
+                continue;
+            };
+            let seen = set[w];
+            // Until then at most one cost fits, so at most one request.
+            let single = seen.until.saturating_add(seen.step);
+            let until = if seen.until > now {
+                seen.until
+            } else if seen.step > 0 && now < single && seen.probe > now {
+                single
+            } else {
+                if asking && seen.step > 0 && now < single {
+                    // Taken under the set's lock: one probe at a time.
+                    set[w].probe = probe;
+                    probes.push((digest, w));
+                }
+                continue;
+            };
+            drop(set);
+            for (digest, w) in probes {
+                let mut set = self.set(digest);
+                if set[w].digest == digest && set[w].probe == probe {
+                    set[w].probe = 0;
+                }
+            }
+            self.hits.fetch_add(1, Ordering::Relaxed);
+            let mut decisions = vec![Decision::Unevaluated; charges.len()];
+            decisions[i] = Decision::Denied {
+                retry_after: Duration::from_nanos(until - now),
+                remaining: seen.remaining,
+                reset: Duration::from_nanos(seen.full_at.saturating_sub(now)),
+            };
+            return Some(Outcome::new(decisions));
+        }
+        // Not refused: this request asks Redis, holding its probes.
+        None
     }
 
     pub(crate) fn stats(&self) -> CacheStats {
@@ -169,6 +291,12 @@ impl OverLimitCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl OverLimitCache {
+        fn refuse_asking(&self, keys: &[String], charges: &[Charge]) -> Option<Outcome> {
+            self.refuse(keys, charges, true)
+        }
+    }
     use tollgate_core::{Key, Policy, Rate};
 
     fn denied(secs: u64) -> Decision {
@@ -186,27 +314,137 @@ mod tests {
 
     #[test]
     fn remembers_until_the_wait_for_at_least_the_cost_refused() {
-        let cache = OverLimitCache::new(8);
+        let cache = OverLimitCache::new(8, Duration::from_millis(200));
         let now = Instant::now();
         cache.remember("a", &charge(3), now, denied(60));
         let keys = ["a".to_owned()];
-        assert!(cache.refuse(&keys, &[charge(3)]).is_some());
-        assert!(cache.refuse(&keys, &[charge(5)]).is_some());
-        assert!(cache.refuse(&keys, &[charge(2)]).is_none());
-        assert!(cache.refuse(&["b".to_owned()], &[charge(3)]).is_none());
+        assert!(cache.refuse_asking(&keys, &[charge(3)]).is_some());
+        assert!(cache.refuse_asking(&keys, &[charge(5)]).is_some());
+        assert!(cache.refuse_asking(&keys, &[charge(2)]).is_none());
+        assert!(
+            cache
+                .refuse_asking(&["b".to_owned()], &[charge(3)])
+                .is_none()
+        );
         // Other numbers on the same key (a plan upgrade) are not refused by
         // a denial under the old ones.
         let upgraded = Policy::token_bucket("p", 20, Rate::per_second(5)).unwrap();
         let upgraded = Charge::new(Key::new("k"), upgraded, 3).unwrap();
-        assert!(cache.refuse(&keys, &[upgraded]).is_none());
+        assert!(cache.refuse_asking(&keys, &[upgraded]).is_none());
         // A smaller refused cost replaces a larger one, not the other way.
         cache.remember("a", &charge(2), now, denied(60));
-        assert!(cache.refuse(&keys, &[charge(2)]).is_some());
+        assert!(cache.refuse_asking(&keys, &[charge(2)]).is_some());
         cache.remember("a", &charge(7), now, denied(60));
-        assert!(cache.refuse(&keys, &[charge(2)]).is_some());
+        assert!(cache.refuse_asking(&keys, &[charge(2)]).is_some());
         // An expired denial refuses nothing.
         cache.remember("c", &charge(1), now - Duration::from_secs(10), denied(1));
-        assert!(cache.refuse(&["c".to_owned()], &[charge(1)]).is_none());
+        assert!(
+            cache
+                .refuse_asking(&["c".to_owned()], &[charge(1)])
+                .is_none()
+        );
+    }
+
+    /// An admission that left a bucket without room for the same cost is
+    /// remembered until the cost fits again (never later than Redis would
+    /// say); one that left room is not.
+    #[test]
+    fn a_spent_bucket_is_refused_until_it_has_the_cost_again() {
+        let cache = OverLimitCache::new(8, Duration::from_millis(200));
+        let sent = Instant::now();
+        let keys = ["a".to_owned()];
+        // Bucket of 10 at 1/s, empty after this admission: full in 10 s,
+        // so one token in just under 1 s.
+        let empty = Decision::Admitted {
+            remaining: 0,
+            reset: Duration::from_secs(10),
+        };
+        cache.remember_spent("a", &charge(1), sent, empty);
+        let refused = cache
+            .refuse_asking(&keys, &[charge(1)])
+            .expect("known spent");
+        let wait = refused.limits()[0].retry_after().unwrap();
+        assert!(wait <= Duration::from_secs(1) && wait > Duration::from_millis(900));
+        // Room left for another: nothing remembered.
+        let room = Decision::Admitted {
+            remaining: 3,
+            reset: Duration::from_secs(7),
+        };
+        cache.remember_spent("b", &charge(1), sent, room);
+        assert!(
+            cache
+                .refuse_asking(&["b".to_owned()], &[charge(1)])
+                .is_none()
+        );
+    }
+
+    /// When a bucket's deadline passes, one request probes Redis; the
+    /// others are refused locally until one more cost has refilled (only
+    /// one of them could have fitted), then ask again. A probe that never
+    /// answers owns its key only for the store's time limit.
+    #[test]
+    fn one_request_probes_a_bucket_whose_deadline_has_passed() {
+        let cache = OverLimitCache::new(8, Duration::from_secs(60));
+        let keys = ["a".to_owned()];
+        // Denied 10 ms ago with a 5 ms wait at 1 token/s: the deadline has
+        // passed, and one more token takes another second.
+        let sent = Instant::now() - Duration::from_millis(10);
+        cache.remember("a", &charge(1), sent, denied_ms(5));
+        // Found measuring: the HTTP layer first asks without I/O
+        // (`try_charge_now`), then asks Redis; only the second may take the
+        // probe, or the request would be refused behind its own.
+        assert!(cache.refuse(&keys, &[charge(1)], false).is_none());
+        assert!(
+            cache.refuse_asking(&keys, &[charge(1)]).is_none(),
+            "the probe"
+        );
+        let behind = cache
+            .refuse_asking(&keys, &[charge(1)])
+            .expect("behind the probe");
+        let wait = behind.limits()[0].retry_after().unwrap();
+        assert!(wait < Duration::from_secs(1) && wait > Duration::from_millis(900));
+        // A smaller cost than the one refused is not covered.
+        cache.remember("s", &charge(2), sent, denied_ms(5));
+        assert!(
+            cache
+                .refuse_asking(&["s".to_owned()], &[charge(1)])
+                .is_none()
+        );
+        // Two costs' refill after the deadline: everyone asks.
+        // (A bucket of 1 000 per second: a cost refills in 1 ms.)
+        let fast = Policy::token_bucket("f", 10, Rate::per_second(1000)).unwrap();
+        let fast = Charge::new(Key::new("k"), fast, 1).unwrap();
+        cache.remember("c", &fast, Instant::now(), denied_ms(0));
+        std::thread::sleep(Duration::from_millis(5));
+        assert!(
+            cache
+                .refuse_asking(&["c".to_owned()], std::slice::from_ref(&fast))
+                .is_none()
+        );
+        assert!(cache.refuse_asking(&["c".to_owned()], &[fast]).is_none());
+        // A lost probe: with no time to own the key, the next asks too.
+        let quick = OverLimitCache::new(8, Duration::ZERO);
+        quick.remember("a", &charge(1), sent, denied_ms(5));
+        assert!(quick.refuse_asking(&keys, &[charge(1)]).is_none());
+        assert!(quick.refuse_asking(&keys, &[charge(1)]).is_none());
+        // Windows never probe: at a window's end the whole limit is back.
+        let w = Policy::fixed_window("w", 5, Duration::from_secs(1)).unwrap();
+        let w = Charge::new(Key::new("k"), w, 1).unwrap();
+        cache.remember("w", &w, sent, denied_ms(5));
+        assert!(
+            cache
+                .refuse_asking(&["w".to_owned()], std::slice::from_ref(&w))
+                .is_none()
+        );
+        assert!(cache.refuse_asking(&["w".to_owned()], &[w]).is_none());
+    }
+
+    fn denied_ms(ms: u64) -> Decision {
+        Decision::Denied {
+            retry_after: Duration::from_millis(ms),
+            remaining: 0,
+            reset: Duration::from_secs(10),
+        }
     }
 
     /// Audit finding 11: at its bound the cache scanned the whole map per
@@ -214,7 +452,7 @@ mod tests {
     /// keeps it at its size, and recent denials are still refused.
     #[test]
     fn a_flood_of_distinct_denials_stays_within_the_bound() {
-        let cache = OverLimitCache::new(1000);
+        let cache = OverLimitCache::new(1000, Duration::from_millis(200));
         let now = Instant::now();
         for i in 0..100_000u64 {
             cache.remember(&format!("flood-{i}"), &charge(1), now, denied(3600 + i));
@@ -229,7 +467,7 @@ mod tests {
         // The newest denial of each set survives (older ones end first).
         assert!(
             cache
-                .refuse(&["flood-99999".to_owned()], &[charge(1)])
+                .refuse_asking(&["flood-99999".to_owned()], &[charge(1)])
                 .is_some()
         );
     }

@@ -46,13 +46,17 @@
 //!   a timeout or a connection lost after sending is
 //!   [`StoreErrorKind::Uncertain`] (budget may have been spent). The layer's
 //!   fail-closed / fail-open / fallback setting decides the HTTP answer.
-//! - **Over-limit cache** (optional): denials are remembered locally until
-//!   the time Redis said the cost would fit, and repeated requests in that
-//!   time are refused without a round trip. It only ever refuses, so it
-//!   never admits anything Redis would not; and it only remembers what
-//!   Redis would refuse for that charge alone (a key charged twice in one
-//!   call is remembered by its first charge). It is a fixed table: O(1)
-//!   per decision and 52 bytes per remembered denial, also at its bound.
+//! - **Over-limit cache** (on by default, [`DEFAULT_OVER_LIMIT_CACHE`]):
+//!   denials are remembered locally until the time Redis said the cost
+//!   would fit, and so are admissions that left a token bucket without room
+//!   for the same cost; repeats in that time are refused without a round
+//!   trip. When such a deadline passes, one request probes Redis while the
+//!   others are refused until one more cost has refilled, so a flood costs
+//!   about one call per key per refill. It only ever refuses, so it never
+//!   admits anything Redis would not; and it only remembers what Redis
+//!   would refuse for that charge alone (a key charged twice in one call is
+//!   remembered by its first charge). It is a fixed table: O(1) per
+//!   decision and 68 bytes per entry, also at its bound.
 //!
 //! Requires Redis 7 or later (the script declares its flags with `#!lua`).
 //!
@@ -225,10 +229,11 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// Remembers up to `max_keys` denials locally until the time Redis said
-    /// the cost would fit, refusing repeats without a round trip; `0` turns
-    /// the cache off. On by default with [`DEFAULT_OVER_LIMIT_CACHE`]
-    /// entries (52 bytes each: about 3.4 MB), so that a client flooding a
+    /// Remembers up to `max_keys` denials (and token buckets an admission
+    /// left without room for the same cost) locally until the time the
+    /// cost fits, refusing repeats without a round trip; `0` turns the
+    /// cache off. On by default with [`DEFAULT_OVER_LIMIT_CACHE`] entries
+    /// (68 bytes each: about 4.5 MB), so that a client flooding a
     /// spent budget costs the fleet's Redis about one call per key per
     /// refill interval, not one per request; off by default with
     /// [`injected_time`] (the cache keeps real time) and when charging slot
@@ -376,7 +381,7 @@ impl RedisStoreBuilder {
                 timeout: self.timeout,
                 time: self.time,
                 split,
-                cache: cache.map(OverLimitCache::new),
+                cache: cache.map(|n| OverLimitCache::new(n, self.timeout)),
             }),
         })
     }
@@ -654,7 +659,9 @@ impl RedisStore {
     /// The answer that needs no round trip, if there is one: a charge that
     /// can never fit (nothing is read or written), or a refusal the
     /// over-limit cache still holds. Also gives back the Redis keys.
-    fn local_answer(&self, charges: &[Charge]) -> (Option<Outcome>, Vec<String>) {
+    /// `asking`: the caller asks Redis when this answers nothing, so it may
+    /// take the probe of a bucket whose deadline has passed.
+    fn local_answer(&self, charges: &[Charge], asking: bool) -> (Option<Outcome>, Vec<String>) {
         if let Some(outcome) = Outcome::never_fits(charges) {
             return (Some(outcome), Vec::new());
         }
@@ -663,14 +670,14 @@ impl RedisStore {
         // shaped charge would wait for it: shaped calls always ask Redis.
         let shaped = charges.iter().any(|c| c.max_delay().is_some());
         let cached = match &self.inner.cache {
-            Some(cache) if !shaped => cache.refuse(&keys, charges),
+            Some(cache) if !shaped => cache.refuse(&keys, charges, asking),
             _ => None,
         };
         (cached, keys)
     }
 
     async fn charge_all(&self, charges: &[Charge]) -> Result<Outcome, StoreError> {
-        let keys = match self.local_answer(charges) {
+        let keys = match self.local_answer(charges, true) {
             (Some(outcome), _) => return Ok(outcome),
             (None, keys) => keys,
         };
@@ -754,6 +761,17 @@ impl RedisStore {
                 }
             }
             if all {
+                // Admitted: a bucket left without room for the same cost
+                // again is known exhausted until it has it (not charging
+                // slot by slot, where a refund could add credit back).
+                if let (Some(cache), false) = (&self.inner.cache, self.inner.split) {
+                    let answered = Instant::now();
+                    for &i in &group {
+                        if !keys[..i].contains(&keys[i]) && charges[i].max_delay().is_none() {
+                            cache.remember_spent(&keys[i], &charges[i], answered, decisions[i]);
+                        }
+                    }
+                }
                 admitted.push((prepared, reply));
             } else {
                 self.refund(admitted, deadline).await;
@@ -973,7 +991,8 @@ impl Store for RedisStore {
         if self.inner.cache.is_none() && charges.iter().all(Charge::can_fit) {
             return None;
         }
-        self.local_answer(charges).0.map(Ok)
+        // Not asking Redis itself: it leaves the probe to `charge`.
+        self.local_answer(charges, false).0.map(Ok)
     }
 
     /// Refuses the numbers the script cannot decide exactly (e.g. a window

@@ -632,3 +632,89 @@ async fn a_store_on_your_own_connection_and_a_preloaded_script() {
         .and_then(|n| n.trim().parse::<u32>().ok());
     assert_eq!(count, Some(1), "{scripts}");
 }
+
+/// Script calls so far (`EVAL` and `EVALSHA`), from `INFO commandstats`.
+fn script_calls(server: &RedisServer) -> u64 {
+    let info = server.query(&["INFO", "commandstats"]).unwrap();
+    info.lines()
+        .filter(|l| l.starts_with("cmdstat_evalsha:") || l.starts_with("cmdstat_eval:"))
+        .filter_map(|l| {
+            l.split("calls=")
+                .nth(1)?
+                .split(',')
+                .next()?
+                .parse::<u64>()
+                .ok()
+        })
+        .sum()
+}
+
+/// A flood of 32 concurrent tasks on one exhausted key: the cache sends
+/// about one script call per refill of a cost (the probe at each
+/// deadline), not one per miss of every task at once, and the key still
+/// admits its refill, never more than `B + r·t`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn a_flood_costs_about_one_call_per_refill() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let p = Policy::token_bucket("flooded", 2, Rate::per_second(10)).unwrap();
+    let store = RedisStore::builder(&server.url()).unwrap().build().unwrap();
+    // Loads the script (the first call of each task would otherwise be a
+    // NOSCRIPT and a resend).
+    let warm = Policy::token_bucket("warm", 2, Rate::per_second(10)).unwrap();
+    store.charge(&[charge("warm", &warm, 1)]).await.unwrap();
+    server.query(&["CONFIG", "RESETSTAT"]).unwrap();
+    let started = Instant::now();
+    let run = Duration::from_secs(2);
+    let tasks: Vec<_> = (0..32)
+        .map(|_| {
+            let (store, p) = (store.clone(), p.clone());
+            tokio::spawn(async move {
+                let (mut admitted, mut refused) = (0u64, 0u64);
+                let c = [charge("flood", &p, 1)];
+                while started.elapsed() < run {
+                    // As the HTTP layer asks: without I/O first, then Redis.
+                    let outcome = match store.try_charge_now(&c) {
+                        Some(answer) => answer.unwrap(),
+                        None => store.charge(&c).await.unwrap(),
+                    };
+                    if outcome.is_admitted() {
+                        admitted += 1;
+                    } else {
+                        refused += 1;
+                    }
+                    tokio::task::yield_now().await;
+                }
+                (admitted, refused)
+            })
+        })
+        .collect();
+    let (mut admitted, mut refused) = (0, 0);
+    for t in tasks {
+        let (a, r) = t.await.unwrap();
+        admitted += a;
+        refused += r;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let calls = script_calls(&server);
+    eprintln!("{admitted} admitted, {refused} refused, {calls} script calls in {elapsed:.2} s");
+    assert!(
+        (admitted as f64) <= 2.0 + 10.0 * elapsed + 1e-9,
+        "{admitted}"
+    );
+    // The probes keep admitting at the refill rate (less the last refill
+    // still due when the run ends, and a few probes' round trips).
+    assert!(
+        (admitted as f64) >= 10.0 * elapsed - 3.0,
+        "{admitted} in {elapsed}"
+    );
+    assert!(refused > 1000, "a flood: {refused}");
+    // Each task's first call finds nothing remembered (32 at once); after
+    // that about one call per refill, the probe that takes the refilled
+    // token. (Without the probe every refill cost a call from each task.)
+    assert!(
+        calls <= 32 + admitted + 6,
+        "{calls} calls for {admitted} admitted"
+    );
+}

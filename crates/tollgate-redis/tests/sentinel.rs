@@ -123,10 +123,14 @@ async fn the_store_follows_a_sentinel_failover_under_load() {
             .unwrap()
             .is_some()
     );
+    let kind = |k: StoreErrorKind| errors.iter().filter(|e| **e == k).count();
     eprintln!(
-        "sentinel failover: {} calls, {} errors, promoted in {:?}",
+        "sentinel failover: {} calls, {} errors ({} unavailable, {} uncertain), slowest call \
+         {slowest:?}, {:?} from SENTINEL FAILOVER to the end",
         all.len(),
         errors.len(),
+        kind(StoreErrorKind::Unavailable),
+        kind(StoreErrorKind::Uncertain),
         failed_over.elapsed()
     );
 }
