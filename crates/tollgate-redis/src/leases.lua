@@ -16,7 +16,8 @@
 -- Every step first drops the leases that have expired, so a holder that
 -- died stops counting one time to live after its last renewal. A set lives
 -- as long as its longest lease (PEXPIREAT), so nothing is left behind. The
--- same id twice is one lease: a resent call takes nothing more.
+-- same id twice is one lease: a resent call takes nothing more. Needs
+-- Redis 7 (PEXPIRETIME).
 
 local t = redis.call("TIME")
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -27,9 +28,12 @@ local function prune(k)
   redis.call("ZREMRANGEBYSCORE", k, "-inf", now)
 end
 
+-- The set lives until its longest lease ends: a lease just taken or
+-- renewed ends at `now + ttl`, later than the set's expiry unless another
+-- holder's lease is longer.
 local function keep(k)
-  local last = redis.call("ZRANGE", k, -1, -1, "WITHSCORES")
-  if last[2] ~= nil then redis.call("PEXPIREAT", k, tonumber(last[2])) end
+  local ends = now + ttl
+  if redis.call("PEXPIRETIME", k) < ends then redis.call("PEXPIREAT", k, ends) end
 end
 
 if op == "acquire" then
