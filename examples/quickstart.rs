@@ -9,6 +9,9 @@
 //! cargo run --example quickstart -- --store rediss://127.0.0.1:6380 --redis-ca ca.pem  # over TLS
 //! ```
 //!
+//! It speaks HTTP/1.1 and HTTP/2 (cleartext, prior knowledge) on the same
+//! port, with the same limits.
+//!
 //! The contract (other checks rely on it):
 //! - every route: per client address, token bucket of 5, refilled 1 per second;
 //! - `POST /export` (needs a principal): also per (tenant, account, operation),

@@ -8,7 +8,7 @@ pub mod nginx;
 use std::io::{BufRead, BufReader};
 use std::net::{IpAddr, SocketAddr};
 use std::process::{Child, Command, Stdio};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
@@ -231,29 +231,37 @@ impl Drop for Quickstart {
     }
 }
 
-fn quickstart_binary() -> std::path::PathBuf {
-    static BUILT: OnceLock<std::path::PathBuf> = OnceLock::new();
-    BUILT
-        .get_or_init(|| {
-            // `cargo test --test x` does not build examples: build it here.
-            let status = Command::new(env!("CARGO"))
-                .args(["build", "--quiet", "--example", "quickstart"])
-                .current_dir(env!("CARGO_MANIFEST_DIR"))
-                .status()
-                .expect("run cargo build --example quickstart");
-            assert!(status.success(), "building the quickstart failed");
-            let exe = std::env::current_exe().unwrap();
-            let profile_dir = exe.parent().unwrap().parent().unwrap();
-            profile_dir.join("examples").join("quickstart")
-        })
-        .clone()
+/// The example `name`, built once per test process.
+fn example_binary(name: &str) -> std::path::PathBuf {
+    static BUILT: Mutex<Vec<String>> = Mutex::new(Vec::new());
+    let mut built = BUILT.lock().unwrap();
+    if !built.iter().any(|b| b == name) {
+        // `cargo test --test x` does not build examples: build it here.
+        let status = Command::new(env!("CARGO"))
+            .args(["build", "--quiet", "--example", name])
+            .current_dir(env!("CARGO_MANIFEST_DIR"))
+            .status()
+            .unwrap_or_else(|e| panic!("run cargo build --example {name}: {e}"));
+        assert!(status.success(), "building the {name} example failed");
+        built.push(name.to_owned());
+    }
+    let exe = std::env::current_exe().unwrap();
+    let profile_dir = exe.parent().unwrap().parent().unwrap();
+    profile_dir.join("examples").join(name)
 }
 
 /// Starts the quickstart on a free port with `args`, waiting for its
 /// "listening on" line.
 pub fn quickstart(args: &[&str]) -> Quickstart {
-    let mut child = Command::new(quickstart_binary())
-        .args(["--addr", "127.0.0.1:0"])
+    let mut all = vec!["--addr", "127.0.0.1:0"];
+    all.extend_from_slice(args);
+    example("quickstart", &all)
+}
+
+/// Starts the example `name` with `args` (which make it serve on a free
+/// port), waiting for its "listening on http://ADDR" line.
+pub fn example(name: &str, args: &[&str]) -> Quickstart {
+    let mut child = Command::new(example_binary(name))
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -1,6 +1,9 @@
 //! gRPC callers: recognised by their exact content type, and answered with
-//! a trailers-only response (HTTP 200 with `grpc-status` and
-//! `grpc-message`), gRPC-Web in its own content type.
+//! a trailers-only response (HTTP 200 with `grpc-status`, `grpc-message`
+//! and, when a wait is known, `grpc-retry-pushback-ms`), gRPC-Web in its
+//! own content type: gRPC-Web allows trailers-only responses, the status
+//! fields in the headers and an empty body, which its clients read as the
+//! call's status.
 
 use std::fmt::Write as _;
 
@@ -67,6 +70,16 @@ pub(super) fn status(headers: &mut HeaderMap, code: u16, message: &str) {
     if let Ok(v) = HeaderValue::from_str(&percent_encode(message)) {
         headers.insert("grpc-message", v);
     }
+}
+
+/// Adds `grpc-retry-pushback-ms`: the wait in whole milliseconds, rounded
+/// up so that a client never comes back early.
+pub(super) fn pushback(headers: &mut HeaderMap, wait: std::time::Duration) {
+    let ms = wait.as_nanos().div_ceil(1_000_000);
+    headers.insert(
+        "grpc-retry-pushback-ms",
+        HeaderValue::from(u64::try_from(ms).unwrap_or(u64::MAX)),
+    );
 }
 
 /// gRPC's `grpc-message` encoding: percent-encode everything outside

@@ -244,6 +244,11 @@ impl Answer {
             (status, body)
         } else {
             grpc::status(&mut headers, self.refusal.grpc_code(), &self.detail);
+            if let Some(wait) = self.retry_after {
+                // gRPC's own Retry-After (retry pushback, gRFC A6): a client
+                // with a retry policy waits this long before trying again.
+                grpc::pushback(&mut headers, wait);
+            }
             (StatusCode::OK, Bytes::new())
         };
         let mut response = Response::new(Full::new(body));
