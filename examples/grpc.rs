@@ -98,10 +98,8 @@ fn check(key: Option<&str>) -> tonic::Request<HealthCheckRequest> {
     let mut req = tonic::Request::new(HealthCheckRequest {
         service: String::new(),
     });
-    if let Some(key) = key {
-        if let Ok(v) = format!("Bearer {key}").parse() {
-            req.metadata_mut().insert("authorization", v);
-        }
+    if let Some(Ok(v)) = key.map(|key| format!("Bearer {key}").parse()) {
+        req.metadata_mut().insert("authorization", v);
     }
     req
 }

@@ -52,3 +52,13 @@ pub fn count(level: Level, needle: &str) -> usize {
         .filter(|(l, text)| *l == level && text.contains(needle))
         .count()
 }
+
+/// Every captured event's text, at any level.
+pub fn texts() -> Vec<String> {
+    EVENTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+        .map(|(_, text)| text.clone())
+        .collect()
+}

@@ -109,6 +109,7 @@ pub mod client;
 pub mod concurrency;
 pub mod identity;
 mod observe;
+pub use observe::set_log_fingerprint_key;
 pub mod rate_limit;
 mod response;
 

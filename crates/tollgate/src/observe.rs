@@ -17,22 +17,147 @@
 //!   `late_charge_lost`);
 //! - `tollgate_store_seconds`: store decision latency histogram.
 
-use tollgate_core::{Charge, Decision, Outcome, StoreError, Verdict};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
-pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome, verdict: Verdict) {
+use tollgate_core::{Charge, Decision, Key, Outcome, StoreError, Verdict};
+use tracing::Level;
+
+/// Emits a tracing event at a level chosen at run time (the macros take a
+/// constant level).
+macro_rules! event_at {
+    ($level:expr, $($rest:tt)+) => {
+        match $level {
+            tracing::Level::ERROR => tracing::error!($($rest)+),
+            tracing::Level::WARN => tracing::warn!($($rest)+),
+            tracing::Level::INFO => tracing::info!($($rest)+),
+            tracing::Level::DEBUG => tracing::debug!($($rest)+),
+            tracing::Level::TRACE => tracing::trace!($($rest)+),
+        }
+    };
+}
+pub(crate) use event_at;
+
+static FINGERPRINT_KEY: OnceLock<(u64, u64)> = OnceLock::new();
+
+/// Sets the secret that key fingerprints in logs are computed with, so
+/// that every instance of a fleet logs one client's key with the same
+/// fingerprint. Without it a random secret is drawn per process. Returns
+/// `false` (and changes nothing) once a fingerprint has been computed or
+/// the key set: fingerprints never change while a process runs.
+///
+/// A fingerprint is 64 bits of SipHash-1-3 of the key's text under this
+/// secret: stable, not reversible without the secret (an address space is
+/// small enough to search, so keep the secret as secret as the logs need
+/// to be), and never the key or a credential itself.
+pub fn set_log_fingerprint_key(secret: [u8; 16]) -> bool {
+    let (a, b) = secret.split_at(8);
+    let k = |half: &[u8]| {
+        let mut w = [0u8; 8];
+        w.copy_from_slice(half);
+        u64::from_le_bytes(w)
+    };
+    FINGERPRINT_KEY.set((k(a), k(b))).is_ok()
+}
+
+/// The fingerprint of `key` for logs: 16 hex digits.
+pub(crate) fn fingerprint(key: &str) -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let &(k0, k1) = FINGERPRINT_KEY.get_or_init(|| {
+        let seeds = std::hash::RandomState::new();
+        (seeds.hash_one(0x006c_6f67_u64), seeds.hash_one(0x006b_6579_u64))
+    });
+    let mut h = siphasher::sip::SipHasher13::new_with_keys(k0, k1);
+    h.write(key.as_bytes());
+    format!("{:016x}", h.finish())
+}
+
+/// The names of a key's parts, without their values (`ip`, `t,a,op`):
+/// which rule keyed it, readable and revealing nothing of the client.
+pub(crate) fn key_shape(key: &Key) -> String {
+    key.as_str()
+        .split(':')
+        .skip(1)
+        .map(|part| part.split_once('=').map_or(part, |(name, _)| name))
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// A message that may repeat per request (a store outage, a server
+/// misconfiguration), logged the first time and then at most once per
+/// interval with how many were left out.
+pub(crate) struct Throttle {
+    /// When the next one may be logged, in ns since `EPOCH`.
+    next: AtomicU64,
+    suppressed: AtomicU64,
+}
+
+const THROTTLE_INTERVAL: Duration = Duration::from_secs(10);
+
+fn since_start() -> u64 {
+    static EPOCH: OnceLock<Instant> = OnceLock::new();
+    let epoch = *EPOCH.get_or_init(Instant::now);
+    u64::try_from(epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+}
+
+impl Throttle {
+    pub(crate) const fn new() -> Self {
+        Self {
+            next: AtomicU64::new(0),
+            suppressed: AtomicU64::new(0),
+        }
+    }
+
+    /// `Some(n)` when this one is to be logged, `n` the ones left out
+    /// since the last; `None` when it is left out (and counted).
+    pub(crate) fn admit(&self) -> Option<u64> {
+        let now = since_start();
+        let next = self.next.load(Ordering::Relaxed);
+        if now >= next
+            && self
+                .next
+                .compare_exchange(
+                    next,
+                    now + THROTTLE_INTERVAL.as_nanos() as u64,
+                    Ordering::Relaxed,
+                    Ordering::Relaxed,
+                )
+                .is_ok()
+        {
+            return Some(self.suppressed.swap(0, Ordering::Relaxed));
+        }
+        self.suppressed.fetch_add(1, Ordering::Relaxed);
+        None
+    }
+}
+
+/// The refusals of a call: each refusing limit with its key's shape and
+/// fingerprint, at `level`.
+pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome, verdict: Verdict, level: Level) {
     for (charge, decision) in charges.iter().zip(outcome.limits()) {
         let name = charge.policy().name();
         match (verdict, decision) {
             (Verdict::NeverFits, Decision::NeverFits { .. }) => {
-                tracing::debug!(policy = name, cost = charge.cost(), "cost can never fit");
+                event_at!(
+                    level,
+                    policy = name,
+                    key = %key_shape(charge.key()),
+                    key_fingerprint = %fingerprint(charge.key().as_str()),
+                    cost = charge.cost(),
+                    "refused: cost can never fit"
+                );
                 count("tollgate_never_fits_total", name, 1);
             }
             (Verdict::Denied { .. }, Decision::Denied { retry_after, .. }) => {
-                tracing::debug!(
+                event_at!(
+                    level,
                     policy = name,
+                    key = %key_shape(charge.key()),
+                    key_fingerprint = %fingerprint(charge.key().as_str()),
                     cost = charge.cost(),
-                    ?retry_after,
-                    "rate limited"
+                    retry_after_ms = retry_after.as_millis() as u64,
+                    "refused: rate limited"
                 );
                 count("tollgate_denied_cost_total", name, charge.cost());
             }
@@ -115,8 +240,62 @@ pub(crate) fn late_charge(charge: &Charge, result: Result<Outcome, StoreError>) 
     }
 }
 
+/// A request refused because its key could not be made: no principal (a
+/// `401`, logged at the layer's level), an unusable client address (`400`,
+/// same), or no peer address at all — the server's own misconfiguration,
+/// logged as an error once and then at most once per ten seconds.
+pub(crate) fn key_refused(error: &crate::identity::KeyError, policy: &str, level: Level) {
+    use crate::identity::{ClientIpError, KeyError};
+    match error {
+        KeyError::NoPrincipal => {
+            event_at!(
+                level,
+                policy,
+                "refused: the rule needs a principal and there is none"
+            );
+        }
+        KeyError::MissingPart(part) => {
+            event_at!(
+                level,
+                policy,
+                part = &**part,
+                "refused: the request lacks a key part"
+            );
+        }
+        KeyError::ClientIp(ClientIpError::MissingPeer) => {
+            static THROTTLE: Throttle = Throttle::new();
+            if let Some(suppressed) = THROTTLE.admit() {
+                tracing::error!(
+                    policy,
+                    suppressed,
+                    "tollgate cannot key by client address: the request carries no peer \
+                     address. Serve the app with \
+                     `into_make_service_with_connect_info::<SocketAddr>()` (axum), or insert \
+                     `tollgate::PeerAddr` per connection (hyper). Answered 500 \
+                     ({suppressed} more not logged since the last)"
+                );
+            }
+        }
+        KeyError::ClientIp(e) => {
+            event_at!(level, policy, error = %e, "refused: unusable client address");
+        }
+    }
+}
+
+/// A store failure: logged the first time and then at most once per ten
+/// seconds with the count left out (an outage fails every request), and
+/// always counted in the metric.
 pub(crate) fn store_error(error: &StoreError, applied: &'static str) {
-    tracing::warn!(error = %error, kind = ?error.kind(), outcome = applied, "rate-limit store failed");
+    static THROTTLE: Throttle = Throttle::new();
+    if let Some(suppressed) = THROTTLE.admit() {
+        tracing::warn!(
+            error = %error,
+            kind = ?error.kind(),
+            outcome = applied,
+            suppressed,
+            "rate-limit store failed ({suppressed} more store failures not logged since the last)"
+        );
+    }
     #[cfg(feature = "metrics")]
     metrics::counter!(
         "tollgate_store_errors_total",

@@ -239,7 +239,7 @@ pub(crate) async fn acquire(
             Err(error) => return failed(&limiter, &fleet, request, id, key, error).await,
         };
         let Some((max_waiters, max_wait)) = limits.waiting else {
-            return Err(limiter.refused(full));
+            return Err(limiter.refused(full, key.as_deref()));
         };
         if place.is_none() {
             // One key waits no more than it may have in flight, and the
@@ -251,10 +251,11 @@ pub(crate) async fn acquire(
             match fleet.waiters.enter(keys, max_waiters) {
                 Some(entered) => place = Some(entered),
                 None => {
-                    return Err(limiter.refused(match full {
+                    let why = match full {
                         Saturated::PerKey => Saturated::PerKey,
                         _ => Saturated::Queue,
-                    }));
+                    };
+                    return Err(limiter.refused(why, key.as_deref()));
                 }
             }
             fleet
@@ -265,7 +266,7 @@ pub(crate) async fn acquire(
         let deadline = deadline.unwrap_or_else(tokio::time::Instant::now);
         let now = tokio::time::Instant::now();
         if now >= deadline {
-            return Err(limiter.refused(full));
+            return Err(limiter.refused(full, key.as_deref()));
         }
         // Polls until the deadline, the last try at the deadline itself.
         tokio::time::sleep_until((now + fleet.sharing.poll).min(deadline)).await;
@@ -288,7 +289,7 @@ async fn failed(
     match fleet.sharing.on_error {
         OnLeaseError::FailClosed => {
             crate::observe::store_error(&error, "fail_closed");
-            Err(limiter.refused(Saturated::Unavailable))
+            Err(limiter.refused(Saturated::Unavailable, key.as_deref()))
         }
         OnLeaseError::FailOpen => {
             crate::observe::store_error(&error, "fail_open");

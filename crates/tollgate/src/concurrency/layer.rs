@@ -91,6 +91,7 @@ impl ConcurrencyLimitLayer {
                     global_max: None,
                     per_key_max: None,
                     waiting: None,
+                    log_level: tracing::Level::DEBUG,
                 })),
                 lease_store: None,
                 lease: LeaseOptions::default(),
@@ -193,6 +194,14 @@ impl ConcurrencyLimitLayer {
     /// for a permit before being refused. Without it, refusal is immediate.
     pub fn wait(self, max_waiters: usize, max_wait: Duration) -> Self {
         self.edit(|_, l| l.waiting = Some((max_waiters, max_wait)))
+    }
+
+    /// The level refusals are logged at (default `DEBUG`): the layer, the
+    /// limit that refused (`per_key`, `global`, `queue`,
+    /// `store_unavailable`) and a fingerprint of the key, never the key
+    /// ([`set_log_fingerprint_key`](crate::set_log_fingerprint_key)).
+    pub fn log_refusals(self, level: tracing::Level) -> Self {
+        self.edit(|_, l| l.log_level = level)
     }
 
     /// What to do when the per-key parts need a principal and there is none

@@ -102,6 +102,8 @@ pub(crate) struct Limits {
     pub(crate) per_key_max: Option<usize>,
     /// At most this many requests wait, each at most `max_wait`.
     pub(crate) waiting: Option<(usize, Duration)>,
+    /// The level refusals are logged at.
+    pub(crate) log_level: tracing::Level,
 }
 
 pub(crate) struct Limiter {
@@ -190,9 +192,9 @@ impl Limiter {
         let Some((max_waiters, max_wait)) = self.limits.waiting else {
             return self
                 .try_acquire(key.as_deref())
-                .map_err(|full| self.refused(full));
+                .map_err(|full| self.refused(full, key.as_deref()));
         };
-        let (id, full, granted) = {
+        let (id, full, granted, shown) = {
             let mut counts = self.lock();
             let full = match counts.fits(&self, key.as_deref()) {
                 Ok(()) => {
@@ -219,7 +221,7 @@ impl Limiter {
             };
             if full == Saturated::PerKey && waiting_for_key(&counts) {
                 drop(counts);
-                return Err(self.refused(Saturated::PerKey));
+                return Err(self.refused(Saturated::PerKey, key.as_deref()));
             }
             if counts.queue.len() >= max_waiters {
                 drop(counts);
@@ -229,15 +231,16 @@ impl Limiter {
                     Saturated::PerKey => Saturated::PerKey,
                     _ => Saturated::Queue,
                 };
-                return Err(self.refused(why));
+                return Err(self.refused(why, key.as_deref()));
             }
             let (grant, granted) = oneshot::channel();
+            let shown = key.clone();
             let id = counts.next_waiter;
             counts.next_waiter += 1;
             counts.queue.push_back(Waiter { id, key, grant });
             self.peak_waiters
                 .fetch_max(counts.queue.len(), Ordering::Relaxed);
-            (id, full, granted)
+            (id, full, granted, shown)
         };
         self.gauges();
         // Leaves the queue however the wait ends (the future may be
@@ -249,12 +252,27 @@ impl Limiter {
                 // Timed out. Still queued: refused. Not queued any more: a
                 // slot was handed over at the last moment, and the permit
                 // it sent is in the dropped receiver, which gives it back.
-                Err(self.refused(full))
+                Err(self.refused(full, shown.as_deref()))
             }
         }
     }
 
-    pub(crate) fn refused(&self, full: Saturated) -> Saturated {
+    /// Counts (and logs, at the layer's level, with `key`'s fingerprint) a
+    /// refusal for `full`.
+    pub(crate) fn refused(&self, full: Saturated, key: Option<&str>) -> Saturated {
+        let scope = match full {
+            Saturated::PerKey => "per_key",
+            Saturated::Global => "global",
+            Saturated::Queue => "queue",
+            Saturated::Unavailable => "store_unavailable",
+        };
+        crate::observe::event_at!(
+            self.limits.log_level,
+            layer = &*self.limits.name,
+            scope,
+            key_fingerprint = %key.map_or_else(|| "-".to_owned(), crate::observe::fingerprint),
+            "refused: too many in flight"
+        );
         let counter = match full {
             Saturated::PerKey => &self.refused_per_key,
             Saturated::Global | Saturated::Queue | Saturated::Unavailable => &self.refused_global,
@@ -264,7 +282,7 @@ impl Limiter {
         metrics::counter!(
             "tollgate_concurrency_refused_total",
             "layer" => self.limits.name.to_string(),
-            "scope" => match full { Saturated::PerKey => "per_key", Saturated::Global => "global", Saturated::Queue => "queue", Saturated::Unavailable => "store_unavailable" }
+            "scope" => scope
         )
         .increment(1);
         full
@@ -322,6 +340,7 @@ mod tests {
             global_max: Some(global),
             per_key_max: Some(1),
             waiting: Some((waiting, Duration::from_secs(60))),
+            log_level: tracing::Level::DEBUG,
         }))
     }
 

@@ -156,7 +156,7 @@ where
                 ResponseFuture::waiting(waiting, inner, req, config.clone(), protocol)
             }
             Err(full) => {
-                let answer = refusal(config, config.limiter.refused(full));
+                let answer = refusal(config, config.limiter.refused(full, key.as_deref()));
                 ResponseFuture::refused(answer.into_response(protocol))
             }
         }

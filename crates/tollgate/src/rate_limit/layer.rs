@@ -52,6 +52,7 @@ impl<St> Clone for Config<St> {
             exemptions: self.exemptions.clone(),
             dry_run: self.dry_run,
             www_authenticate: self.www_authenticate.clone(),
+            log_level: self.log_level,
             shape: self.shape.clone(),
             max_waiting: self.max_waiting,
             waiters: Arc::default(),
@@ -74,6 +75,8 @@ pub(crate) struct Config<St> {
     pub(crate) dry_run: bool,
     /// The challenge sent with `401` (RFC 9110 requires one).
     pub(crate) www_authenticate: HeaderValue,
+    /// The level refusals are logged at.
+    pub(crate) log_level: tracing::Level,
     /// The application's refusal body writer, if any.
     pub(crate) shape: Option<Shape>,
     /// At most this many requests held by shaping rules at once.
@@ -136,6 +139,7 @@ impl<St: Store> RateLimitLayer<St> {
                 exemptions: Vec::new(),
                 dry_run: false,
                 www_authenticate: HeaderValue::from_static("Bearer"),
+                log_level: tracing::Level::DEBUG,
                 shape: None,
                 max_waiting: 1024,
                 waiters: Arc::default(),
@@ -288,6 +292,18 @@ impl<St: Store> RateLimitLayer<St> {
     /// `HeaderValue::from_static("Bearer realm=\"api\"")`.
     pub fn www_authenticate(self, challenge: HeaderValue) -> Self {
         self.edit(|c| c.www_authenticate = challenge)
+    }
+
+    /// The level refusals are logged at (default `DEBUG`; `INFO` or `WARN`
+    /// to see them in production). Each refusal for lack of budget, each
+    /// cost that can never fit and each request refused for want of a
+    /// principal is one event with the policy, the shape of the rule's key
+    /// (its parts' names: `ip`, `t,a,op`) and a fingerprint of the key,
+    /// never the key itself nor a credential
+    /// ([`set_log_fingerprint_key`](crate::set_log_fingerprint_key) makes
+    /// fingerprints agree across a fleet).
+    pub fn log_refusals(self, level: tracing::Level) -> Self {
+        self.edit(|c| c.log_level = level)
     }
 }
 

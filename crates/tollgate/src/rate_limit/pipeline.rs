@@ -102,6 +102,9 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
             Ok(Some(key)) => key,
             Ok(None) => continue,
             Err(error) => {
+                if refusal.is_none() {
+                    observe::key_refused(&error, policy.name(), config.log_level);
+                }
                 refusal.get_or_insert_with(|| {
                     let mut answer = Answer::for_key(error, policy.name());
                     if answer.challenge.is_some() {
@@ -362,7 +365,7 @@ fn hold<St, S: Store + Clone>(
             let verdict = Verdict::Denied {
                 retry_after: outcome.delay(),
             };
-            observe::outcome(charges, outcome, verdict);
+            observe::outcome(charges, outcome, verdict, config.log_level);
             Err(Answer::from_outcome(charges, outcome, verdict))
         }
     }
@@ -415,7 +418,7 @@ async fn check_first<St: Store>(config: &Config<St>, checks: &Checks) -> Result<
     match enforced.verdict() {
         Verdict::Admitted => Ok(()),
         verdict => {
-            observe::outcome(enforced_charges, &enforced, verdict);
+            observe::outcome(enforced_charges, &enforced, verdict, config.log_level);
             Err(Answer::from_outcome(enforced_charges, &enforced, verdict))
         }
     }
@@ -550,7 +553,7 @@ fn conclude<St>(
     wait: Option<Wait>,
 ) -> Result<Admit, Answer> {
     let verdict = outcome.verdict();
-    observe::outcome(charges, &outcome, verdict);
+    observe::outcome(charges, &outcome, verdict, config.log_level);
     let fields = |charges: &[Charge], outcome: &Outcome| {
         if shadowed.charges.is_empty() {
             return ratelimit_fields(charges, outcome);

@@ -143,10 +143,13 @@ impl Answer {
                     format!("{first:?} needs an authenticated principal"),
                 )
             },
-            KeyError::ClientIp(e @ ClientIpError::MissingPeer) => {
-                tracing::error!(error = %e, "tollgate cannot key by client address");
-                Answer::new(Refusal::Misconfigured, e.to_string())
-            }
+            // The server's configuration, not the client's doing: the log
+            // says what to fix (`observe::key_refused`); the body says
+            // nothing of the server's internals.
+            KeyError::ClientIp(ClientIpError::MissingPeer) => Answer::new(
+                Refusal::Misconfigured,
+                "the server's rate limiter is misconfigured; this is not the client's fault",
+            ),
             KeyError::ClientIp(e) => Answer::new(Refusal::BadRequest, e.to_string()),
             KeyError::MissingPart(name) => Answer {
                 challenge: Some(HeaderValue::from_static("Bearer")),

@@ -1,0 +1,153 @@
+//! What an operator reads: refusals logged at the level the layer was
+//! given, with the policy, the key's shape and a fingerprint, never the key
+//! or a credential; errors that repeat per request (the store unreachable,
+//! the server's own misconfiguration) logged once and then at a bounded
+//! rate with a count; a misconfiguration answered 500 without internals.
+
+mod common;
+
+use std::net::SocketAddr;
+use std::num::NonZeroUsize;
+
+use axum::Router;
+use axum::routing::get;
+use common::{ip, logs, send, serve};
+use http::StatusCode;
+use tollgate::{
+    ConcurrencyLimitLayer, KeyPart, MemoryStore, Policy, Principal, Rate, RateLimitLayer,
+    RedisStore, Rule,
+};
+use tracing::Level;
+
+fn with_principal(app: Router) -> Router {
+    app.layer(axum::middleware::from_fn(
+        |mut req: axum::extract::Request, next: axum::middleware::Next| async move {
+            if req.headers().contains_key("authorization") {
+                req.extensions_mut()
+                    .insert(Principal::new("north", "alice").with_credential("s3cret-cred"));
+            }
+            next.run(req).await
+        },
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn refusals_are_logged_at_the_chosen_level_without_the_key() {
+    logs::capture();
+    let layer = RateLimitLayer::new(MemoryStore::new())
+        .log_refusals(Level::WARN)
+        .rule(Rule::per_client_ip(
+            Policy::token_bucket("logged-ip", 2, Rate::per_hour(1)).unwrap(),
+        ))
+        .rule(
+            Rule::per_account(
+                Policy::token_bucket("logged-account", 5, Rate::per_hour(1)).unwrap(),
+            )
+            .on_route("/private"),
+        );
+    let in_flight = ConcurrencyLimitLayer::new("logged-slow")
+        .unwrap()
+        .per_key(NonZeroUsize::new(1).unwrap(), [KeyPart::ClientIp])
+        .log_refusals(Level::WARN);
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route("/private", get(|| async { "ok" }))
+        .route(
+            "/slow",
+            get(|| async {
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                "done"
+            })
+            .route_layer(in_flight),
+        )
+        .layer(layer);
+    let addr = serve(with_principal(app)).await;
+    let from = ip("127.0.81.7");
+    for _ in 0..2 {
+        assert_eq!(
+            send(addr, from, "GET", "/", &[], b"").await.status,
+            StatusCode::OK
+        );
+    }
+    assert_eq!(
+        send(addr, from, "GET", "/", &[], b"").await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // A 401 is logged too (no principal on a per-account rule).
+    let other = ip("127.0.81.8");
+    assert_eq!(
+        send(addr, other, "GET", "/private", &[], b"").await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    // And a concurrency refusal.
+    let third = ip("127.0.81.9");
+    let slow = tokio::spawn(async move { send(addr, third, "GET", "/slow", &[], b"").await });
+    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    let r = send(addr, third, "GET", "/slow", &[], b"").await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(slow.await.unwrap().status, StatusCode::OK);
+
+    let warn = |needle: &str| logs::count(Level::WARN, needle);
+    assert!(warn("refused: rate limited") >= 1);
+    assert!(warn("policy=\"logged-ip\"") >= 1);
+    assert!(warn("key=ip") >= 1);
+    assert!(warn("key_fingerprint=") >= 2);
+    assert!(warn("refused: the rule needs a principal") >= 1);
+    assert!(warn("refused: too many in flight") >= 1);
+    assert!(warn("layer=\"logged-slow\"") >= 1);
+    // Never the key text, the address or a credential.
+    for text in logs::texts() {
+        for secret in ["127.0.81", "s3cret", "alice", "ip=127"] {
+            assert!(!text.contains(secret), "{secret:?} in the log: {text}");
+        }
+    }
+}
+
+/// Errors that repeat per request are logged once, then at most once per
+/// ten seconds with how many were left out; a server that forgot the peer
+/// address answers 500 with no internals in the body.
+#[tokio::test(flavor = "multi_thread")]
+async fn repeated_errors_are_logged_at_a_bounded_rate() {
+    logs::capture();
+    // The store is unreachable: 40 requests, 40 503s, one log line.
+    let down = RedisStore::builder("redis://127.0.0.1:1")
+        .unwrap()
+        .build()
+        .unwrap();
+    let layer = RateLimitLayer::new(down).rule(Rule::per_client_ip(
+        Policy::token_bucket("down", 5, Rate::per_second(1)).unwrap(),
+    ));
+    let addr = serve(
+        Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(layer),
+    )
+    .await;
+    for i in 0..40u8 {
+        let r = send(addr, ip(&format!("127.0.82.{i}")), "GET", "/", &[], b"").await;
+        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+    }
+    assert_eq!(logs::count(Level::WARN, "rate-limit store failed"), 1);
+
+    // No peer address: the app is served without connect info.
+    let layer = RateLimitLayer::new(MemoryStore::new()).rule(Rule::per_client_ip(
+        Policy::token_bucket("no-peer", 5, Rate::per_second(1)).unwrap(),
+    ));
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .layer(layer);
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let bare: SocketAddr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    for _ in 0..20 {
+        let r = send(bare, ip("127.0.0.1"), "GET", "/", &[], b"").await;
+        assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR);
+        for internal in ["peer", "connect_info", "PeerAddr", "SocketAddr"] {
+            assert!(!r.body.contains(internal), "{internal:?} in {}", r.body);
+        }
+    }
+    assert_eq!(
+        logs::count(Level::ERROR, "into_make_service_with_connect_info"),
+        1
+    );
+}
