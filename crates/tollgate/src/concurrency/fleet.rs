@@ -15,6 +15,7 @@ use std::time::Duration;
 use tollgate_core::{Acquired, Lease, LeaseRequest, LeaseStore, StoreError, StoreErrorKind};
 
 use super::limiter::{Limiter, Permit, Saturated};
+use crate::observe::Throttle;
 use crate::rate_limit::shaping::Waiters;
 
 /// What a fleet-wide concurrency limit does when its lease store fails or
@@ -158,11 +159,15 @@ fn give_back(fleet: &Arc<Fleet>, lease: Lease) {
         Ok(runtime) => {
             runtime.spawn(async move {
                 if let Err(error) = store.release(&lease).await {
-                    tracing::warn!(
-                        %error,
-                        limit = &*lease.request.limit,
-                        "could not release an in-flight lease; it expires by itself"
-                    );
+                    static THROTTLE: Throttle = Throttle::new();
+                    if let Some(suppressed) = THROTTLE.admit() {
+                        tracing::warn!(
+                            %error,
+                            limit = &*lease.request.limit,
+                            suppressed,
+                            "could not release an in-flight lease; it expires by itself"
+                        );
+                    }
                 }
             });
         }
@@ -200,11 +205,17 @@ async fn renew(fleet: Arc<Fleet>, lease: Lease) {
                 .increment(1);
                 return;
             }
-            Err(error) => tracing::warn!(
-                %error,
-                limit = &*lease.request.limit,
-                "could not renew an in-flight lease; trying again"
-            ),
+            Err(error) => {
+                static THROTTLE: Throttle = Throttle::new();
+                if let Some(suppressed) = THROTTLE.admit() {
+                    tracing::warn!(
+                        %error,
+                        limit = &*lease.request.limit,
+                        suppressed,
+                        "could not renew an in-flight lease; trying again"
+                    );
+                }
+            }
         }
     }
 }
