@@ -42,6 +42,7 @@
 //! ```
 //!
 //! [tollgate]: https://docs.rs/tollgate
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 pub mod algorithm;
 mod clock;

@@ -53,6 +53,7 @@ impl Rate {
 
 /// What one unit of cost stands for; it names the unit in headers and docs.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum Unit {
     /// One unit per request (the default).
     #[default]

@@ -30,6 +30,7 @@ use tollgate_core::{Charge, Decision, Outcome, Policy};
 
 /// Counters of the over-limit cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct CacheStats {
     /// Requests refused locally, without a round trip.
     pub hits: u64,

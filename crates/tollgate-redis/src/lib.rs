@@ -74,6 +74,7 @@
 //! println!("{:?}", outcome.verdict());
 //! # Ok(()) }
 //! ```
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod cache;
 mod leases;

@@ -102,6 +102,7 @@
 //! - `metrics`: counters and histograms through the `metrics` facade.
 //! - `client`: `Retry-After` parsing and a retry policy ([`client`]).
 //! - `redis`: the Redis store for fleets, re-exported as `tollgate::redis`.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;
 #[cfg(feature = "client")]
@@ -136,6 +137,6 @@ pub use tollgate_redis as redis;
 pub use tollgate_redis::{RedisStore, RedisStoreBuilder};
 
 /// The README's examples, compiled as doctests so they stay true.
-#[doc = include_str!("../../../README.md")]
+#[doc = include_str!("../README.md")]
 #[cfg(doctest)]
 pub struct ReadmeDoctests;

@@ -66,7 +66,10 @@ pub(crate) fn fingerprint(key: &str) -> String {
     use std::hash::{BuildHasher, Hasher};
     let &(k0, k1) = FINGERPRINT_KEY.get_or_init(|| {
         let seeds = std::hash::RandomState::new();
-        (seeds.hash_one(0x006c_6f67_u64), seeds.hash_one(0x006b_6579_u64))
+        (
+            seeds.hash_one(0x006c_6f67_u64),
+            seeds.hash_one(0x006b_6579_u64),
+        )
     });
     let mut h = siphasher::sip::SipHasher13::new_with_keys(k0, k1);
     h.write(key.as_bytes());

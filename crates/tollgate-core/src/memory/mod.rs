@@ -51,6 +51,7 @@ use shard::{ID_MASK, Shard};
 /// What [`MemoryStore`] does when a shard is at its share of the key cap and
 /// a charge needs a new key.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub enum OnKeyCap {
     /// Refuse: the charge fails with [`StoreErrorKind::CapacityExhausted`](crate::StoreErrorKind::CapacityExhausted)
     /// (counted), so the layer applies its store-failure outcome. Keys already
@@ -66,6 +67,7 @@ pub enum OnKeyCap {
 
 /// Counters kept by a [`MemoryStore`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct MemoryStoreStats {
     /// Keys currently tracked.
     pub keys: u64,

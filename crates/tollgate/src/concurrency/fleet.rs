@@ -21,6 +21,7 @@ use crate::rate_limit::shaping::Waiters;
 /// What a fleet-wide concurrency limit does when its lease store fails or
 /// does not answer in time ([`ConcurrencyLimitLayer::shared`](super::ConcurrencyLimitLayer::shared)).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum OnLeaseError {
     /// Refuse with `503 Service Unavailable` (default): never more in
     /// flight than the limit.

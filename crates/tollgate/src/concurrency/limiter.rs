@@ -75,6 +75,7 @@ impl Counts {
 
 /// A snapshot of a concurrency limit's counters.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
 pub struct ConcurrencyStats {
     /// Requests in flight now.
     pub in_flight: usize,

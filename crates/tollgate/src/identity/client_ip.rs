@@ -20,6 +20,7 @@ pub struct PeerAddr(pub SocketAddr);
 
 /// Which forwarding header a trusted proxy writes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum ForwardedHeader {
     /// `X-Forwarded-For: client, proxy1, proxy2` (default).
     #[default]

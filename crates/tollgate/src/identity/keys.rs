@@ -22,6 +22,7 @@ use super::{ClientIp, ClientIpError, ClientIpResolver, Operation, Principal};
 /// per-account-operation key of alice in tenant north is
 /// `export:t=north:a=alice:op=POST%20/export`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
+#[non_exhaustive]
 pub enum KeyPart {
     /// The resolved client address ([`crate::ClientIpResolver`]).
     ClientIp,
@@ -164,6 +165,7 @@ impl std::fmt::Debug for CustomPart {
 /// What a rule does when its key needs a [`crate::Principal`] and the
 /// request has none.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
 pub enum MissingPrincipal {
     /// Answer `401 Unauthorized` (gRPC: UNAUTHENTICATED) (default), after
     /// charging the request to every other applicable rule whose key is

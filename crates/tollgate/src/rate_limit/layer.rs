@@ -18,6 +18,7 @@ use crate::response::{RefusalBody, RefusalInfo, Shape};
 
 /// What the layer does when the store fails or times out.
 #[derive(Clone, Default)]
+#[non_exhaustive]
 pub enum OnStoreError {
     /// Refuse with `503 Service Unavailable` and `Cache-Control: no-store`
     /// (gRPC: UNAVAILABLE). Never admits beyond the budget (default).
