@@ -74,7 +74,7 @@ use tower_http::timeout::TimeoutLayer;
 /// How long `/slow`'s shared in-flight leases last unless renewed.
 const SLOW_LEASE: Duration = Duration::from_secs(2);
 
-const USAGE: &str = "usage: quickstart [--addr HOST:PORT] [--trust-proxy CIDR]... [--exempt CIDR]... [--dry-run] [--store redis://HOST:PORT|rediss://HOST:PORT] [--redis-ca FILE] [--demo]";
+const USAGE: &str = "usage: quickstart [--addr HOST:PORT] [--trust-proxy CIDR]... [--exempt CIDR]... [--dry-run] [--store redis://HOST:PORT|rediss://HOST:PORT] [--redis-ca FILE] [--redis-cert FILE --redis-key FILE] [--demo]";
 
 struct Args {
     addr: SocketAddr,
@@ -84,6 +84,9 @@ struct Args {
     store: Option<String>,
     /// A CA to trust for a `rediss://` store.
     redis_ca: Option<Vec<u8>>,
+    /// A client certificate and its key, for a TLS Redis that asks for one.
+    redis_cert: Option<Vec<u8>>,
+    redis_key: Option<Vec<u8>>,
     demo: bool,
 }
 
@@ -112,6 +115,8 @@ fn parse_args() -> Result<Args, String> {
         dry_run: false,
         store: None,
         redis_ca: None,
+        redis_cert: None,
+        redis_key: None,
         demo: false,
     };
     let mut it = std::env::args().skip(1);
@@ -143,6 +148,15 @@ fn parse_args() -> Result<Args, String> {
                 let v = it.next().ok_or("--redis-ca needs a PEM file")?;
                 args.redis_ca =
                     Some(std::fs::read(&v).map_err(|e| format!("--redis-ca {v:?}: {e}"))?);
+            }
+            "--redis-cert" | "--redis-key" => {
+                let v = it.next().ok_or_else(|| format!("{arg} needs a PEM file"))?;
+                let pem = std::fs::read(&v).map_err(|e| format!("{arg} {v:?}: {e}"))?;
+                if arg == "--redis-cert" {
+                    args.redis_cert = Some(pem);
+                } else {
+                    args.redis_key = Some(pem);
+                }
             }
             "--demo" => args.demo = true,
             "-h" | "--help" => return Err(USAGE.to_owned()),
@@ -207,6 +221,18 @@ impl http_body::Body for Ticks {
             3 - self.left
         ))))))
     }
+}
+
+/// An error with its causes, for a reader: `what: why: why`.
+fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
 }
 
 /// `POST /login`: 200 when the demo authentication knew the bearer key,
@@ -343,15 +369,29 @@ async fn main() -> ExitCode {
     let (store, leases): (Arc<dyn DynStore>, Option<Arc<dyn LeaseStore>>) = match &args.store {
         None => (Arc::new(MemoryStore::new()), None),
         Some(url) => match RedisStore::builder(url).and_then(|b| {
-            match args.redis_ca.clone() {
+            let b = match args.redis_ca.clone() {
                 Some(ca) => b.tls_root_certificate(ca),
                 None => b,
+            };
+            match (args.redis_cert.clone(), args.redis_key.clone()) {
+                (Some(cert), Some(key)) => b.tls_client_certificate(cert, key),
+                (None, None) => b,
+                _ => {
+                    return Err(tollgate::StoreError::new(
+                        tollgate::StoreErrorKind::Config,
+                        "--redis-cert and --redis-key go together",
+                    ));
+                }
             }
             .build()
         }) {
             Ok(store) => (Arc::new(store.clone()), Some(Arc::new(store))),
             Err(e) => {
-                eprintln!("--store {url}: {e}");
+                eprintln!(
+                    "--store {}: {}",
+                    tollgate::redis::redact_url(url),
+                    chain(&e)
+                );
                 return ExitCode::from(2);
             }
         },
@@ -391,7 +431,10 @@ async fn main() -> ExitCode {
     println!("tollgate quickstart listening on http://{local}");
     match &args.store {
         None => println!("store: in-memory"),
-        Some(url) => println!("store: {url} (fail closed with 503 while it is unreachable)"),
+        Some(url) => println!(
+            "store: {} (fail closed with 503 while it is unreachable)",
+            tollgate::redis::redact_url(url)
+        ),
     }
     let server = tokio::spawn(async move {
         axum::serve(

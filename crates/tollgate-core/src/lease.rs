@@ -24,7 +24,8 @@ pub struct LeaseRequest {
     pub per_key: Option<u64>,
     /// At most this many in flight in all.
     pub global: Option<u64>,
-    /// How long the lease lasts unless renewed.
+    /// How long the lease lasts unless renewed (the Redis store holds at
+    /// most 10^12 ms, about 31 years; longer is that long).
     pub ttl: Duration,
 }
 

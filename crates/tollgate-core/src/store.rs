@@ -277,6 +277,10 @@ pub enum StoreErrorKind {
     /// The store cannot represent this policy exactly (a configuration
     /// error: fix the policy).
     Unsupported,
+    /// The store itself is configured wrongly (a URL that does not parse,
+    /// certificates that are not certificates, options that contradict
+    /// each other): found when it is built, before any request.
+    Config,
 }
 
 impl fmt::Display for StoreErrorKind {
@@ -287,6 +291,7 @@ impl fmt::Display for StoreErrorKind {
             StoreErrorKind::CapacityExhausted => "store key capacity exhausted",
             StoreErrorKind::Protocol => "store protocol error",
             StoreErrorKind::Unsupported => "policy unsupported by store",
+            StoreErrorKind::Config => "invalid store configuration",
         })
     }
 }

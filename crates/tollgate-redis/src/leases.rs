@@ -15,6 +15,9 @@ use tollgate_core::{
 
 use crate::RedisStore;
 
+/// The longest lease the script is asked for, in ms.
+const MAX_TTL_MS: u64 = 1_000_000_000_000;
+
 static LEASES: LazyLock<redis::Script> =
     LazyLock::new(|| redis::Script::new(include_str!("leases.lua")));
 
@@ -45,9 +48,11 @@ impl RedisStore {
         bounds: (u64, u64),
     ) -> Result<i64, StoreError> {
         let keys = self.lease_keys(request);
+        // At most about 31 years: Redis's expiry times stay in range (a
+        // larger one would fail after the lease was written).
         let ttl_ms = u64::try_from(request.ttl.as_millis())
             .unwrap_or(u64::MAX)
-            .max(1);
+            .clamp(1, MAX_TTL_MS);
         let mut invocation = LEASES.prepare_invoke();
         for k in &keys {
             invocation.key(k);

@@ -211,6 +211,21 @@ fn manager_config(timeout: Duration) -> redis::aio::ConnectionManagerConfig {
         .set_max_delay(Duration::from_millis(500))
 }
 
+/// `url` with any password (and user name) replaced by `***`, for
+/// messages and logs.
+pub fn redact_url(url: &str) -> String {
+    match url.split_once("://") {
+        Some((scheme, rest)) => {
+            let host_start = rest.find('/').unwrap_or(rest.len());
+            match rest[..host_start].rfind('@') {
+                Some(at) => format!("{scheme}://***{}", &rest[at..]),
+                None => url.to_owned(),
+            }
+        }
+        None => url.to_owned(),
+    }
+}
+
 fn config_error(e: impl std::error::Error + Send + Sync + 'static, what: &str) -> StoreError {
     StoreError::new(StoreErrorKind::Unavailable, what.to_owned()).with_source(e)
 }
@@ -320,13 +335,32 @@ impl RedisStoreBuilder {
     pub fn build(self) -> Result<RedisStore, StoreError> {
         #[cfg(feature = "tls")]
         let target = match (self.tls, &self.url) {
+            (Some(_), Some(url)) if !url.starts_with("rediss://") => {
+                return Err(StoreError::new(
+                    StoreErrorKind::Config,
+                    format!(
+                        "TLS certificates were given for {}, which is not a rediss:// URL",
+                        redact_url(url)
+                    ),
+                ));
+            }
             (Some(certs), Some(url)) => {
+                let pem = |bytes: &[u8]| {
+                    String::from_utf8_lossy(bytes).contains("-----BEGIN CERTIFICATE-----")
+                };
+                if certs.root_cert.as_deref().is_some_and(|ca| !pem(ca)) {
+                    return Err(StoreError::new(
+                        StoreErrorKind::Config,
+                        "the CA given for Redis TLS holds no PEM certificate \
+                         (-----BEGIN CERTIFICATE-----)",
+                    ));
+                }
                 install_crypto_provider();
                 Target::Single(
                     redis::Client::build_with_tls(url.as_str(), certs).map_err(|e| {
                         StoreError::new(
-                            StoreErrorKind::Unsupported,
-                            "invalid TLS certificates for Redis",
+                            StoreErrorKind::Config,
+                            "invalid TLS certificates or key for Redis",
                         )
                         .with_source(e)
                     })?,
@@ -334,7 +368,7 @@ impl RedisStoreBuilder {
             }
             (Some(_), None) => {
                 return Err(StoreError::new(
-                    StoreErrorKind::Unsupported,
+                    StoreErrorKind::Config,
                     "TLS certificates are set on the URL's builder (RedisStore::builder) only",
                 ));
             }
@@ -427,8 +461,8 @@ impl RedisStore {
                 ""
             };
             StoreError::new(
-                StoreErrorKind::Unsupported,
-                format!("invalid Redis URL {url:?}{hint}"),
+                StoreErrorKind::Config,
+                format!("invalid Redis URL {:?}{hint}", redact_url(url)),
             )
             .with_source(e)
         })?;
@@ -448,7 +482,7 @@ impl RedisStore {
             .retries(0)
             .build()
             .map_err(|e| {
-                StoreError::new(StoreErrorKind::Unsupported, "invalid Redis Cluster nodes")
+                StoreError::new(StoreErrorKind::Config, "invalid Redis Cluster nodes")
                     .with_source(e)
             })?;
         Ok(Self::builder_for(Target::Cluster(client)))
@@ -490,17 +524,44 @@ impl RedisStore {
         sentinels: &[&str],
         master: &str,
     ) -> Result<RedisStoreBuilder, StoreError> {
+        Self::sentinel_target(sentinels, master, None)
+    }
+
+    /// As [`RedisStore::sentinel_builder`], for a master (and replicas)
+    /// that require a password (`requirepass`, or an ACL user when
+    /// `username` is given). A password for the sentinels themselves goes
+    /// in their URLs (`redis://:pw@sentinel:26379`). Masters reached over
+    /// TLS through Sentinel are not supported.
+    pub fn sentinel_builder_with_auth(
+        sentinels: &[&str],
+        master: &str,
+        username: Option<&str>,
+        password: &str,
+    ) -> Result<RedisStoreBuilder, StoreError> {
+        let mut info = redis::RedisConnectionInfo::default().set_password(password);
+        if let Some(user) = username {
+            info = info.set_username(user);
+        }
+        let node =
+            redis::sentinel::SentinelNodeConnectionInfo::default().set_redis_connection_info(info);
+        Self::sentinel_target(sentinels, master, Some(node))
+    }
+
+    fn sentinel_target(
+        sentinels: &[&str],
+        master: &str,
+        node: Option<redis::sentinel::SentinelNodeConnectionInfo>,
+    ) -> Result<RedisStoreBuilder, StoreError> {
         // A `String`: redis-rs takes one without TLS, any `AsRef<str>` with.
         let name = String::from(master);
         let client = redis::sentinel::SentinelClient::build(
             sentinels.to_vec(),
             name,
-            None,
+            node,
             redis::sentinel::SentinelServerType::Master,
         )
         .map_err(|e| {
-            StoreError::new(StoreErrorKind::Unsupported, "invalid Redis Sentinel nodes")
-                .with_source(e)
+            StoreError::new(StoreErrorKind::Config, "invalid Redis Sentinel nodes").with_source(e)
         })?;
         Ok(Self::builder_for(Target::Sentinel(client)))
     }
@@ -909,7 +970,16 @@ fn not_run(e: &redis::RedisError) -> bool {
 /// Maps a redis-rs error to unavailable (nothing was applied) or uncertain
 /// (it may have been).
 fn classify(e: redis::RedisError) -> StoreError {
-    let kind = if e.is_connection_refusal() || tls_refused(&e) {
+    // Refused at connection set-up (TLS, a wrong password, a sentinel that
+    // knows no such master): no command was sent.
+    let setup = matches!(
+        e.kind(),
+        redis::ErrorKind::AuthenticationFailed
+            | redis::ErrorKind::MasterNameNotFoundBySentinel
+            | redis::ErrorKind::EmptySentinelList
+            | redis::ErrorKind::InvalidClientConfig
+    );
+    let kind = if e.is_connection_refusal() || tls_refused(&e) || setup {
         StoreErrorKind::Unavailable
     } else if e.is_timeout() || e.is_connection_dropped() || e.is_io_error() {
         StoreErrorKind::Uncertain

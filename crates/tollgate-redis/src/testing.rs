@@ -109,10 +109,24 @@ impl RedisServer {
         format!("redis://127.0.0.1:{}", self.port)
     }
 
+    /// The URL the helpers connect with: with the password of a server
+    /// started with `--requirepass`.
+    fn admin_url(&self) -> String {
+        let password = self
+            .extra
+            .iter()
+            .position(|a| a == "--requirepass")
+            .and_then(|i| self.extra.get(i + 1));
+        match password {
+            Some(pw) => format!("redis://:{pw}@127.0.0.1:{}", self.port),
+            None => self.url(),
+        }
+    }
+
     /// Runs one command and returns its reply as text (arrays joined by
     /// newlines, nil as empty).
     pub fn query(&self, args: &[&str]) -> Result<String, String> {
-        let client = redis::Client::open(self.url()).map_err(|e| e.to_string())?;
+        let client = redis::Client::open(self.admin_url()).map_err(|e| e.to_string())?;
         let mut conn = client
             .get_connection_with_timeout(Duration::from_secs(2))
             .map_err(|e| e.to_string())?;
@@ -126,7 +140,7 @@ impl RedisServer {
 
     /// The raw value stored at `key`, if any.
     pub fn get_bytes(&self, key: &str) -> Result<Option<Vec<u8>>, String> {
-        let client = redis::Client::open(self.url()).map_err(|e| e.to_string())?;
+        let client = redis::Client::open(self.admin_url()).map_err(|e| e.to_string())?;
         let mut conn = client
             .get_connection_with_timeout(Duration::from_secs(2))
             .map_err(|e| e.to_string())?;
@@ -428,6 +442,12 @@ impl RedisSentinel {
     /// `None` (loudly) when `redis-sentinel` is not installed — except under
     /// `CI=true`, where it panics.
     pub fn start(name: &str, master_port: u16) -> Option<Self> {
+        Self::start_with_auth(name, master_port, None)
+    }
+
+    /// As [`RedisSentinel::start`], for a master that requires `password`
+    /// (`sentinel auth-pass`).
+    pub fn start_with_auth(name: &str, master_port: u16, password: Option<&str>) -> Option<Self> {
         if Command::new("redis-sentinel")
             .arg("--version")
             .output()
@@ -455,8 +475,11 @@ impl RedisSentinel {
                  sentinel monitor {name} 127.0.0.1 {master_port} 1\n\
                  sentinel down-after-milliseconds {name} 1000\n\
                  sentinel failover-timeout {name} 3000\n\
-                 sentinel parallel-syncs {name} 1\n",
-                dir.display()
+                 sentinel parallel-syncs {name} 1\n{}",
+                dir.display(),
+                password.map_or_else(String::new, |pw| format!(
+                    "sentinel auth-pass {name} {pw}\n"
+                )),
             ),
         )
         .unwrap_or_else(|e| panic!("writing {conf:?}: {e}"));

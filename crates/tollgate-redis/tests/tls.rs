@@ -128,3 +128,44 @@ async fn a_wrong_ca_or_an_expired_certificate_is_unavailable_and_spends_nothing(
         );
     }
 }
+
+/// Found in review: a file that is not a certificate was accepted at start
+/// (every request then failed, for an "unknown issuer"), certificates with
+/// a `redis://` URL were reported as an unsupported policy, and a URL's
+/// password was repeated in error messages. Each is now a configuration
+/// error at build time that says what is wrong, passwords left out.
+#[test]
+fn bad_tls_configuration_is_refused_at_build_with_a_reason() {
+    let not_pem = RedisStore::builder("rediss://127.0.0.1:6380")
+        .unwrap()
+        .tls_root_certificate(b"this is not a certificate".to_vec())
+        .build()
+        .unwrap_err();
+    assert_eq!(not_pem.kind(), StoreErrorKind::Config);
+    assert!(
+        chain(&not_pem).contains("no PEM certificate"),
+        "{}",
+        chain(&not_pem)
+    );
+    let plain = RedisStore::builder("redis://:s3cret@127.0.0.1:6379")
+        .unwrap()
+        .tls_root_certificate(b"-----BEGIN CERTIFICATE-----".to_vec())
+        .build()
+        .unwrap_err();
+    assert_eq!(plain.kind(), StoreErrorKind::Config);
+    let text = chain(&plain);
+    assert!(text.contains("not a rediss:// URL"), "{text}");
+    assert!(!text.contains("s3cret"), "{text}");
+    let bad = RedisStore::builder("redis://user:s3cret@127.0.0.1:99999").unwrap_err();
+    assert_eq!(bad.kind(), StoreErrorKind::Config);
+    let text = chain(&bad);
+    assert!(
+        !text.contains("s3cret") && text.contains("***@127.0.0.1"),
+        "{text}"
+    );
+    assert_eq!(
+        tollgate_redis::redact_url("rediss://u:p@h:1/0"),
+        "rediss://***@h:1/0"
+    );
+    assert_eq!(tollgate_redis::redact_url("redis://h:1"), "redis://h:1");
+}

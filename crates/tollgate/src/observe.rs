@@ -285,6 +285,22 @@ pub(crate) fn key_refused(error: &crate::identity::KeyError, policy: &str, level
     }
 }
 
+/// An error with its sources, `: `-separated (what failed, then why: a
+/// TLS certificate not trusted, `NOAUTH`, ...).
+pub(crate) fn chain(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(s) = source {
+        let more = s.to_string();
+        if !text.contains(&more) {
+            text.push_str(": ");
+            text.push_str(&more);
+        }
+        source = s.source();
+    }
+    text
+}
+
 /// A store failure: logged the first time and then at most once per ten
 /// seconds with the count left out (an outage fails every request), and
 /// always counted in the metric.
@@ -292,11 +308,11 @@ pub(crate) fn store_error(error: &StoreError, applied: &'static str) {
     static THROTTLE: Throttle = Throttle::new();
     if let Some(suppressed) = THROTTLE.admit() {
         tracing::warn!(
-            error = %error,
+            error = %chain(error),
             kind = ?error.kind(),
             outcome = applied,
             suppressed,
-            "rate-limit store failed ({suppressed} more store failures not logged since the last)"
+            "store failed ({suppressed} more store failures not logged since the last)"
         );
     }
     #[cfg(feature = "metrics")]

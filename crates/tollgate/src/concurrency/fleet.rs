@@ -5,18 +5,21 @@
 //!
 //! [`ConcurrencyLimitLayer::shared`]: super::ConcurrencyLimitLayer::shared
 
+use std::collections::VecDeque;
 use std::collections::hash_map::RandomState;
 use std::fmt;
 use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
+
+use tokio::sync::Notify;
 
 use tollgate_core::{Acquired, Lease, LeaseRequest, LeaseStore, StoreError, StoreErrorKind};
 
 use super::limiter::{Limiter, Permit, Saturated};
 use crate::observe::Throttle;
-use crate::rate_limit::shaping::Waiters;
 
 /// What a fleet-wide concurrency limit does when its lease store fails or
 /// does not answer in time ([`ConcurrencyLimitLayer::shared`](super::ConcurrencyLimitLayer::shared)).
@@ -59,6 +62,10 @@ impl fmt::Debug for Sharing {
 /// would be renewed faster than a store round trip can be relied on.
 pub(crate) const MIN_LEASE: Duration = Duration::from_millis(100);
 
+/// The longest lease: a slot held longer than a day by a dead instance is
+/// a leak in all but name (and the store's expiry arithmetic has a range).
+pub(crate) const MAX_LEASE: Duration = Duration::from_secs(24 * 3600);
+
 /// A layer's sharing, with the counters of this process.
 pub(crate) struct Fleet {
     pub(crate) sharing: Sharing,
@@ -67,10 +74,50 @@ pub(crate) struct Fleet {
     next: AtomicU64,
     /// Leases this process holds now.
     held: AtomicUsize,
-    /// Requests of this process polling for a lease.
-    waiters: Arc<Waiters>,
+    /// This process's requests waiting for a lease, in arrival order.
+    line: Mutex<Line>,
     peak_waiting: AtomicUsize,
     expired: AtomicU64,
+}
+
+/// Requests waiting for a lease, first come first served: the first polls
+/// the store, and each one that finds no room hands the turn to the next,
+/// so within a process nobody is asked before those who came earlier.
+#[derive(Default)]
+struct Line {
+    waiting: VecDeque<InLine>,
+    next: u64,
+}
+
+struct InLine {
+    id: u64,
+    key: Option<Box<str>>,
+    /// Last refused by the limit in all (a newcomer of any key waits
+    /// behind it) rather than by its own key's.
+    global: bool,
+    turn: Arc<Notify>,
+}
+
+impl Line {
+    /// Whether a newcomer for `key` must wait behind someone already
+    /// waiting (for the same key, or for the limit in all).
+    fn blocks(&self, key: Option<&str>) -> bool {
+        self.waiting
+            .iter()
+            .any(|w| w.global || (key.is_some() && w.key.as_deref() == key))
+    }
+
+    /// Hands the turn to the first waiter after `id` (or to the first of
+    /// all, without `id`).
+    fn pass(&self, after: Option<u64>) {
+        let next = match after {
+            None => self.waiting.front(),
+            Some(id) => self.waiting.iter().skip_while(|w| w.id != id).nth(1),
+        };
+        if let Some(w) = next {
+            w.turn.notify_one();
+        }
+    }
 }
 
 impl Fleet {
@@ -80,7 +127,7 @@ impl Fleet {
             seed: RandomState::new().hash_one(std::process::id()),
             next: AtomicU64::new(0),
             held: AtomicUsize::new(0),
-            waiters: Arc::new(Waiters::default()),
+            line: Mutex::new(Line::default()),
             peak_waiting: AtomicUsize::new(0),
             expired: AtomicU64::new(0),
         }
@@ -90,12 +137,16 @@ impl Fleet {
         (u128::from(self.seed) << 64) | u128::from(self.next.fetch_add(1, Ordering::Relaxed))
     }
 
+    fn line(&self) -> std::sync::MutexGuard<'_, Line> {
+        self.line.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Leases held by this process, requests of it waiting, the most ever
     /// waiting, and leases that expired while their request still ran.
     pub(crate) fn counts(&self) -> (usize, usize, usize, u64) {
         (
             self.held.load(Ordering::Relaxed),
-            self.waiters.len(),
+            self.line().waiting.len(),
             self.peak_waiting.load(Ordering::Relaxed),
             self.expired.load(Ordering::Relaxed),
         )
@@ -119,15 +170,18 @@ impl Slot {
 }
 
 /// A lease held for a request: renewed every third of its time to live
-/// until dropped, then given back.
+/// until dropped, then given back. It also counts in this process's own
+/// counts (`_local`), so that falling back to them when the store fails
+/// ([`OnLeaseError::Local`]) sees the requests already in flight.
 pub(crate) struct FleetPermit {
     fleet: Arc<Fleet>,
     lease: Lease,
     renewal: Option<tokio::task::AbortHandle>,
+    _local: Permit,
 }
 
 impl FleetPermit {
-    fn start(fleet: Arc<Fleet>, lease: Lease) -> Self {
+    fn start(fleet: Arc<Fleet>, lease: Lease, local: Permit) -> Self {
         fleet.held.fetch_add(1, Ordering::Relaxed);
         let renewal = tokio::runtime::Handle::try_current().ok().map(|runtime| {
             runtime
@@ -138,6 +192,7 @@ impl FleetPermit {
             fleet,
             lease,
             renewal,
+            _local: local,
         }
     }
 }
@@ -152,24 +207,42 @@ impl Drop for FleetPermit {
     }
 }
 
-/// Releases `lease` on a spawned task (a drop cannot wait); without a
-/// runtime it expires by itself, one time to live after its last renewal.
+/// Releases `lease` on a spawned task (a drop cannot wait), trying again
+/// with a growing pause while the lease would still be in force (a
+/// release lost to a failover or a stalled server would otherwise hold
+/// the slot for a whole lease), then hands the turn to the first request
+/// of this process waiting for a slot. Without a runtime the lease expires
+/// by itself, one time to live after its last renewal.
 fn give_back(fleet: &Arc<Fleet>, lease: Lease) {
-    let store = fleet.sharing.store.clone();
+    let fleet = fleet.clone();
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
             runtime.spawn(async move {
-                if let Err(error) = store.release(&lease).await {
-                    static THROTTLE: Throttle = Throttle::new();
-                    if let Some(suppressed) = THROTTLE.admit() {
-                        tracing::warn!(
-                            %error,
-                            limit = &*lease.request.limit,
-                            suppressed,
-                            "could not release an in-flight lease; it expires by itself"
-                        );
+                let started = tokio::time::Instant::now();
+                let mut pause = Duration::from_millis(50);
+                loop {
+                    match fleet.sharing.store.release(&lease).await {
+                        Ok(()) => break,
+                        Err(error) if started.elapsed() + pause < lease.request.ttl => {
+                            let _ = error;
+                            tokio::time::sleep(pause).await;
+                            pause = (pause * 2).min(Duration::from_secs(2));
+                        }
+                        Err(error) => {
+                            static THROTTLE: Throttle = Throttle::new();
+                            if let Some(suppressed) = THROTTLE.admit() {
+                                tracing::warn!(
+                                    error = %crate::observe::chain(&error),
+                                    limit = &*lease.request.limit,
+                                    suppressed,
+                                    "could not release an in-flight lease; it expires by itself"
+                                );
+                            }
+                            break;
+                        }
                     }
                 }
+                fleet.line().pass(None);
             });
         }
         Err(_) => tracing::warn!(
@@ -221,8 +294,67 @@ async fn renew(fleet: Arc<Fleet>, lease: Lease) {
     }
 }
 
-/// Acquires a lease for `key` (polling every `poll` while bounded waiting
-/// allows), or follows [`OnLeaseError`] when the store fails.
+/// An acquire call on its way: if the request is dropped before the
+/// answer (a client gone, a timeout), the lease it may have taken is given
+/// back by its id, which makes that exact.
+struct Sent<'a> {
+    fleet: &'a Arc<Fleet>,
+    request: &'a LeaseRequest,
+    id: u128,
+    armed: bool,
+}
+
+impl Drop for Sent<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            give_back(
+                self.fleet,
+                Lease {
+                    request: self.request.clone(),
+                    id: self.id,
+                },
+            );
+        }
+    }
+}
+
+/// One acquire, given back if dropped on the way or if its answer is lost
+/// (uncertain: it may have been applied).
+async fn ask(fleet: &Arc<Fleet>, request: &LeaseRequest, id: u128) -> Result<Acquired, StoreError> {
+    let mut sent = Sent {
+        fleet,
+        request,
+        id,
+        armed: true,
+    };
+    let answer = fleet.sharing.store.acquire(request, id).await;
+    sent.armed = matches!(&answer, Err(e) if e.kind() == StoreErrorKind::Uncertain);
+    answer
+}
+
+/// Leaves the line however the wait ends; a waiter that leaves while it
+/// had the turn hands it on.
+struct Queued<'a> {
+    fleet: &'a Fleet,
+    id: u64,
+    /// Hand the turn on when leaving: not when leaving with a lease (there
+    /// is one slot fewer for those behind).
+    pass_on: bool,
+}
+
+impl Drop for Queued<'_> {
+    fn drop(&mut self) {
+        let mut line = self.fleet.line();
+        if self.pass_on {
+            line.pass(Some(self.id));
+        }
+        line.waiting.retain(|w| w.id != self.id);
+    }
+}
+
+/// Acquires a lease for `key`, waiting in line (when bounded waiting is
+/// on) behind this process's earlier waiters, or follows [`OnLeaseError`]
+/// when the store fails.
 pub(crate) async fn acquire(
     limiter: Arc<Limiter>,
     fleet: Arc<Fleet>,
@@ -237,67 +369,112 @@ pub(crate) async fn acquire(
         ttl: fleet.sharing.ttl,
     };
     let id = fleet.next_id();
-    let mut place = None;
-    let mut deadline = None;
-    loop {
-        let full = match fleet.sharing.store.acquire(&request, id).await {
-            Ok(Acquired::Granted(lease)) => {
-                return Ok(Slot::Fleet {
-                    _lease: FleetPermit::start(fleet, lease),
-                });
-            }
+    let granted = |lease: Lease| {
+        let local = limiter.take_unchecked(key.as_deref());
+        Ok(Slot::Fleet {
+            _lease: FleetPermit::start(fleet.clone(), lease, local),
+        })
+    };
+    // A newcomer asks at once unless this process has earlier waiters it
+    // would overtake.
+    let behind = limits.waiting.is_some() && fleet.line().blocks(request.key.as_deref());
+    let full = if behind {
+        Saturated::Global
+    } else {
+        match ask(&fleet, &request, id).await {
+            Ok(Acquired::Granted(lease)) => return granted(lease),
             Ok(Acquired::PerKeyFull) => Saturated::PerKey,
             Ok(Acquired::GlobalFull) => Saturated::Global,
-            Err(error) => return failed(&limiter, &fleet, request, id, key, error).await,
-        };
-        let Some((max_waiters, max_wait)) = limits.waiting else {
-            return Err(limiter.refused(full, key.as_deref()));
-        };
-        if place.is_none() {
-            // One key waits no more than it may have in flight, and the
-            // layer no more than `max_waiters`.
-            let keys = match (&request.key, limits.per_key_max) {
-                (Some(key), Some(max)) => vec![(key.clone(), max)],
-                _ => Vec::new(),
+            Err(error) => return failed(&limiter, &fleet, key, error).await,
+        }
+    };
+    let Some((max_waiters, max_wait)) = limits.waiting else {
+        return Err(limiter.refused(full, key.as_deref()));
+    };
+    let deadline = tokio::time::Instant::now() + max_wait;
+    let (place, turn) = {
+        let mut line = fleet.line();
+        // One key waits no more than it may have in flight, and the layer
+        // no more than `max_waiters`.
+        let of_key = line
+            .waiting
+            .iter()
+            .filter(|w| w.key.is_some() && w.key == request.key)
+            .count();
+        let key_full = limits.per_key_max.is_some_and(|max| of_key >= max);
+        if line.waiting.len() >= max_waiters || key_full {
+            drop(line);
+            let why = match full {
+                Saturated::PerKey => Saturated::PerKey,
+                _ => Saturated::Queue,
             };
-            match fleet.waiters.enter(keys, max_waiters) {
-                Some(entered) => place = Some(entered),
-                None => {
-                    let why = match full {
-                        Saturated::PerKey => Saturated::PerKey,
-                        _ => Saturated::Queue,
-                    };
-                    return Err(limiter.refused(why, key.as_deref()));
-                }
-            }
-            fleet
-                .peak_waiting
-                .fetch_max(fleet.waiters.len(), Ordering::Relaxed);
-            deadline = Some(tokio::time::Instant::now() + max_wait);
+            return Err(limiter.refused(why, key.as_deref()));
         }
-        let deadline = deadline.unwrap_or_else(tokio::time::Instant::now);
-        let now = tokio::time::Instant::now();
-        if now >= deadline {
+        let place = line.next;
+        line.next += 1;
+        let turn = Arc::new(Notify::new());
+        line.waiting.push_back(InLine {
+            id: place,
+            key: request.key.clone(),
+            global: full != Saturated::PerKey,
+            turn: turn.clone(),
+        });
+        fleet
+            .peak_waiting
+            .fetch_max(line.waiting.len(), Ordering::Relaxed);
+        (place, turn)
+    };
+    let mut queued = Queued {
+        fleet: &fleet,
+        id: place,
+        pass_on: true,
+    };
+    let mut full = full;
+    loop {
+        // The first in line asks again every `poll` (a slot freed by
+        // another instance); the others when the one before them found no
+        // room, or at once when this process frees a slot.
+        let first = fleet.line().waiting.front().is_some_and(|w| w.id == place);
+        let wake = if first {
+            (tokio::time::Instant::now() + fleet.sharing.poll).min(deadline)
+        } else {
+            deadline
+        };
+        let _ = tokio::time::timeout_at(wake, turn.notified()).await;
+        if tokio::time::Instant::now() >= deadline {
             return Err(limiter.refused(full, key.as_deref()));
         }
-        // Polls until the deadline, the last try at the deadline itself.
-        tokio::time::sleep_until((now + fleet.sharing.poll).min(deadline)).await;
+        // Bounded by the wait: an answer after it is given back.
+        match tokio::time::timeout_at(deadline, ask(&fleet, &request, id)).await {
+            Ok(Ok(Acquired::Granted(lease))) => {
+                queued.pass_on = false;
+                return granted(lease);
+            }
+            Ok(Ok(refused)) => {
+                full = match refused {
+                    Acquired::PerKeyFull => Saturated::PerKey,
+                    _ => Saturated::Global,
+                };
+                let mut line = fleet.line();
+                if let Some(me) = line.waiting.iter_mut().find(|w| w.id == place) {
+                    me.global = full != Saturated::PerKey;
+                }
+                line.pass(Some(place));
+            }
+            Ok(Err(error)) => return failed(&limiter, &fleet, key, error).await,
+            Err(_) => return Err(limiter.refused(full, key.as_deref())),
+        }
     }
 }
 
-/// The store failed: the configured outcome. An uncertain acquire may have
-/// taken the lease, so it is given back (the id makes that exact).
+/// The store failed: the configured outcome (an uncertain acquire was
+/// given back already, see [`ask`]).
 async fn failed(
     limiter: &Arc<Limiter>,
     fleet: &Arc<Fleet>,
-    request: LeaseRequest,
-    id: u128,
     key: Option<Box<str>>,
     error: StoreError,
 ) -> Result<Slot, Saturated> {
-    if error.kind() == StoreErrorKind::Uncertain {
-        give_back(fleet, Lease { request, id });
-    }
     match fleet.sharing.on_error {
         OnLeaseError::FailClosed => {
             crate::observe::store_error(&error, "fail_closed");

@@ -10,7 +10,7 @@ use tollgate_core::{InvalidName, LeaseStore, check_name};
 use tower_layer::Layer;
 
 use super::ConcurrencyLimit;
-use super::fleet::{Fleet, MIN_LEASE, OnLeaseError, Sharing};
+use super::fleet::{Fleet, MAX_LEASE, MIN_LEASE, OnLeaseError, Sharing};
 use super::limiter::{ConcurrencyStats, Limiter, Limits};
 use crate::ClientIpResolver;
 use crate::identity::{KeyPart, MissingPrincipal};
@@ -154,12 +154,12 @@ impl ConcurrencyLimitLayer {
     }
 
     /// How long a shared limit's lease lasts unless renewed (default 10 s;
-    /// at least 100 ms, a shorter one is 100 ms). Shorter frees the slots
+    /// from 100 ms to 24 h, anything outside is the nearest of those). Shorter frees the slots
     /// of a dead instance sooner and costs more renewals (one store round
     /// trip per request in flight every third of it); a process paused
     /// for longer loses its leases. No effect unless [`shared`](Self::shared).
     pub fn lease_ttl(self, ttl: Duration) -> Self {
-        self.edit(|c, _| c.lease.ttl = ttl.max(MIN_LEASE))
+        self.edit(|c, _| c.lease.ttl = ttl.clamp(MIN_LEASE, MAX_LEASE))
     }
 
     /// How often a shared limit's waiting request tries again (default
@@ -221,10 +221,9 @@ impl ConcurrencyLimitLayer {
     pub fn stats(&self) -> ConcurrencyStats {
         let mut stats = self.config.limiter.stats();
         if let Some(fleet) = &self.config.fleet {
-            let (held, waiting, peak, expired) = fleet.counts();
-            // Failing over to local counts (OnLeaseError::Local) counts
-            // those requests in `limiter` too.
-            stats.in_flight += held;
+            // Leases held count in `limiter` too (as do requests counted
+            // locally when the store fails, OnLeaseError::Local).
+            let (_held, waiting, peak, expired) = fleet.counts();
             stats.waiting += waiting;
             stats.peak_waiting = stats.peak_waiting.max(peak);
             stats.leases_expired = expired;

@@ -175,6 +175,15 @@ impl Limiter {
         Some((waiter.grant, self.permit(waiter.key)))
     }
 
+    /// A slot taken without checking the limits: a shared limit's lease,
+    /// counted here too so that falling back to this process's counts sees
+    /// it.
+    pub(crate) fn take_unchecked(self: &Arc<Self>, key: Option<&str>) -> Permit {
+        self.lock().take(key);
+        self.gauges();
+        self.permit(key.map(Into::into))
+    }
+
     pub(crate) fn try_acquire(self: &Arc<Self>, key: Option<&str>) -> Result<Permit, Saturated> {
         let mut counts = self.lock();
         counts.fits(self, key)?;

@@ -179,7 +179,7 @@ mod plans;
 mod route;
 mod rule;
 mod service;
-pub(crate) mod shaping;
+mod shaping;
 
 pub use crate::response::{RefusalBody, RefusalInfo};
 pub use exempt::Exemption;

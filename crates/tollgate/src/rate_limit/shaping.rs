@@ -26,14 +26,6 @@ struct Counts {
 pub(crate) type WaitKeys = Vec<(Box<str>, usize)>;
 
 impl Waiters {
-    /// How many wait now.
-    pub(crate) fn len(&self) -> usize {
-        self.counts
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .total
-    }
-
     /// Whether one more request could wait on each of `keys` and in the
     /// layer (`max`) now.
     pub(crate) fn has_room(&self, keys: &WaitKeys, max: usize) -> bool {
