@@ -8,18 +8,10 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=${SECONDS_PER_RUN:-5}
-if ! command -v redis-server > /dev/null || ! command -v redis-benchmark > /dev/null; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server redis-tools > /dev/null
-fi
 cargo build --quiet --release -p tollgate-bench --bin lease_bench
 BENCH="${CARGO_TARGET_DIR:-target}/release/lease_bench"
 PORT=38210
-DIR=$(mktemp -d)
-taskset -c 0 redis-server --port $PORT --bind 127.0.0.1 --save '' --appendonly no --dir "$DIR" > /dev/null &
-RPID=$!
-trap 'kill $RPID 2> /dev/null; rm -rf "$DIR"' EXIT
-for _ in $(seq 50); do redis-cli -p $PORT ping > /dev/null 2>&1 && break; sleep 0.1; done
-cli() { redis-cli -p $PORT "$@"; }
+source benches/private_redis.sh
 LSHA=$(cli SCRIPT LOAD "$(cat crates/tollgate-redis/src/leases.lua)")
 SSHA=$(cli SCRIPT LOAD "$(cat benches/semaphore.lua)")
 usec_per_call() { cli INFO commandstats | tr -d '\r' | awk -F'[=,]' '/^(cmdstat_evalsha|cmdstat_eval):/ {c += $2; u += $4} END {printf "%.2f", u / c}'; }

@@ -90,6 +90,34 @@ async fn two_quickstarts_share_the_slow_limits() {
     assert_eq!(long.await.unwrap().0, StatusCode::OK);
 }
 
+/// Two quickstarts on `redis`, alice's two slots taken on the first by two
+/// `/slow?ms=ms` (from `127.0.NET.1` and `.2`), and full on the second.
+async fn alice_holding_two(
+    redis: &RedisServer,
+    net: u8,
+    ms: u64,
+) -> (
+    Quickstart,
+    Quickstart,
+    [tokio::task::JoinHandle<(StatusCode, Instant)>; 2],
+) {
+    let url = redis.url();
+    let (a, b) = (
+        quickstart(&["--store", &url]),
+        quickstart(&["--store", &url]),
+    );
+    let held = [
+        slow(&a, &format!("127.0.{net}.1"), ALICE, ms),
+        slow(&a, &format!("127.0.{net}.2"), ALICE, ms),
+    ];
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        status(&b, &format!("127.0.{net}.3"), ALICE).await,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    (a, b, held)
+}
+
 /// `kill -9` of the instance holding alice's slots: they stay taken (the
 /// leases are in Redis) until the lease runs out, at most one lease after
 /// its last renewal, then alice is admitted on the other instance.
@@ -98,20 +126,7 @@ async fn killing_the_holder_frees_its_slots_within_the_lease() {
     let Some(redis) = RedisServer::start() else {
         return;
     };
-    let url = redis.url();
-    let (a, b) = (
-        quickstart(&["--store", &url]),
-        quickstart(&["--store", &url]),
-    );
-    let _held = (
-        slow(&a, "127.0.91.1", ALICE, 10_000),
-        slow(&a, "127.0.91.2", ALICE, 10_000),
-    );
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(
-        status(&b, "127.0.91.3", ALICE).await,
-        StatusCode::TOO_MANY_REQUESTS
-    );
+    let (a, b, _held) = alice_holding_two(&redis, 91, 10_000).await;
     a.signal("KILL");
     let killed = Instant::now();
     assert_eq!(
@@ -145,20 +160,7 @@ async fn a_paused_instance_loses_its_leases() {
     let Some(redis) = RedisServer::start() else {
         return;
     };
-    let url = redis.url();
-    let (a, b) = (
-        quickstart(&["--store", &url]),
-        quickstart(&["--store", &url]),
-    );
-    let held = (
-        slow(&a, "127.0.92.1", ALICE, 3000),
-        slow(&a, "127.0.92.2", ALICE, 3000),
-    );
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    assert_eq!(
-        status(&b, "127.0.92.3", ALICE).await,
-        StatusCode::TOO_MANY_REQUESTS
-    );
+    let (a, b, [held0, held1]) = alice_holding_two(&redis, 92, 3000).await;
     a.signal("STOP");
     let stopped = Instant::now();
     tokio::time::sleep(LEASE + Duration::from_millis(500)).await;
@@ -169,8 +171,8 @@ async fn a_paused_instance_loses_its_leases() {
     );
     tokio::time::sleep(Duration::from_millis(300)).await;
     a.signal("CONT");
-    assert_eq!(held.0.await.unwrap().0, StatusCode::OK);
-    assert_eq!(held.1.await.unwrap().0, StatusCode::OK);
+    assert_eq!(held0.await.unwrap().0, StatusCode::OK);
+    assert_eq!(held1.await.unwrap().0, StatusCode::OK);
     assert_eq!(more.0.await.unwrap().0, StatusCode::OK);
     assert_eq!(more.1.await.unwrap().0, StatusCode::OK);
     assert!(stopped.elapsed() > LEASE);
