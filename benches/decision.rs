@@ -63,9 +63,7 @@ fn ip(i: u32) -> IpAddr {
 
 fn charges(n: u32, policy: &Policy) -> Vec<[Charge; 1]> {
     (0..n)
-        .map(|i| {
-            [Charge::new(Key::new("bench").with(ip(i).to_string()), policy.clone(), 1).unwrap()]
-        })
+        .map(|i| [Charge::new(Key::client_ip(ip(i), 32), policy.clone(), 1).unwrap()])
         .collect()
 }
 

@@ -249,8 +249,7 @@ async fn dry_run_and_enforced_rules_mix_all_or_nothing() {
     )
     .await;
     let trial_left = || {
-        let charge =
-            Charge::new(Key::new("trial").with("ip=127.0.36.1"), trial.clone(), 1).unwrap();
+        let charge = Charge::new(Key::new("ip=127.0.36.1"), trial.clone(), 1).unwrap();
         store.peek(&[charge]).limits()[0].remaining()
     };
     let mut seen = Vec::new();
@@ -293,7 +292,7 @@ async fn dry_run_and_enforced_rules_mix_all_or_nothing() {
         statuses(addr, "127.0.36.2", "/", &[], 3).await,
         [OK, LIMITED, LIMITED]
     );
-    let roomy_key = Charge::new(Key::new("roomy").with("ip=127.0.36.2"), roomy, 1).unwrap();
+    let roomy_key = Charge::new(Key::new("ip=127.0.36.2"), roomy, 1).unwrap();
     assert_eq!(store.peek(&[roomy_key]).limits()[0].remaining(), 4);
 }
 

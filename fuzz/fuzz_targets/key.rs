@@ -18,9 +18,13 @@ fuzz_target!(|input: (Vec<Vec<u8>>, Vec<Vec<u8>>, &str)| {
         let (ka, kb) = (build(&a), build(&b));
         assert_eq!(ka.components(), a);
         assert_eq!(ka == kb, a == b);
-        assert_eq!(Key::parse(ka.as_str()).unwrap(), ka);
+        assert_eq!(Key::parse(&ka.text()).unwrap(), ka);
+        // An address key is the same tuple as its text.
+        if let Some((ip, prefix)) = ka.as_client_ip() {
+            assert_eq!(Key::client_ip(ip, prefix), ka);
+        }
     }
     if let Ok(k) = Key::parse(text) {
-        assert_eq!(k.as_str(), text);
+        assert_eq!(k.text(), text);
     }
 });

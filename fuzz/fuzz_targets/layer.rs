@@ -67,7 +67,7 @@ fn setup() -> &'static (Arc<MemoryStore>, RateLimitLayer<MemoryStore>) {
 }
 
 fn remaining(store: &MemoryStore, ip: &str) -> Option<u64> {
-    let probe = Charge::new(Key::new("ip").with(format!("ip={ip}")), per_ip(), 1).ok()?;
+    let probe = Charge::new(Key::client_ip(ip.parse().ok()?, 32), per_ip(), 1).ok()?;
     Some(store.peek(&[probe]).limits()[0].remaining())
 }
 

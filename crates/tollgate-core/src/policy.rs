@@ -205,10 +205,10 @@ struct PolicyInner {
     /// belongs to, kept in step with them by every constructor and setter,
     /// so stores need not rehash them per decision.
     state_identity: u64,
-    /// The last store that looked up the tag of these numbers, and the tag
-    /// it gave them (see [`Policy::cached_tag`]): `store << 24 | tag`, 0
-    /// when none has.
-    tag_cache: AtomicU64,
+    /// The last store that looked up the space of these numbers, and the
+    /// space it gave them (see [`Policy::cached_space`]): `store << 24 |
+    /// space`, `u64::MAX` when none has.
+    space_cache: AtomicU64,
 }
 
 impl PartialEq for Policy {
@@ -475,7 +475,7 @@ impl Policy {
                 name,
                 unit,
                 algorithm,
-                tag_cache: AtomicU64::new(0),
+                space_cache: AtomicU64::new(u64::MAX),
             }),
         }
     }
@@ -497,27 +497,20 @@ impl Policy {
         Self::assemble(self.inner.name.clone(), self.inner.unit.clone(), algorithm)
     }
 
-    /// A 64-bit hash of the policy's name and unit, the part of a policy
-    /// its state belongs to, the same for equal names and units within one
-    /// build. `MemoryStore` uses it to keep the state of different budgets
-    /// apart without rehashing them per decision.
-    pub(crate) fn state_identity(&self) -> u64 {
-        self.inner.state_identity
-    }
-
-    /// The tag `store` gave these numbers, if it was the last store to ask.
+    /// The space `store` gave these numbers, if it was the last store to
+    /// ask.
     #[inline]
-    pub(crate) fn cached_tag(&self, store: u64) -> Option<u32> {
-        let cached = self.inner.tag_cache.load(Ordering::Relaxed);
-        (cached != 0 && cached >> 24 == store).then_some((cached & 0xff_ffff) as u32)
+    pub(crate) fn cached_space(&self, store: u64) -> Option<u32> {
+        let cached = self.inner.space_cache.load(Ordering::Relaxed);
+        (cached >> 24 == store).then_some((cached & 0xff_ffff) as u32)
     }
 
-    /// Remembers the tag `store` gave these numbers (`store` below 2^40,
-    /// `tag` below 2^24).
-    pub(crate) fn cache_tag(&self, store: u64, tag: u32) {
+    /// Remembers the space `store` gave these numbers (`store` below 2^40,
+    /// `space` below 2^24).
+    pub(crate) fn cache_space(&self, store: u64, space: u32) {
         self.inner
-            .tag_cache
-            .store(store << 24 | u64::from(tag), Ordering::Relaxed);
+            .space_cache
+            .store(store << 24 | u64::from(space), Ordering::Relaxed);
     }
 
     /// Whether `other` reads the same state: the same name and unit.

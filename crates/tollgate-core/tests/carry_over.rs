@@ -142,8 +142,17 @@ fn numbers() -> impl Strategy<Value = Numbers> {
         })
 }
 
+/// Key 0 is an IPv6 client address and key 1 a text key, kept in
+/// different tables: both carry over alike.
 fn charge(policy: &Policy, key: u8, cost: u64) -> Charge {
-    Charge::new(Key::new("plan").with([key]), policy.clone(), cost).unwrap()
+    let key = match key {
+        0 => Key::client_ip(
+            std::net::Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 9).into(),
+            128,
+        ),
+        k => Key::new("plan").with([k]),
+    };
+    Charge::new(key, policy.clone(), cost).unwrap()
 }
 
 proptest! {

@@ -75,8 +75,14 @@ fn trace_strategy() -> impl Strategy<Value = Vec<(i64, u64, u8)>> {
     )
 }
 
+/// Key 0 is an IPv4 client address and key 1 a text key: the store keeps
+/// the two in different tables, and both must decide as the oracle does.
 fn charge(policy: &Policy, key: u8, cost: u64) -> Charge {
-    Charge::new(Key::new("p").with([key]), policy.clone(), cost).unwrap()
+    let key = match key {
+        0 => Key::client_ip(std::net::Ipv4Addr::new(203, 0, 113, 9).into(), 32),
+        k => Key::new("p").with([k]),
+    };
+    Charge::new(key, policy.clone(), cost).unwrap()
 }
 
 proptest! {

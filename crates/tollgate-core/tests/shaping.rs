@@ -94,7 +94,8 @@ proptest! {
             waiting.retain(|w| w.release > now);
             match op {
                 Op::Charge { cost, max_delay } => {
-                    let mut charge = Charge::new(Key::new("k"), policy.clone(), cost).unwrap();
+                    let key = Key::client_ip(std::net::Ipv4Addr::new(198, 51, 100, 1).into(), 32);
+                    let mut charge = Charge::new(key, policy.clone(), cost).unwrap();
                     if let Some(d) = max_delay {
                         charge = charge.shaped(Duration::from_nanos(d));
                     }

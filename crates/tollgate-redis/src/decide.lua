@@ -569,8 +569,9 @@ end
 
 -- Shaping (tollgate_core's charge_at): a call refused only by shaped
 -- buckets that fit within their waits is admitted as delayed until the
--- latest of their earliest fits; every shaped bucket is charged as of that
--- instant, the other charges now. A key that repeats is not shaped.
+-- latest of their earliest fits, when that is within every shaped
+-- bucket's wait; every shaped bucket is charged as of that instant, the
+-- other charges now. A key that repeats is not shaped.
 if mode == "charge" and not all and not repeated and next(buckets) ~= nil then
   local fits, re_e, re_o = true, NE, NO
   for i = 1, n do
@@ -581,6 +582,13 @@ if mode == "charge" and not all and not repeated and next(buckets) ~= nil then
       if b.credit < b.need then fe, fo = add(b.te, b.to, cdiv(b.need - b.credit, b.num)) end
       if diff(fe, fo, NE, NO) > b.wait then fits = false break end
       if before(re_e, re_o, fe, fo) then re_e, re_o = fe, fo end
+    end
+  end
+  -- Every shaped bucket is held until the release: none past its own
+  -- longest wait (the release may be another bucket's later fit).
+  if fits then
+    for _, b in pairs(buckets) do
+      if diff(re_e, re_o, NE, NO) > b.wait then fits = false break end
     end
   end
   if fits then

@@ -99,7 +99,7 @@ pub(crate) fn params(policy: &Policy, cost: u64) -> Result<[u128; 6], StoreError
 /// of the key: the state records the numbers that wrote it, and the script
 /// carries it over when they change.
 pub(crate) fn redis_key(prefix: &str, charge: &Charge) -> String {
-    let text = charge.key().as_str();
+    let text = charge.key().text();
     let mut key = String::with_capacity(prefix.len() + text.len() + 48);
     key.push_str(prefix);
     key.push_str(":{");

@@ -61,8 +61,16 @@ pub fn set_log_fingerprint_key(secret: [u8; 16]) -> bool {
     FINGERPRINT_KEY.set((k(a), k(b))).is_ok()
 }
 
-/// The fingerprint of `key` for logs: 16 hex digits.
-pub(crate) fn fingerprint(key: &str) -> String {
+/// The fingerprint of `key` for logs: 16 hex digits. A key names the
+/// client (its address, its account), not the policy: one client has one
+/// fingerprint in every rule keyed alike, and on every instance that shares
+/// the secret ([`set_log_fingerprint_key`]).
+pub(crate) fn fingerprint(key: &Key) -> String {
+    key.with_text_bytes(fingerprint_text)
+}
+
+/// The fingerprint of a key's text ([`fingerprint`]).
+pub(crate) fn fingerprint_text(text: &[u8]) -> String {
     use std::hash::{BuildHasher, Hasher};
     let &(k0, k1) = FINGERPRINT_KEY.get_or_init(|| {
         let seeds = std::hash::RandomState::new();
@@ -72,16 +80,15 @@ pub(crate) fn fingerprint(key: &str) -> String {
         )
     });
     let mut h = siphasher::sip::SipHasher13::new_with_keys(k0, k1);
-    h.write(key.as_bytes());
+    h.write(text);
     format!("{:016x}", h.finish())
 }
 
 /// The names of a key's parts, without their values (`ip`, `t,a,op`):
 /// which rule keyed it, readable and revealing nothing of the client.
 pub(crate) fn key_shape(key: &Key) -> String {
-    key.as_str()
+    key.text()
         .split(':')
-        .skip(1)
         .map(|part| part.split_once('=').map_or(part, |(name, _)| name))
         .collect::<Vec<_>>()
         .join(",")
@@ -146,7 +153,7 @@ pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome, verdict: Verdict, l
                     level,
                     policy = name,
                     key = %key_shape(charge.key()),
-                    key_fingerprint = %fingerprint(charge.key().as_str()),
+                    key_fingerprint = %fingerprint(charge.key()),
                     cost = charge.cost(),
                     "refused: cost can never fit"
                 );
@@ -157,7 +164,7 @@ pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome, verdict: Verdict, l
                     level,
                     policy = name,
                     key = %key_shape(charge.key()),
-                    key_fingerprint = %fingerprint(charge.key().as_str()),
+                    key_fingerprint = %fingerprint(charge.key()),
                     cost = charge.cost(),
                     retry_after_ms = retry_after.as_millis() as u64,
                     "refused: rate limited"

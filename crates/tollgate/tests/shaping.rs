@@ -19,7 +19,7 @@ fn held() -> Policy {
 /// How long until the bucket is full again: where the line of
 /// reservations ends, plus one refill.
 fn reset(store: &MemoryStore) -> Duration {
-    let probe = Charge::new(Key::new("held").with("lit=one"), held(), 1).unwrap();
+    let probe = Charge::new(Key::new("lit=one"), held(), 1).unwrap();
     store.peek(&[probe]).limits()[0].reset()
 }
 

@@ -53,7 +53,7 @@ fn redis_flood(n: u32, url: &str) -> ExitCode {
                     let (mut ok, mut err) = (0u64, 0u64);
                     for i in (t..n).step_by(128) {
                         let ip = IpAddr::V4(Ipv4Addr::from(0x0100_0000u32.wrapping_add(i)));
-                        let Ok(c) = Charge::new(Key::new("per-ip").with(format!("ip={ip}")), per_ip.clone(), 1) else { continue };
+                        let Ok(c) = Charge::new(Key::client_ip(ip, 32), per_ip.clone(), 1) else { continue };
                         match store.charge(&[c]).await {
                             Ok(o) if o.is_admitted() => ok += 1,
                             Ok(_) => {}
@@ -143,11 +143,7 @@ fn main() -> ExitCode {
     let (mut admitted, mut refused_by_cap) = (0u64, 0u64);
     let charge = |i: u32| {
         let ip = IpAddr::V4(Ipv4Addr::from(0x0100_0000u32.wrapping_add(i)));
-        Charge::new(
-            Key::new("per-ip").with(format!("ip={ip}")),
-            per_ip.clone(),
-            1,
-        )
+        Charge::new(Key::client_ip(ip, 32), per_ip.clone(), 1)
     };
     for i in 0..n {
         let Ok(c) = charge(i) else {

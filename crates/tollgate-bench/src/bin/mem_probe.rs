@@ -64,11 +64,7 @@ fn main() -> ExitCode {
             let clock = ManualClock::new(0);
             let store = MemoryStore::builder().clock(clock.clone()).build();
             for i in 0..n {
-                let c = Charge::new(
-                    Key::new("per-ip").with(format!("ip={}", ip(i))),
-                    policy.clone(),
-                    1,
-                );
+                let c = Charge::new(Key::client_ip(ip(i), 32), policy.clone(), 1);
                 if let Ok(c) = c {
                     let _ = store.charge_now(&[c]);
                 }
@@ -82,11 +78,7 @@ fn main() -> ExitCode {
             // Past the refill horizon, ordinary traffic sweeps idle entries.
             clock.advance(Duration::from_secs(5));
             for i in 0..10_000u32 {
-                if let Ok(c) = Charge::new(
-                    Key::new("per-ip").with(format!("ip={}", ip(n + i))),
-                    policy.clone(),
-                    1,
-                ) {
+                if let Ok(c) = Charge::new(Key::client_ip(ip(n + i), 32), policy.clone(), 1) {
                     let _ = store.charge_now(&[c]);
                 }
             }

@@ -38,9 +38,7 @@ fn tollgate_run() {
     };
     let store = MemoryStore::new();
     let keys: Vec<[Charge; 1]> = (0..KEYS)
-        .filter_map(|i| {
-            Charge::new(Key::new("bench").with(ip(i).to_string()), policy.clone(), 1).ok()
-        })
+        .filter_map(|i| Charge::new(Key::client_ip(ip(i), 32), policy.clone(), 1).ok())
         .map(|c| [c])
         .collect();
     for _ in 0..DECISIONS {

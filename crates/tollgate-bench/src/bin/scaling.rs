@@ -85,7 +85,7 @@ fn main() -> ExitCode {
     );
     println!("|---|---|---|---|---|---|");
     let build = |i: u32| -> Option<[Charge; 1]> {
-        Charge::new(Key::new("bench").with(i.to_le_bytes()), policy.clone(), 1)
+        Charge::new(Key::client_ip(ip(i), 32), policy.clone(), 1)
             .ok()
             .map(|c| [c])
     };

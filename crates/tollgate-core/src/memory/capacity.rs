@@ -2,7 +2,7 @@
 
 use std::sync::atomic::Ordering;
 
-use super::shard::Shard;
+use super::shard::{Id, Shard};
 use super::{Inner, OnKeyCap};
 use crate::{Nanos, StoreError, StoreErrorKind};
 
@@ -14,7 +14,7 @@ impl Inner {
     }
 
     pub(super) fn sweep_shard(&self, shard: &mut Shard, now: Nanos) {
-        let removed = shard.drop_idle(now);
+        let removed = shard.drop_idle(now, &self.hashes);
         if removed > 0 {
             self.swept.fetch_add(removed as u64, Ordering::Relaxed);
         }
@@ -30,7 +30,7 @@ impl Inner {
         &self,
         shard: &mut Shard,
         new: usize,
-        keep: &[u128],
+        keep: &[Id],
         now: Nanos,
     ) -> Result<usize, StoreError> {
         // At most one sweep per interval even here: under a flood of new
@@ -45,7 +45,10 @@ impl Inner {
         let evictable = match self.cap_policy {
             OnKeyCap::RefuseNewKeys => 0,
             OnKeyCap::EvictNearestIdle => {
-                let kept = keep.iter().filter(|d| shard.contains(**d)).count();
+                let mut kept: Vec<&Id> = keep.iter().filter(|id| shard.contains(id)).collect();
+                kept.sort_unstable_by_key(|id| (id.space, id.hash));
+                kept.dedup();
+                let kept = kept.len();
                 shard.len() - kept
             }
         };
@@ -62,19 +65,19 @@ impl Inner {
     /// Evicts `count` entries, each the nearest to idle among a small
     /// sample, never one of `keep`. [`Inner::room_for`] said there are
     /// enough.
-    pub(super) fn evict(&self, shard: &mut Shard, count: usize, keep: &[u128]) {
+    pub(super) fn evict(&self, shard: &mut Shard, count: usize, keep: &[Id]) {
         const SAMPLE: usize = 8;
         for _ in 0..count {
             let Some(victim) = shard
-                .deadlines()
-                .filter(|(d, _)| !keep.contains(d))
+                .deadlines(&self.hashes)
+                .filter(|(id, _)| !keep.contains(id))
                 .take(SAMPLE)
                 .min_by_key(|(_, idle_at)| *idle_at)
-                .map(|(d, _)| d)
+                .map(|(id, _)| id)
             else {
                 return;
             };
-            shard.remove(victim);
+            shard.remove(&victim);
             self.evicted.fetch_add(1, Ordering::Relaxed);
         }
     }
@@ -180,7 +183,7 @@ mod tests {
         let before = store.stats();
         // One new key for the first shard (room by eviction), two for the
         // second (more than it may ever hold): refused as a whole.
-        let shard = |c: &Charge| store.inner.shard_of(store.inner.digest(c));
+        let shard = |c: &Charge| store.inner.shard_of(&store.inner.id(c).unwrap());
         let fresh: Vec<Charge> = (0..64).map(|i| charge(&format!("new{i}"), &p, 1)).collect();
         let first = fresh.iter().find(|c| shard(c) == 0).unwrap().clone();
         let second: Vec<Charge> = fresh

@@ -4,9 +4,24 @@
 use std::sync::MutexGuard;
 
 use super::MemoryStore;
-use super::shard::Shard;
+use super::shard::{Id, Shard};
 use crate::algorithm::{self, State, Step};
 use crate::{Charge, Decision, Nanos, Outcome, Policy, Reservation, StoreError};
+
+/// One charge of a call as decided: its slot key, the step, its policy,
+/// and the sibling space its state was carried over from, if any.
+struct Decided<'a> {
+    id: Id,
+    step: Step,
+    policy: &'a Policy,
+    from: Option<u32>,
+}
+
+/// Whether two charges spend one budget: the same key under the same
+/// policy name and unit (their numbers may differ).
+fn same_budget(a: (&Id, &Policy), b: (&Id, &Policy)) -> bool {
+    a.0.key == b.0.key && a.1.same_budget(b.1)
+}
 
 impl MemoryStore {
     /// Charges `charges` all-or-nothing, synchronously. [`Store::charge`](crate::Store::charge)
@@ -22,54 +37,54 @@ impl MemoryStore {
                 return self.charge_one(charge, now);
             }
         }
-        let mut tags = Vec::with_capacity(charges.len());
-        for charge in charges {
-            tags.push(inner.numbers.tag(charge.policy())?);
-        }
-        let digests: Vec<u128> = charges.iter().map(|c| inner.digest(c)).collect();
-        let mut order: Vec<usize> = digests.iter().map(|d| inner.shard_of(*d)).collect();
+        let ids = charges
+            .iter()
+            .map(|c| inner.id(c))
+            .collect::<Result<Vec<Id>, StoreError>>()?;
+        let mut order: Vec<usize> = ids.iter().map(|id| inner.shard_of(id)).collect();
         order.sort_unstable();
         order.dedup();
         let mut guards: Vec<MutexGuard<'_, Shard>> = order.iter().map(|&i| inner.lock(i)).collect();
         for g in &mut guards {
             inner.maybe_sweep(g, now);
         }
-        let guard_of = |d: u128| order.binary_search(&inner.shard_of(d)).unwrap_or(0);
+        let guard_of = |id: &Id| order.binary_search(&inner.shard_of(id)).unwrap_or(0);
 
-        let mut steps: Vec<(u128, u32, Step, &Policy)> = Vec::with_capacity(charges.len());
+        let mut steps: Vec<Decided<'_>> = Vec::with_capacity(charges.len());
         let mut before: Vec<Option<State>> = Vec::with_capacity(charges.len());
-        // Charges whose state was stored under other numbers (the first
-        // charge of each such key): converted once, even when refused.
-        let mut converted: Vec<usize> = Vec::new();
-        for (i, ((charge, &digest), &tag)) in charges.iter().zip(&digests).zip(&tags).enumerate() {
+        for (charge, id) in charges.iter().zip(&ids) {
             let policy = charge.policy();
             // A repeated key in one call sees the earlier charge's effect.
             let earlier = steps
                 .iter()
                 .rev()
-                .find(|(d, _, s, _)| *d == digest && s.next.is_some());
-            let state = match earlier {
-                Some((_, _, s, p)) => s.next.and_then(|next| {
-                    algorithm::carry_over(p.algorithm(), next, policy.algorithm(), now)
-                }),
+                .find(|d| same_budget((&d.id, d.policy), (id, policy)) && d.step.next.is_some());
+            let (state, from) = match earlier {
+                Some(d) => (
+                    d.step.next.and_then(|next| {
+                        algorithm::carry_over(d.policy.algorithm(), next, policy.algorithm(), now)
+                    }),
+                    None,
+                ),
                 None => {
-                    let shard = &guards[guard_of(digest)];
-                    let first = !steps.iter().any(|(d, ..)| *d == digest);
-                    if first && shard.read(digest).is_some_and(|s| s.tag != tag) {
-                        converted.push(i);
-                    }
-                    inner.state(shard, digest, policy, now)
+                    let first = !steps
+                        .iter()
+                        .any(|d| same_budget((&d.id, d.policy), (id, policy)));
+                    let (state, from) = inner.state(&mut guards[guard_of(id)], id, policy, now);
+                    // Only the first charge of a key moves it from a
+                    // sibling space; later ones read it where it was.
+                    (state, from.filter(|_| first))
                 }
             };
             before.push(state);
-            steps.push((
-                digest,
-                tag,
-                algorithm::decide(policy, state, now, charge.cost()),
+            steps.push(Decided {
+                id: *id,
+                step: algorithm::decide(policy, state, now, charge.cost()),
                 policy,
-            ));
+                from,
+            });
         }
-        let mut outcome = Outcome::new(steps.iter().map(|(_, _, s, _)| s.decision).collect());
+        let mut outcome = Outcome::new(steps.iter().map(|d| d.step.decision).collect());
         let mut admitted = outcome.is_admitted();
         if !admitted {
             if let Some(delayed) = shape(charges, &before, &mut steps, &outcome, now) {
@@ -81,55 +96,52 @@ impl MemoryStore {
         }
         // Admissions are written only together; a refusal's state (the
         // creation of an initially-empty bucket) is written regardless.
-        let writes = |(_, _, s, _): &(u128, u32, Step, &Policy)| {
-            s.next.is_some() && (admitted || !s.decision.is_admitted())
-        };
-        // A converted state not otherwise written is written as converted.
-        let conversions: Vec<(u128, u32, Option<State>, &Policy)> = converted
+        let writes =
+            |d: &Decided<'_>| d.step.next.is_some() && (admitted || !d.step.decision.is_admitted());
+        // A state carried over from a sibling space and not otherwise
+        // written is written as converted (it moves to its own space).
+        let conversions: Vec<(Id, u32, Option<State>, &Policy)> = steps
             .iter()
-            .filter(|&&i| !writes(&steps[i]))
-            .map(|&i| (steps[i].0, steps[i].1, before[i], steps[i].3))
+            .zip(&before)
+            .filter(|(d, _)| !writes(d))
+            .filter_map(|(d, state)| d.from.map(|from| (d.id, from, *state, d.policy)))
             .collect();
         steps.retain(writes);
         if inner.per_shard.is_some() {
             // Room for every new key of this call, counted before any is
             // written: one call must not take a shard past its cap. A key
-            // that appears twice is one key.
-            let mut fresh: Vec<u128> = steps
+            // that appears twice is one key; a key moving from a sibling
+            // space is not a new one.
+            let mut fresh: Vec<Id> = steps
                 .iter()
-                .map(|(d, _, _, _)| *d)
-                .filter(|d| !guards[guard_of(*d)].contains(*d))
+                .filter(|d| d.from.is_none() && !guards[guard_of(&d.id)].contains(&d.id))
+                .map(|d| d.id)
                 .collect();
-            fresh.sort_unstable();
+            fresh.sort_unstable_by_key(|id| (id.space, id.hash));
             fresh.dedup();
             // Every shard is checked before any is changed: a call refused
             // in one shard evicts nothing in another.
             let mut evictions = Vec::with_capacity(order.len());
             for (i, &g) in order.iter().enumerate() {
-                let new_here = fresh.iter().filter(|d| inner.shard_of(**d) == g).count();
+                let new_here = fresh.iter().filter(|id| inner.shard_of(id) == g).count();
                 evictions.push(if new_here > 0 {
-                    inner.room_for(&mut guards[i], new_here, &digests, now)?
+                    inner.room_for(&mut guards[i], new_here, &ids, now)?
                 } else {
                     0
                 });
             }
             for (guard, count) in guards.iter_mut().zip(evictions) {
-                inner.evict(guard, count, &digests);
+                inner.evict(guard, count, &ids);
             }
         }
-        for (digest, tag, state, policy) in conversions {
-            convert_in_place(
-                &mut guards[guard_of(digest)],
-                digest,
-                tag,
-                state,
-                policy,
-                now,
-            );
+        for (id, from, state, policy) in conversions {
+            let shard = &mut guards[guard_of(&id)];
+            inner.convert_in_place(shard, &id, from, state, policy, now);
         }
-        for (digest, tag, step, policy) in steps {
-            if let Some(state) = step.next {
-                guards[guard_of(digest)].put(digest, tag, policy.algorithm(), state, step.idle_at);
+        for d in steps {
+            if let Some(state) = d.step.next {
+                let shard = &mut guards[guard_of(&d.id)];
+                inner.write(shard, &d.id, d.policy.algorithm(), state, d.step.idle_at);
             }
         }
         Ok(outcome)
@@ -138,40 +150,40 @@ impl MemoryStore {
     /// The common case, one charge: one shard lock and no scratch vectors.
     fn charge_one(&self, charge: &Charge, now: Nanos) -> Result<Outcome, StoreError> {
         let inner = &*self.inner;
-        let digest = inner.digest(charge);
+        let id = inner.id(charge)?;
         let (policy, cost) = (charge.policy(), charge.cost());
         let algorithm = policy.algorithm();
-        let tag = inner.numbers.tag(policy)?;
-        let mut shard = inner.lock(inner.shard_of(digest));
+        let mut shard = inner.lock(inner.shard_of(&id));
         inner.maybe_sweep(&mut shard, now);
-        // A key tracked under these numbers is decided and written in
-        // place: one probe.
-        if let Some(mut slot) = shard.compact_mut(digest, tag) {
-            let step = algorithm::decide(policy, Some(slot.state(algorithm)), now, cost);
-            if let Some(next) = step.next {
-                if !slot.set(algorithm, next, step.idle_at) {
-                    shard.put(digest, tag, algorithm, next, step.idle_at);
-                }
-            }
+        // A key tracked in its own space is decided and written in place:
+        // one probe.
+        let decide = |state| algorithm::decide(policy, Some(state), now, cost);
+        if let Some(step) = shard.decide_in_place(&id, algorithm, decide) {
             return Ok(Outcome::one(step.decision));
         }
-        let stored = shard.read(digest);
-        let state = inner.state(&shard, digest, policy, now);
+        let existed = shard.contains(&id);
+        let (state, from) = inner.state(&mut shard, &id, policy, now);
         let step = algorithm::decide(policy, state, now, cost);
         match step.next {
             Some(next) => {
-                if stored.is_none() && inner.per_shard.is_some_and(|cap| shard.len() >= cap) {
-                    let count = inner.room_for(&mut shard, 1, &[], now)?;
-                    inner.evict(&mut shard, count, &[]);
+                let fresh = !existed && from.is_none();
+                if fresh && inner.per_shard.is_some_and(|cap| shard.len() >= cap) {
+                    let count = inner.room_for(&mut shard, 1, &[id], now)?;
+                    inner.evict(&mut shard, count, &[id]);
                 }
-                shard.put(digest, tag, algorithm, next, step.idle_at);
+                if from.is_some() {
+                    inner.write(&mut shard, &id, algorithm, next, step.idle_at);
+                } else {
+                    shard.put(&id, algorithm, next, step.idle_at, &inner.hashes);
+                }
             }
             // Stored under other numbers and refused: converted once, so
             // that the change takes effect for the key now.
-            None if stored.is_some_and(|s| s.tag != tag) => {
-                convert_in_place(&mut shard, digest, tag, state, policy, now);
+            None => {
+                if let Some(from) = from {
+                    inner.convert_in_place(&mut shard, &id, from, state, policy, now);
+                }
             }
-            None => {}
         }
         Ok(Outcome::one(step.decision))
     }
@@ -187,18 +199,18 @@ impl MemoryStore {
                 continue;
             };
             let policy = charge.policy();
-            let Ok(tag) = inner.numbers.tag(policy) else {
+            let Ok(id) = inner.id(charge) else {
                 continue;
             };
-            let digest = inner.digest(charge);
-            let mut shard = inner.lock(inner.shard_of(digest));
+            let mut shard = inner.lock(inner.shard_of(&id));
+            // Its own space: written under these numbers.
             let unchanged = shard
-                .read(digest)
-                .is_some_and(|s| s.tag == tag && s.state(policy.algorithm()) == written);
+                .read(&id)
+                .is_some_and(|s| s.state(policy.algorithm()) == written);
             if unchanged {
                 let back = algorithm::give_back(policy, written, now, charge.cost());
                 let idle_at = algorithm::idle_at(policy, Some(back), now);
-                shard.put(digest, tag, policy.algorithm(), back, idle_at);
+                shard.put(&id, policy.algorithm(), back, idle_at, &inner.hashes);
             }
         }
     }
@@ -213,22 +225,36 @@ impl MemoryStore {
         }
         let inner = &*self.inner;
         let now = inner.clock.now();
-        let mut seen: Vec<(u128, State, &Policy)> = Vec::new();
+        let mut seen: Vec<(Id, State, &Policy)> = Vec::new();
         let mut before: Vec<Option<State>> = Vec::with_capacity(charges.len());
         let mut decisions = Vec::with_capacity(charges.len());
         for charge in charges {
             let policy = charge.policy();
-            let digest = inner.digest(charge);
+            let Ok(id) = inner.id(charge) else {
+                // Numbers this store cannot tell apart any more: a charge
+                // would fail; nothing is known of the budget.
+                before.push(None);
+                decisions.push(Decision::Unevaluated);
+                continue;
+            };
             // A repeated key sees the earlier charge's effect, as in a charge.
-            let state = match seen.iter().rev().find(|(d, _, _)| *d == digest) {
+            let earlier = seen
+                .iter()
+                .rev()
+                .find(|(other, _, p)| same_budget((other, p), (&id, policy)));
+            let state = match earlier {
                 Some((_, s, p)) => {
                     algorithm::carry_over(p.algorithm(), *s, policy.algorithm(), now)
                 }
-                None => inner.state(&inner.lock(inner.shard_of(digest)), digest, policy, now),
+                None => {
+                    inner
+                        .state(&mut inner.lock(inner.shard_of(&id)), &id, policy, now)
+                        .0
+                }
             };
             let step = algorithm::decide(policy, state, now, charge.cost());
             if let Some(next) = step.next {
-                seen.push((digest, next, policy));
+                seen.push((id, next, policy));
             }
             before.push(state);
             decisions.push(step.decision);
@@ -253,13 +279,35 @@ impl MemoryStore {
             charges
                 .iter()
                 .map(|c| {
-                    let digest = inner.digest(c);
-                    let shard = inner.lock(inner.shard_of(digest));
-                    let state = inner.state(&shard, digest, c.policy(), now);
+                    let state = inner.id(c).ok().and_then(|id| {
+                        let mut shard = inner.lock(inner.shard_of(&id));
+                        inner.state(&mut shard, &id, c.policy(), now).0
+                    });
                     algorithm::describe(c.policy(), state, now)
                 })
                 .collect(),
         )
+    }
+}
+
+impl super::Inner {
+    /// Writes `state`, a state carried over to `policy`'s numbers from
+    /// sibling space `from`, in `id`'s own space: the key is under the new
+    /// numbers from now on. Nothing is spent; an idle state is dropped.
+    fn convert_in_place(
+        &self,
+        shard: &mut Shard,
+        id: &Id,
+        from: u32,
+        state: Option<State>,
+        policy: &Policy,
+        now: Nanos,
+    ) {
+        shard.remove(&Id { space: from, ..*id });
+        if let Some(s) = state {
+            let idle_at = algorithm::idle_at(policy, Some(s), now);
+            self.write(shard, id, policy.algorithm(), s, idle_at);
+        }
     }
 }
 
@@ -271,13 +319,16 @@ impl MemoryStore {
 fn shape(
     charges: &[Charge],
     before: &[Option<State>],
-    steps: &mut [(u128, u32, Step, &Policy)],
+    steps: &mut [Decided<'_>],
     refused: &Outcome,
     now: Nanos,
 ) -> Option<Outcome> {
-    if !charges.iter().any(|c| c.max_delay().is_some())
-        || (1..steps.len()).any(|i| steps[..i].iter().any(|s| s.0 == steps[i].0))
-    {
+    let repeats = (1..steps.len()).any(|i| {
+        steps[..i]
+            .iter()
+            .any(|d| same_budget((&d.id, d.policy), (&steps[i].id, steps[i].policy)))
+    });
+    if !charges.iter().any(|c| c.max_delay().is_some()) || repeats {
         return None;
     }
     let mut release = now;
@@ -296,6 +347,15 @@ fn shape(
             _ => return None,
         }
     }
+    // Every shaped charge is held until the release: none past its own
+    // longest wait (the release may be another charge's later fit).
+    let wait = u128::from(release - now);
+    if charges
+        .iter()
+        .any(|c| c.max_delay().is_some_and(|max| wait > max.as_nanos()))
+    {
+        return None;
+    }
     let mut written = Vec::new();
     for (i, c) in charges.iter().enumerate() {
         if c.max_delay().is_some()
@@ -303,37 +363,15 @@ fn shape(
         {
             let step = algorithm::charge_at(c.policy(), before[i], now, release, c.cost());
             written.push((i, step.next?));
-            steps[i].2 = step;
+            steps[i].step = step;
         }
     }
-    let decisions = steps.iter().map(|(_, _, s, _)| s.decision).collect();
+    let decisions = steps.iter().map(|d| d.step.decision).collect();
     Some(Outcome::delayed(
         decisions,
         std::time::Duration::from_nanos(release - now),
         Reservation::new(written),
     ))
-}
-
-/// Writes `state`, a state carried over to `policy`'s numbers (`tag`), in
-/// place of what budget `digest` held: the key is under the new numbers
-/// from now on. Nothing is spent; an idle state is dropped.
-fn convert_in_place(
-    shard: &mut Shard,
-    digest: u128,
-    tag: u32,
-    state: Option<State>,
-    policy: &Policy,
-    now: Nanos,
-) {
-    match state {
-        Some(s) => {
-            let idle_at = algorithm::idle_at(policy, Some(s), now);
-            shard.put(digest, tag, policy.algorithm(), s, idle_at);
-        }
-        None => {
-            shard.remove(digest);
-        }
-    }
 }
 
 /// In a refused outcome nothing was spent: admitted entries describe their
@@ -385,10 +423,8 @@ mod tests {
         let spent = store.charge_now(&[charge("k", &p, 1_700_000_000)]).unwrap();
         assert!(spent.is_admitted());
         let inner = &*store.inner;
-        let shard = |d| inner.lock(inner.shard_of(d));
-        let digest = inner.digest(&charge("k", &p, 1));
-        assert_eq!(shard(digest).wide.len(), 1);
-        assert_eq!(shard(digest).compact.len(), 0);
+        let id = inner.id(&charge("k", &p, 1)).unwrap();
+        assert_eq!(inner.lock(inner.shard_of(&id)).counts(), (0, 1));
         let rest = store.charge_now(&[charge("k", &p, 100_000_000)]).unwrap();
         assert_eq!(rest.limits()[0].remaining(), 0);
         assert!(rest.is_admitted());
@@ -446,7 +482,7 @@ mod tests {
         }
         {
             let shard = store.inner.lock(0);
-            assert_eq!((shard.compact.len(), shard.wide.len()), (2, 1));
+            assert_eq!(shard.counts(), (2, 1));
         }
         assert_eq!(store.stats().keys, 3);
         clock.advance(Duration::from_secs(3));
@@ -517,6 +553,37 @@ mod shaping_tests {
         Charge::new(Key::new("k"), policy.clone(), 1)
             .unwrap()
             .shaped(Duration::from_secs(2))
+    }
+
+    /// Review finding: with two shaping rules, the release (the later of
+    /// their fits) held the request past the other rule's own longest
+    /// wait. Every shaped charge is held at most its own `max_delay`.
+    #[test]
+    fn no_shaped_charge_is_held_past_its_own_longest_wait() {
+        let store = MemoryStore::builder().clock(ManualClock::new(0)).build();
+        let quick = Policy::token_bucket("quick", 1, Rate::per_second(2)).unwrap();
+        let slow = Policy::token_bucket("slow", 1, Rate::new(1, Duration::from_secs(4))).unwrap();
+        let call = |quick_wait: u64| {
+            [
+                Charge::new(Key::new("k"), quick.clone(), 1)
+                    .unwrap()
+                    .shaped(Duration::from_secs(quick_wait)),
+                Charge::new(Key::new("k"), slow.clone(), 1)
+                    .unwrap()
+                    .shaped(Duration::from_secs(10)),
+            ]
+        };
+        assert_eq!(store.charge_now(&call(1)).unwrap().delay(), Duration::ZERO);
+        // Quick fits in 0.5 s, slow in 4 s: quick would wait 4 s > 1 s.
+        let refused = store.charge_now(&call(1)).unwrap();
+        assert_eq!(
+            refused.verdict(),
+            Verdict::Denied {
+                retry_after: Duration::from_secs(4)
+            }
+        );
+        // Allowed to wait 5 s, it is held 4 s.
+        assert_eq!(store.charge_now(&call(5)).unwrap().delay(), Duration::from_secs(4));
     }
 
     /// A bucket of 1 refilling 2 per second, shaped up to 2 s: a burst of

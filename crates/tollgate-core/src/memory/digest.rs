@@ -1,5 +1,5 @@
-//! The keyed 128-bit digest that stands in for a key's text in
-//! [`crate::MemoryStore`].
+//! The keyed hashes of [`crate::MemoryStore`]: the 128-bit digest that
+//! stands in for a key's text, and the placement of an address's slot.
 //!
 //! SipHash-1-3 with 128-bit output (Aumasson and Bernstein's SipHash, the
 //! round counts Rust's standard hasher uses), computed in one pass over the
@@ -11,6 +11,10 @@
 //! keys share a digest.
 
 use std::hash::{BuildHasher, RandomState};
+use std::net::IpAddr;
+
+use super::shard::{Id, KeyBits, Rehash};
+use crate::Key;
 
 /// A secret SipHash key.
 #[derive(Clone, Copy)]
@@ -35,6 +39,93 @@ impl DigestKey {
     #[inline]
     pub(crate) fn digest(&self, prefix: u64, text: &[u8]) -> u128 {
         sip::<1, 3, true>(self.k0, self.k1, prefix, text)
+    }
+
+    /// The 64-bit SipHash-1-3 of the same input.
+    #[inline]
+    pub(crate) fn digest64(&self, prefix: u64, text: &[u8]) -> u64 {
+        sip::<1, 3, false>(self.k0, self.k1, prefix, text) as u64
+    }
+}
+
+/// The store's secret hashes: where a key's slot goes (its shard and its
+/// place in a table), and the identity of a key that is not an address.
+pub(crate) struct Hashes {
+    digest: DigestKey,
+    /// Seeds of the address placement (a folded multiply).
+    fold: [u64; 2],
+}
+
+impl Hashes {
+    pub(crate) fn random() -> Self {
+        let seeds = RandomState::new();
+        Self {
+            digest: DigestKey::random(),
+            // Odd multipliers, so that no address bit is lost.
+            fold: [
+                seeds.hash_one(0x6164_6472_u64) | 1,
+                seeds.hash_one(0x706c_6163_u64) | 1,
+            ],
+        }
+    }
+
+    /// `key`'s slot key in `space`: an IPv4 or IPv6 client address
+    /// (not aggregated) is its own bits; any other key is the keyed digest
+    /// of its text.
+    #[inline]
+    pub(crate) fn id(&self, key: &Key, space: u32) -> Id {
+        let bits = match key.as_client_ip() {
+            Some((IpAddr::V4(v4), 32)) => KeyBits::V4([u32::from(v4)]),
+            Some((IpAddr::V6(v6), 128)) => KeyBits::V6(KeyBits::words128(u128::from(v6))),
+            _ => KeyBits::Text(KeyBits::words128(
+                key.with_text_bytes(|text| self.digest.digest(0, text)),
+            )),
+        };
+        let hash = match &bits {
+            KeyBits::V4(k) => self.v4(k),
+            KeyBits::V6(k) => self.v6(k),
+            KeyBits::Text(k) => <Self as Rehash>::text(k),
+        };
+        Id {
+            space,
+            key: bits,
+            hash,
+        }
+    }
+
+    /// The shard of `id`, out of `mask + 1`: bits of its hash that the
+    /// table's own placement does not use.
+    #[inline]
+    pub(crate) fn shard_of(id: &Id, mask: usize) -> usize {
+        (id.hash >> 32) as usize & mask
+    }
+}
+
+/// The high and low halves of the 128-bit product, folded: a keyed mix in
+/// which every input bit moves every output bit.
+#[inline(always)]
+fn fold(a: u64, b: u64) -> u64 {
+    let p = u128::from(a) * u128::from(b);
+    (p as u64) ^ ((p >> 64) as u64)
+}
+
+impl Rehash for Hashes {
+    /// An IPv4 address cannot be chosen freely by a client (it must
+    /// connect from it, or a trusted proxy must see it do so), so a keyed
+    /// folded multiply places it: a few instructions.
+    #[inline]
+    fn v4(&self, key: &[u32; 1]) -> u64 {
+        fold(u64::from(key[0]) ^ self.fold[0], self.fold[1])
+    }
+
+    /// A client holding an IPv6 prefix chooses among 2^64 addresses and
+    /// more: placed by keyed SipHash, which an attacker who cannot see the
+    /// key cannot aim at one slot.
+    #[inline]
+    fn v6(&self, key: &[u32; 4]) -> u64 {
+        let bits = KeyBits::from_words(*key);
+        self.digest
+            .digest64((bits >> 64) as u64, &(bits as u64).to_le_bytes())
     }
 }
 

@@ -1,27 +1,27 @@
 //! [`MemoryStore`]: the in-process store, the embedded default.
 //!
-//! Keys are sharded over mutex-protected hash maps. A decision locks only the
+//! Keys are sharded over mutex-protected tables. A decision locks only the
 //! shards its charges live in (in index order, so multi-shard charges cannot
 //! deadlock), evaluates every charge, and writes only if all were admitted.
 //!
-//! A map entry is keyed by a keyed digest of the policy's name and unit and
-//! the key's text, not by the text itself: memory per key is fixed whatever
-//! the key's length. The digest is SipHash-1-3 with 128-bit output, in one
-//! pass (a caller who cannot see the secret key cannot aim for a
-//! collision): bits 64 and up pick the shard, the lower half places the
-//! entry in its map, and 104 bits identify it; the top 24 bits of a stored
-//! key tag the numbers its state was written under ([`numbers`]), so that a
-//! policy whose numbers changed (a plan, a limit changed at runtime) reads
-//! the same state and converts it
-//! ([`carry_over`](crate::algorithm::carry_over)). The digest key is
-//! random per store; an accidental collision among ten million keys has
-//! probability below 10⁻¹⁷.
+//! Each distinct (policy name, unit, numbers) the store meets gets a
+//! *space* ([`spaces`]): the tables a state lives in belong to its space,
+//! so a slot holds nothing but the key and the state. A key is stored
+//! exactly where it can be: an IPv4 client address as its 32 bits, an IPv6
+//! one as its 128 bits; any other key as the keyed 128-bit digest of its
+//! text (SipHash-1-3, random secret per store: a caller who cannot see it
+//! cannot aim for a collision, and an accidental one among ten million keys
+//! has probability below 10⁻²³). A policy whose numbers changed (a plan,
+//! a limit changed at runtime) finds the key's state in a sibling space of
+//! the same name and unit and converts it
+//! ([`carry_over`](crate::algorithm::carry_over)).
 //!
-//! Each shard has two tables. Token buckets and fixed windows, whose state is
-//! one count and one time, keep (count, idle deadline) in a 32-byte slot:
-//! the time follows exactly from the two and the policy. Sliding windows
-//! (and the rare state whose deadline saturates) keep the whole state and
-//! its deadline in a 48-byte slot. A key lives in one of the two.
+//! Each space has, per kind of key, two tables. Token buckets and fixed
+//! windows, whose state is one count and one time, keep (count, idle
+//! deadline) in a compact slot — 20 bytes for an IPv4 address, 32 for a
+//! 128-bit key: the time follows exactly from the two and the numbers.
+//! Sliding windows (and the rare state whose deadline saturates, or that
+//! holds requests for later) keep the whole state and its deadline.
 //!
 //! Idle entries (refilled to full, or past their window) are dropped by an
 //! amortised sweep: the first access to a shard after its sweep interval
@@ -29,14 +29,14 @@
 //!
 //! The parts: this file is the public store and its settings; [`shard`] is
 //! the storage layout, [`charge`] the all-or-nothing decision, [`capacity`]
-//! sweeping and the key cap, [`digest`] the keyed digest, [`numbers`] the
-//! tags of the numbers states were written under.
+//! sweeping and the key cap, [`digest`] the keyed hashes, [`spaces`] the
+//! spaces of the numbers states were written under.
 
 mod capacity;
 mod charge;
 mod digest;
-mod numbers;
 mod shard;
+mod spaces;
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -44,9 +44,9 @@ use std::time::Duration;
 
 use crate::algorithm::{self, State};
 use crate::{Charge, Clock, Nanos, Outcome, Policy, Store, StoreError, SystemClock};
-use digest::DigestKey;
-use numbers::Numbers;
-use shard::{ID_MASK, Shard};
+use digest::Hashes;
+use shard::{Id, Shard};
+use spaces::Spaces;
 
 /// What [`MemoryStore`] does when a shard is at its share of the key cap and
 /// a charge needs a new key.
@@ -82,7 +82,7 @@ pub struct MemoryStoreStats {
 /// Builder for [`MemoryStore`].
 #[must_use]
 pub struct MemoryStoreBuilder {
-    clock: Arc<dyn Clock>,
+    clock: Time,
     shards: usize,
     max_keys: Option<usize>,
     cap_policy: OnKeyCap,
@@ -103,7 +103,7 @@ impl std::fmt::Debug for MemoryStoreBuilder {
 impl MemoryStoreBuilder {
     /// Uses `clock` instead of the [`SystemClock`].
     pub fn clock(mut self, clock: impl Clock) -> Self {
-        self.clock = Arc::new(clock);
+        self.clock = Time::Other(Arc::new(clock));
         self
     }
 
@@ -137,8 +137,8 @@ impl MemoryStoreBuilder {
                     .collect(),
                 mask: self.shards - 1,
                 clock: self.clock,
-                digest_key: DigestKey::random(),
-                numbers: Numbers::new(),
+                hashes: Hashes::random(),
+                spaces: Spaces::new(),
                 per_shard,
                 cap_policy: self.cap_policy,
                 sweep_every: u64::try_from(self.sweep_interval.as_nanos()).unwrap_or(u64::MAX),
@@ -152,14 +152,16 @@ impl MemoryStoreBuilder {
 
 /// The in-process [`Store`]. Cloning shares the same budgets.
 ///
-/// Keys are sharded over mutex-protected maps, keyed by a keyed digest of
-/// (policy name and unit, key text), so memory per key does not depend on
-/// the key's length; the random per-store seeds make a collision both
-/// unpredictable and negligible (below 10⁻¹⁷ among ten million keys). A
-/// policy whose numbers change under the same name reads the same state,
-/// converted ([`carry_over`](crate::algorithm::carry_over)); a store tells
-/// apart up to 16,777,215 distinct sets of numbers in its lifetime, after
-/// which charges under new numbers fail with
+/// Keys are sharded over mutex-protected tables, one set per policy name,
+/// unit and numbers. A client address is kept as its own bits (a key of
+/// one IPv4 address and a token bucket take a 20-byte slot); any other key
+/// as a keyed 128-bit digest of its text, so memory per key does not
+/// depend on the key's length, and the random per-store secret makes a
+/// collision both unpredictable and negligible (below 10⁻²³ among ten
+/// million keys). A policy whose numbers change under the same name reads
+/// the same state, converted ([`carry_over`](crate::algorithm::carry_over));
+/// a store tells apart up to 16,777,215 distinct sets of numbers in its
+/// lifetime, after which charges under new numbers fail with
 /// [`StoreErrorKind::Unsupported`](crate::StoreErrorKind::Unsupported).
 /// A decision locks only its charges' shards, in index order, and writes
 /// only when every charge was admitted. Every decision is O(1) in the number
@@ -184,12 +186,11 @@ impl std::fmt::Debug for MemoryStore {
 struct Inner {
     shards: Box<[Mutex<Shard>]>,
     mask: usize,
-    clock: Arc<dyn Clock>,
-    /// The secret key of the SipHash-1-3-128 digest: its upper 64 bits pick
-    /// the shard, its lower 64 bits place the entry in its map.
-    digest_key: DigestKey,
-    /// The tags of the numbers states were written under.
-    numbers: Numbers,
+    clock: Time,
+    /// The secret hashes: a key's slot key, its shard and its placement.
+    hashes: Hashes,
+    /// The spaces of the numbers states were written under.
+    spaces: Spaces,
     per_shard: Option<usize>,
     cap_policy: OnKeyCap,
     sweep_every: Nanos,
@@ -213,7 +214,7 @@ impl MemoryStore {
     /// A builder to set the clock, shards, key cap and sweep interval.
     pub fn builder() -> MemoryStoreBuilder {
         MemoryStoreBuilder {
-            clock: Arc::new(SystemClock::new()),
+            clock: Time::System(SystemClock::new()),
             shards: 64,
             max_keys: None,
             cap_policy: OnKeyCap::default(),
@@ -245,47 +246,120 @@ impl MemoryStore {
     }
 }
 
+/// The store's clock: the system's, read inline, or one the builder was
+/// given (a test's manual clock), through its trait object.
+#[derive(Clone)]
+enum Time {
+    System(SystemClock),
+    Other(Arc<dyn Clock>),
+}
+
+impl Time {
+    #[inline]
+    fn now(&self) -> Nanos {
+        match self {
+            Time::System(clock) => clock.now(),
+            Time::Other(clock) => clock.now(),
+        }
+    }
+}
+
 impl Inner {
-    /// The budget of `charge`: 104 bits of the keyed digest of its policy's
-    /// name and unit and its key text (whatever the policy's numbers).
-    pub(super) fn digest(&self, charge: &Charge) -> u128 {
-        self.digest_key
-            .digest(charge.policy().state_identity(), charge.key().as_bytes())
-            & ID_MASK
+    /// The slot key of `charge` in its policy's space.
+    #[inline]
+    pub(super) fn id(&self, charge: &Charge) -> Result<Id, StoreError> {
+        let space = self.spaces.space(charge.policy())?;
+        Ok(self.hashes.id(charge.key(), space))
     }
 
-    /// The state of budget `id` for a reader with `policy`'s numbers: as
-    /// stored, or carried over from the numbers it was written under.
+    /// The state of `id` for a reader with `policy`'s numbers (the numbers
+    /// of `id`'s space): as stored, or carried over from a sibling space,
+    /// with that space when it was one.
     pub(super) fn state(
         &self,
-        shard: &Shard,
-        id: u128,
+        shard: &mut Shard,
+        id: &Id,
         policy: &Policy,
         now: Nanos,
-    ) -> Option<State> {
-        let stored = shard.read(id)?;
+    ) -> (Option<State>, Option<u32>) {
         let algorithm = policy.algorithm();
-        if self.numbers.is_tag_of(policy, stored.tag) {
-            return Some(stored.state(algorithm));
+        if let Some(stored) = shard.read(id) {
+            return (Some(stored.state(algorithm)), None);
         }
-        // Every tag in a slot was given by this store.
-        let from = self.numbers.numbers(stored.tag)?;
-        if from == *algorithm {
-            return Some(stored.state(algorithm));
+        self.load_siblings(shard, id.space);
+        let mut i = 0;
+        while let Some(sibling) = shard.sibling(id.space, i) {
+            i += 1;
+            let other = Id {
+                space: sibling,
+                ..*id
+            };
+            let Some(stored) = shard.read(&other) else {
+                continue;
+            };
+            // Every space in a shard was given by this store.
+            let Some(from) = self.spaces.numbers(sibling) else {
+                continue;
+            };
+            let state = stored.state(&from);
+            return (
+                algorithm::carry_over(&from, state, algorithm, now),
+                Some(sibling),
+            );
         }
-        algorithm::carry_over(&from, stored.state(&from), algorithm, now)
+        (None, None)
     }
 
-    pub(super) fn shard_of(&self, digest: u128) -> usize {
-        ((digest >> 64) as usize) & self.mask
+    /// Makes sure `shard` knows the siblings of `space`.
+    fn load_siblings(&self, shard: &mut Shard, space: u32) {
+        let tables = shard.tables_mut(space);
+        if tables.siblings.is_none() {
+            tables.siblings = Some(self.spaces.siblings(space));
+        }
     }
 
+    /// Writes `state` for `id` in its own space and drops what its sibling
+    /// spaces hold for the key: a budget lives in one space at a time (the
+    /// last one written), so no stale copy is read later under other
+    /// numbers.
+    pub(super) fn write(
+        &self,
+        shard: &mut Shard,
+        id: &Id,
+        algorithm: &crate::Algorithm,
+        state: State,
+        idle_at: Nanos,
+    ) {
+        shard.put(id, algorithm, state, idle_at, &self.hashes);
+        self.load_siblings(shard, id.space);
+        let mut i = 0;
+        while let Some(sibling) = shard.sibling(id.space, i) {
+            i += 1;
+            shard.remove(&Id {
+                space: sibling,
+                ..*id
+            });
+        }
+    }
+
+    pub(super) fn shard_of(&self, id: &Id) -> usize {
+        Hashes::shard_of(id, self.mask)
+    }
+
+    /// Shard `i`, locked, with its copy of the spaces' siblings brought up
+    /// to date.
     pub(super) fn lock(&self, i: usize) -> MutexGuard<'_, Shard> {
         // No code holding a shard lock can panic on input, but a poisoned
         // lock must not take the whole limiter down with it.
-        self.shards[i]
+        let mut shard = self.shards[i]
             .lock()
-            .unwrap_or_else(PoisonError::into_inner)
+            .unwrap_or_else(PoisonError::into_inner);
+        let generation = self.spaces.generation();
+        if shard.generation != generation {
+            shard.forget_siblings();
+            shard.generation = generation;
+        }
+        shard
     }
 }
 
@@ -323,12 +397,12 @@ impl Store for MemoryStore {
         std::future::ready(Ok(()))
     }
 
-    /// Every policy's numbers get their tag here, when a rule (or a
+    /// Every policy's numbers get their space here, when a rule (or a
     /// changed policy) is configured: a store that has met all the sets of
     /// numbers it can tell apart refuses the new one now, as a
     /// configuration error, never at runtime.
     fn check_policy(&self, policy: &Policy) -> Result<(), StoreError> {
-        self.inner.numbers.tag(policy).map(|_| ())
+        self.inner.spaces.space(policy).map(|_| ())
     }
 
     fn can_check(&self) -> bool {
@@ -343,6 +417,54 @@ mod tests {
 
     fn charge(key: &str, policy: &Policy, cost: u64) -> Charge {
         Charge::new(Key::new(policy.name()).with(key), policy.clone(), cost).unwrap()
+    }
+
+    /// Every address and text key is its own budget, in every table: an
+    /// exhausted budget leaves every other one (a neighbouring address, the
+    /// same address aggregated or as IPv6, the same text under another
+    /// policy name) untouched.
+    #[test]
+    fn addresses_and_text_keys_are_separate_budgets() {
+        use std::net::IpAddr;
+        let store = MemoryStore::builder()
+            .clock(ManualClock::new(0))
+            .shards(4)
+            .build();
+        let p = Policy::token_bucket("p", 1, Rate::per_hour(1)).unwrap();
+        let q = Policy::token_bucket("q", 1, Rate::per_hour(1)).unwrap();
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let mut keys = Vec::new();
+        for i in 0..300u32 {
+            keys.push(Key::client_ip(
+                IpAddr::V4(std::net::Ipv4Addr::from(0x0a00_0000 + i * 257)),
+                32,
+            ));
+            keys.push(Key::client_ip(
+                IpAddr::V6(std::net::Ipv6Addr::from(u128::from(i) << 64 | 1)),
+                128,
+            ));
+            keys.push(Key::new("t=north").with(format!("a={i}")));
+        }
+        keys.push(Key::client_ip(ip("10.0.0.0"), 24));
+        keys.push(Key::client_ip(ip("::ffff:10.0.0.0"), 128));
+        keys.push(Key::client_ip(ip("2001:db8::"), 64));
+        keys.push(Key::client_ip(ip("2001:db8::"), 128));
+        for policy in [&p, &q] {
+            for key in &keys {
+                let c = [Charge::new(key.clone(), policy.clone(), 1).unwrap()];
+                assert!(
+                    store.charge_now(&c).unwrap().is_admitted(),
+                    "{key:?} {}",
+                    policy.name()
+                );
+                assert!(
+                    !store.charge_now(&c).unwrap().is_admitted(),
+                    "{key:?} {}",
+                    policy.name()
+                );
+            }
+        }
+        assert_eq!(store.stats().keys, 2 * keys.len() as u64);
     }
 
     #[test]

@@ -1,210 +1,242 @@
-//! The storage layout: per shard, a table of 32-byte slots for states that
-//! are one count and one time, and a table of 48-byte slots for the rest.
+//! The storage layout: per shard, per space (a policy's name, unit and
+//! numbers, [`super::spaces`]), one table per kind of key, each with
+//! compact slots for states that are one count and one time and wide
+//! slots for the rest.
 //!
-//! A slot's key is the keyed digest of (policy name and unit, key text)
-//! with its top [`TAG_BITS`] bits replaced by the *tag* of the numbers the
-//! state was written under ([`super::numbers`]): a key has one slot
-//! whatever numbers its policy has had, and a reader whose numbers differ
-//! converts the state ([`algorithm::carry_over`]). Lookups compare the
-//! digest bits only.
+//! Slot keys are exact where they can be: an IPv4 client address is its 32
+//! bits and an IPv6 one its 128 bits, so two addresses never share a
+//! budget; any other key is the keyed 128-bit digest of its text. A key's
+//! bits are kept as 32-bit words so that a slot is aligned to 4 bytes: an
+//! IPv4 token bucket's slot is 20 bytes (4 of address, 8 of count, 8 of
+//! idle deadline), a 128-bit key's 32.
+//!
+//! The space is the table, not part of the slot: a key has one slot per
+//! space it was charged under, and a reader whose numbers differ finds the
+//! state in a sibling space (the same name and unit) and converts it
+//! ([`algorithm::carry_over`]), moving it to its own.
 
 use hashbrown::HashTable;
 
 use crate::algorithm::{self, State};
 use crate::{Algorithm, Nanos};
 
-/// Bits of a slot key that tag the state's numbers.
-pub(super) const TAG_BITS: u32 = 24;
-const TAG_SHIFT: u32 = 128 - TAG_BITS;
-/// The bits of a slot key that identify the budget: 104 bits of digest.
-pub(super) const ID_MASK: u128 = (1 << TAG_SHIFT) - 1;
+/// A slot's key: 32-bit words (one for IPv4, four otherwise).
+pub(super) trait Words: Copy + Eq {}
+impl Words for [u32; 1] {}
+impl Words for [u32; 4] {}
 
-/// Where a key's slot is placed in its table: the digest's lower half,
-/// itself a keyed hash.
-fn place(id: u128) -> u64 {
-    id as u64
+fn join(w: [u32; 2]) -> u64 {
+    u64::from(w[0]) | u64::from(w[1]) << 32
 }
 
-fn tagged(id: u128, tag: u32) -> u128 {
-    id | u128::from(tag) << TAG_SHIFT
+fn split(v: u64) -> [u32; 2] {
+    [v as u32, (v >> 32) as u32]
 }
 
-fn tag_of(key: u128) -> u32 {
-    (key >> TAG_SHIFT) as u32
+/// The key of a budget in one shard: its space, and its key's bits.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) struct Id {
+    pub(super) space: u32,
+    pub(super) key: KeyBits,
+    /// Where the key's slot is placed in its table (and, high bits, its
+    /// shard): a keyed hash of the key's bits, whatever the space.
+    pub(super) hash: u64,
 }
 
-#[derive(Default)]
-pub(super) struct Shard {
-    /// Token buckets and fixed windows, as (count, idle deadline): their
-    /// state's time follows from the two and the numbers
-    /// ([`algorithm::time_from_idle`]).
-    pub(super) compact: HashTable<Compact>,
-    /// Everything else (sliding windows, and the rare state whose deadline
-    /// saturated): the whole state and its idle deadline.
-    pub(super) wide: HashTable<Wide>,
-    pub(super) next_sweep: Nanos,
+/// A key's bits, by kind.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+pub(super) enum KeyBits {
+    V4([u32; 1]),
+    V6([u32; 4]),
+    /// The keyed digest of the key's text.
+    Text([u32; 4]),
 }
 
-/// A 32-byte slot.
+impl KeyBits {
+    pub(super) fn words128(v: u128) -> [u32; 4] {
+        [
+            v as u32,
+            (v >> 32) as u32,
+            (v >> 64) as u32,
+            (v >> 96) as u32,
+        ]
+    }
+
+    pub(super) fn from_words(w: [u32; 4]) -> u128 {
+        u128::from(w[0]) | u128::from(w[1]) << 32 | u128::from(w[2]) << 64 | u128::from(w[3]) << 96
+    }
+}
+
+/// A compact slot: a token bucket's credit or a fixed window's count, and
+/// the state's idle deadline, from which (with the numbers) its time
+/// follows exactly ([`algorithm::time_from_idle`]).
 #[derive(Clone, Copy)]
-pub(super) struct Compact {
-    key: u128,
-    level: u64,
-    pub(super) idle_at: Nanos,
+pub(super) struct Compact<W> {
+    key: W,
+    level: [u32; 2],
+    idle_at: [u32; 2],
 }
 
-/// A 48-byte slot.
+/// A wide slot: the whole state and its idle deadline.
 #[derive(Clone, Copy)]
-pub(super) struct Wide {
-    key: u128,
-    state: State,
-    pub(super) idle_at: Nanos,
+pub(super) struct Wide<W> {
+    key: W,
+    state: [u32; 6],
+    idle_at: [u32; 2],
 }
 
-/// A state as read from its slot, with the tag of its numbers.
-#[derive(Clone, Copy)]
-pub(super) struct Stored {
-    pub(super) tag: u32,
-    /// The state's count (or credit) and, for wide slots, the whole state:
-    /// decoded by [`Stored::state`] with the numbers of its tag.
-    raw: Raw,
+impl<W> Compact<W> {
+    fn idle_at(&self) -> Nanos {
+        join(self.idle_at)
+    }
+
+    fn state(&self, algorithm: &Algorithm) -> State {
+        let (level, idle_at) = (join(self.level), self.idle_at());
+        State {
+            level,
+            prior: 0,
+            // `pack` checked that the time is recoverable. Were it not, the
+            // deadline is the conservative reading: nothing refills before it.
+            at: algorithm::time_from_idle(algorithm, level, idle_at).unwrap_or(idle_at),
+        }
+    }
+
+    /// The compact form of `state`, if it gives `state` back exactly.
+    fn pack(key: W, algorithm: &Algorithm, state: State, idle_at: Nanos) -> Option<Self> {
+        let at = algorithm::time_from_idle(algorithm, state.level, idle_at);
+        (state.prior == 0 && at == Some(state.at)).then_some(Self {
+            key,
+            level: split(state.level),
+            idle_at: split(idle_at),
+        })
+    }
 }
 
+impl<W> Wide<W> {
+    fn idle_at(&self) -> Nanos {
+        join(self.idle_at)
+    }
+
+    fn new(key: W, state: State, idle_at: Nanos) -> Self {
+        let [a, b] = split(state.level);
+        let [c, d] = split(state.prior);
+        let [e, f] = split(state.at);
+        Self {
+            key,
+            state: [a, b, c, d, e, f],
+            idle_at: split(idle_at),
+        }
+    }
+
+    fn state(&self) -> State {
+        let s = self.state;
+        State {
+            level: join([s[0], s[1]]),
+            prior: join([s[2], s[3]]),
+            at: join([s[4], s[5]]),
+        }
+    }
+}
+
+/// A state as stored, compact (decoded with the numbers it was written
+/// under) or whole.
 #[derive(Clone, Copy)]
-enum Raw {
+pub(super) enum Stored {
     Compact { level: u64, idle_at: Nanos },
     Wide(State),
 }
 
 impl Stored {
-    /// The state, decoded with `algorithm`, the numbers of its own tag.
+    /// The state, decoded with `algorithm`, the numbers that wrote it.
     pub(super) fn state(self, algorithm: &Algorithm) -> State {
-        match self.raw {
-            Raw::Wide(state) => state,
-            Raw::Compact { level, idle_at } => unpack(algorithm, level, idle_at),
+        match self {
+            Stored::Wide(state) => state,
+            Stored::Compact { level, idle_at } => State {
+                level,
+                prior: 0,
+                at: algorithm::time_from_idle(algorithm, level, idle_at).unwrap_or(idle_at),
+            },
         }
     }
 }
 
-/// A compact slot's state, with the numbers it was written under.
-fn unpack(algorithm: &Algorithm, level: u64, idle_at: Nanos) -> State {
-    State {
-        level,
-        prior: 0,
-        // `pack` checked that the time is recoverable. Were it not, the
-        // deadline is the conservative reading: nothing refills before it.
-        at: algorithm::time_from_idle(algorithm, level, idle_at).unwrap_or(idle_at),
+/// One kind of key's slots in one space of one shard.
+pub(super) struct Table<W> {
+    compact: HashTable<Compact<W>>,
+    wide: HashTable<Wide<W>>,
+}
+
+impl<W> Default for Table<W> {
+    fn default() -> Self {
+        Self {
+            compact: HashTable::new(),
+            wide: HashTable::new(),
+        }
     }
 }
 
-impl Compact {
-    /// The compact form of `state`, if it gives `state` back exactly.
-    fn pack(key: u128, algorithm: &Algorithm, state: State, idle_at: Nanos) -> Option<Self> {
-        let at = algorithm::time_from_idle(algorithm, state.level, idle_at);
-        (state.prior == 0 && at == Some(state.at)).then_some(Self {
-            key,
-            level: state.level,
-            idle_at,
-        })
-    }
-}
-
-impl Shard {
-    pub(super) fn len(&self) -> usize {
+impl<W: Words> Table<W> {
+    fn len(&self) -> usize {
         self.compact.len() + self.wide.len()
     }
 
-    pub(super) fn contains(&self, id: u128) -> bool {
-        let same = |key: u128| key & ID_MASK == id;
-        self.compact.find(place(id), |c| same(c.key)).is_some()
-            || self.wide.find(place(id), |w| same(w.key)).is_some()
-    }
-
-    /// What is stored for the budget `id`, whatever its numbers.
-    pub(super) fn read(&self, id: u128) -> Option<Stored> {
-        let same = |key: u128| key & ID_MASK == id;
-        if let Some(c) = self.compact.find(place(id), |c| same(c.key)) {
-            return Some(Stored {
-                tag: tag_of(c.key),
-                raw: Raw::Compact {
-                    level: c.level,
-                    idle_at: c.idle_at,
-                },
+    fn read(&self, key: W, hash: u64) -> Option<Stored> {
+        if let Some(c) = self.compact.find(hash, |c| c.key == key) {
+            return Some(Stored::Compact {
+                level: join(c.level),
+                idle_at: c.idle_at(),
             });
         }
         if self.wide.is_empty() {
             return None;
         }
-        self.wide.find(place(id), |w| same(w.key)).map(|w| Stored {
-            tag: tag_of(w.key),
-            raw: Raw::Wide(w.state),
-        })
+        self.wide
+            .find(hash, |w| w.key == key)
+            .map(|w| Stored::Wide(w.state()))
     }
 
-    /// The compact slot of `id`, when it holds a state written under the
-    /// numbers `tag`: for deciding and writing in place, one probe.
-    pub(super) fn compact_mut(&mut self, id: u128, tag: u32) -> Option<CompactMut<'_>> {
-        let key = tagged(id, tag);
-        self.compact
-            .find_mut(place(id), |c| c.key & ID_MASK == id)
-            .filter(|c| c.key == key)
-            .map(|slot| CompactMut { slot })
-    }
-
-    /// Writes `state` for `id` under the numbers `tag` (`algorithm`),
-    /// compactly when it packs exactly; a budget is only ever in one of
-    /// the two tables, once.
-    pub(super) fn put(
+    fn put(
         &mut self,
-        id: u128,
-        tag: u32,
+        key: W,
+        hash: u64,
         algorithm: &Algorithm,
         state: State,
         idle_at: Nanos,
+        rehash: impl Fn(&W) -> u64,
     ) {
-        let key = tagged(id, tag);
-        let same = |k: u128| k & ID_MASK == id;
         match Compact::pack(key, algorithm, state, idle_at) {
             Some(c) => {
-                match self.compact.find_mut(place(id), |s| same(s.key)) {
+                match self.compact.find_mut(hash, |s| s.key == key) {
                     Some(slot) => *slot = c,
                     None => {
-                        self.compact.insert_unique(place(id), c, |s| place(s.key));
+                        self.compact.insert_unique(hash, c, |s| rehash(&s.key));
                     }
                 }
                 if !self.wide.is_empty() {
-                    self.remove_wide(id);
+                    self.remove_wide(key, hash);
                 }
             }
             None => {
-                let w = Wide {
-                    key,
-                    state,
-                    idle_at,
-                };
-                match self.wide.find_mut(place(id), |s| same(s.key)) {
+                let w = Wide::new(key, state, idle_at);
+                match self.wide.find_mut(hash, |s| s.key == key) {
                     Some(slot) => *slot = w,
                     None => {
-                        self.wide.insert_unique(place(id), w, |s| place(s.key));
+                        self.wide.insert_unique(hash, w, |s| rehash(&s.key));
                     }
                 }
                 if !self.compact.is_empty() {
-                    self.remove_compact(id);
+                    self.remove_compact(key, hash);
                 }
             }
         }
     }
 
-    /// Drops what is stored for `id`; whether anything was.
-    pub(super) fn remove(&mut self, id: u128) -> bool {
-        self.remove_compact(id) | self.remove_wide(id)
+    fn remove(&mut self, key: W, hash: u64) -> bool {
+        self.remove_compact(key, hash) | self.remove_wide(key, hash)
     }
 
-    fn remove_compact(&mut self, id: u128) -> bool {
-        match self
-            .compact
-            .find_entry(place(id), |s| s.key & ID_MASK == id)
-        {
+    fn remove_compact(&mut self, key: W, hash: u64) -> bool {
+        match self.compact.find_entry(hash, |s| s.key == key) {
             Ok(entry) => {
                 entry.remove();
                 true
@@ -213,8 +245,8 @@ impl Shard {
         }
     }
 
-    fn remove_wide(&mut self, id: u128) -> bool {
-        match self.wide.find_entry(place(id), |s| s.key & ID_MASK == id) {
+    fn remove_wide(&mut self, key: W, hash: u64) -> bool {
+        match self.wide.find_entry(hash, |s| s.key == key) {
             Ok(entry) => {
                 entry.remove();
                 true
@@ -223,47 +255,267 @@ impl Shard {
         }
     }
 
-    /// Drops every entry idle at `now`; how many.
-    pub(super) fn drop_idle(&mut self, now: Nanos) -> usize {
-        let before = self.len();
-        self.compact.retain(|c| c.idle_at > now);
-        self.wide.retain(|w| w.idle_at > now);
+    fn drop_idle(&mut self, now: Nanos, rehash: impl Fn(&W) -> u64) {
+        self.compact.retain(|c| c.idle_at() > now);
+        self.wide.retain(|w| w.idle_at() > now);
         if self.compact.capacity() > 64 && self.compact.capacity() > 4 * self.compact.len() {
-            self.compact.shrink_to_fit(|s| place(s.key));
+            self.compact.shrink_to_fit(|s| rehash(&s.key));
         }
         if self.wide.capacity() > 64 && self.wide.capacity() > 4 * self.wide.len() {
-            self.wide.shrink_to_fit(|s| place(s.key));
+            self.wide.shrink_to_fit(|s| rehash(&s.key));
         }
-        before - self.len()
     }
 
-    /// Every entry's budget and idle deadline.
-    pub(super) fn deadlines(&self) -> impl Iterator<Item = (u128, Nanos)> + '_ {
-        let compact = self.compact.iter().map(|c| (c.key & ID_MASK, c.idle_at));
-        let wide = self.wide.iter().map(|w| (w.key & ID_MASK, w.idle_at));
+    fn deadlines(&self) -> impl Iterator<Item = (W, Nanos)> + '_ {
+        let compact = self.compact.iter().map(|c| (c.key, c.idle_at()));
+        let wide = self.wide.iter().map(|w| (w.key, w.idle_at()));
         compact.chain(wide)
     }
 }
 
-/// A compact slot whose numbers are the reader's own.
-pub(super) struct CompactMut<'a> {
-    slot: &'a mut Compact,
+/// The tables of one space in one shard, with the space's siblings as
+/// this shard last saw them.
+#[derive(Default)]
+pub(super) struct SpaceTables {
+    v4: Table<[u32; 1]>,
+    v6: Table<[u32; 4]>,
+    text: Table<[u32; 4]>,
+    /// The other spaces of this space's name and unit, where a key's state
+    /// may have been written under other numbers; `None` until loaded
+    /// (and again when the spaces changed).
+    pub(super) siblings: Option<Box<[u32]>>,
 }
 
-impl CompactMut<'_> {
-    pub(super) fn state(&self, algorithm: &Algorithm) -> State {
-        unpack(algorithm, self.slot.level, self.slot.idle_at)
+impl SpaceTables {
+    fn len(&self) -> usize {
+        self.v4.len() + self.v6.len() + self.text.len()
+    }
+}
+
+/// How the slot placement of a key's bits is recomputed when a table
+/// grows: the store's keyed hashes.
+pub(super) trait Rehash {
+    fn v4(&self, key: &[u32; 1]) -> u64;
+    fn v6(&self, key: &[u32; 4]) -> u64;
+    /// A digest's placement is its own lower half.
+    fn text(key: &[u32; 4]) -> u64 {
+        u64::from(key[0]) | u64::from(key[1]) << 32
+    }
+}
+
+#[derive(Default)]
+pub(super) struct Shard {
+    /// Indexed by space id; grown when a space first writes here.
+    spaces: Vec<SpaceTables>,
+    /// Entries in all tables.
+    len: usize,
+    /// The spaces' generation the siblings above were copied at.
+    pub(super) generation: u64,
+    pub(super) next_sweep: Nanos,
+}
+
+/// Dispatches `$body` on the table of `$id`'s kind in `$tables`, with
+/// `$key` bound to the key's words and `$rehash` to its placement.
+macro_rules! on_table {
+    ($tables:expr, $id:expr, $hashes:expr, |$t:ident, $key:ident, $rehash:ident| $body:expr) => {
+        match $id.key {
+            KeyBits::V4($key) => {
+                let $t = &mut $tables.v4;
+                let $rehash = |k: &[u32; 1]| $hashes.v4(k);
+                $body
+            }
+            KeyBits::V6($key) => {
+                let $t = &mut $tables.v6;
+                let $rehash = |k: &[u32; 4]| $hashes.v6(k);
+                $body
+            }
+            KeyBits::Text($key) => {
+                let $t = &mut $tables.text;
+                let $rehash = |k: &[u32; 4]| <H as Rehash>::text(k);
+                $body
+            }
+        }
+    };
+}
+
+impl Shard {
+    pub(super) fn len(&self) -> usize {
+        self.len
     }
 
-    /// Writes `state` in place when it packs exactly; `false` when it must
-    /// move to the wide table ([`Shard::put`]).
-    pub(super) fn set(&mut self, algorithm: &Algorithm, state: State, idle_at: Nanos) -> bool {
-        match Compact::pack(self.slot.key, algorithm, state, idle_at) {
-            Some(packed) => {
-                *self.slot = packed;
-                true
-            }
-            None => false,
+    fn tables(&self, space: u32) -> Option<&SpaceTables> {
+        self.spaces.get(space as usize)
+    }
+
+    /// The tables of `space`, made if this shard has none yet.
+    pub(super) fn tables_mut(&mut self, space: u32) -> &mut SpaceTables {
+        let i = space as usize;
+        if i >= self.spaces.len() {
+            self.spaces.resize_with(i + 1, SpaceTables::default);
+        }
+        &mut self.spaces[i]
+    }
+
+    /// The `i`th sibling of `space`, as loaded.
+    pub(super) fn sibling(&self, space: u32, i: usize) -> Option<u32> {
+        self.tables(space)?.siblings.as_deref()?.get(i).copied()
+    }
+
+    /// Forgets every space's siblings (the spaces changed): they are
+    /// loaded again when next needed.
+    pub(super) fn forget_siblings(&mut self) {
+        for t in &mut self.spaces {
+            t.siblings = None;
         }
     }
+
+    pub(super) fn contains(&self, id: &Id) -> bool {
+        self.read(id).is_some()
+    }
+
+    /// What is stored for `id` in its own space.
+    pub(super) fn read(&self, id: &Id) -> Option<Stored> {
+        let t = self.tables(id.space)?;
+        match id.key {
+            KeyBits::V4(k) => t.v4.read(k, id.hash),
+            KeyBits::V6(k) => t.v6.read(k, id.hash),
+            KeyBits::Text(k) => t.text.read(k, id.hash),
+        }
+    }
+
+    /// Decides `id`'s compact slot in place with `decide` when the slot is
+    /// there and the new state packs: one probe. `None` when the caller
+    /// must take the general path (no compact slot, or the new state must
+    /// move to the wide table): nothing was changed then.
+    #[inline]
+    pub(super) fn decide_in_place(
+        &mut self,
+        id: &Id,
+        algorithm: &Algorithm,
+        decide: impl FnOnce(State) -> algorithm::Step,
+    ) -> Option<algorithm::Step> {
+        let t = self.spaces.get_mut(id.space as usize)?;
+        match id.key {
+            KeyBits::V4(k) => in_place(&mut t.v4, k, id.hash, algorithm, decide),
+            KeyBits::V6(k) => in_place(&mut t.v6, k, id.hash, algorithm, decide),
+            KeyBits::Text(k) => in_place(&mut t.text, k, id.hash, algorithm, decide),
+        }
+    }
+
+    /// Writes `state` for `id` under its space's numbers (`algorithm`),
+    /// compactly when it packs exactly; a key is only ever in one of its
+    /// space's two tables, once.
+    pub(super) fn put<H: Rehash>(
+        &mut self,
+        id: &Id,
+        algorithm: &Algorithm,
+        state: State,
+        idle_at: Nanos,
+        hashes: &H,
+    ) {
+        let tables = self.tables_mut(id.space);
+        let before = tables.len();
+        on_table!(tables, id, hashes, |t, k, rehash| t
+            .put(k, id.hash, algorithm, state, idle_at, rehash));
+        let after = tables.len();
+        self.len = self.len + after - before;
+    }
+
+    /// Drops what `id`'s space holds for its key; whether anything was.
+    pub(super) fn remove(&mut self, id: &Id) -> bool {
+        let Some(t) = self.spaces.get_mut(id.space as usize) else {
+            return false;
+        };
+        let removed = match id.key {
+            KeyBits::V4(k) => t.v4.remove(k, id.hash),
+            KeyBits::V6(k) => t.v6.remove(k, id.hash),
+            KeyBits::Text(k) => t.text.remove(k, id.hash),
+        };
+        self.len -= usize::from(removed);
+        removed
+    }
+
+    /// Drops every entry idle at `now`; how many.
+    pub(super) fn drop_idle<H: Rehash>(&mut self, now: Nanos, hashes: &H) -> usize {
+        let before = self.len;
+        let mut len = 0;
+        for t in &mut self.spaces {
+            t.v4.drop_idle(now, |k| hashes.v4(k));
+            t.v6.drop_idle(now, |k| hashes.v6(k));
+            t.text.drop_idle(now, <H as Rehash>::text);
+            len += t.len();
+        }
+        self.len = len;
+        before - len
+    }
+
+    /// Every entry's key (in its own space) and idle deadline.
+    pub(super) fn deadlines<'a, H: Rehash>(
+        &'a self,
+        hashes: &'a H,
+    ) -> impl Iterator<Item = (Id, Nanos)> + 'a {
+        self.spaces.iter().enumerate().flat_map(move |(space, t)| {
+            let space = space as u32;
+            let v4 = t.v4.deadlines().map(move |(k, at)| {
+                let hash = hashes.v4(&k);
+                (
+                    Id {
+                        space,
+                        key: KeyBits::V4(k),
+                        hash,
+                    },
+                    at,
+                )
+            });
+            let v6 = t.v6.deadlines().map(move |(k, at)| {
+                let hash = hashes.v6(&k);
+                (
+                    Id {
+                        space,
+                        key: KeyBits::V6(k),
+                        hash,
+                    },
+                    at,
+                )
+            });
+            let text = t.text.deadlines().map(move |(k, at)| {
+                (
+                    Id {
+                        space,
+                        key: KeyBits::Text(k),
+                        hash: <H as Rehash>::text(&k),
+                    },
+                    at,
+                )
+            });
+            v4.chain(v6).chain(text)
+        })
+    }
+
+    /// Table sizes, for tests: (compact, wide) entries in all spaces.
+    #[cfg(test)]
+    pub(super) fn counts(&self) -> (usize, usize) {
+        let mut compact = 0;
+        let mut wide = 0;
+        for t in &self.spaces {
+            compact += t.v4.compact.len() + t.v6.compact.len() + t.text.compact.len();
+            wide += t.v4.wide.len() + t.v6.wide.len() + t.text.wide.len();
+        }
+        (compact, wide)
+    }
+}
+
+fn in_place<W: Words>(
+    table: &mut Table<W>,
+    key: W,
+    hash: u64,
+    algorithm: &Algorithm,
+    decide: impl FnOnce(State) -> algorithm::Step,
+) -> Option<algorithm::Step> {
+    let slot = table.compact.find_mut(hash, |c| c.key == key)?;
+    let step = decide(slot.state(algorithm));
+    if let Some(next) = step.next {
+        *slot = Compact::pack(key, algorithm, next, step.idle_at)?;
+    }
+    Some(step)
 }

@@ -280,7 +280,7 @@ impl Limiter {
             self.limits.log_level,
             layer = &*self.limits.name,
             scope,
-            key_fingerprint = %key.map_or_else(|| "-".to_owned(), crate::observe::fingerprint),
+            key_fingerprint = %key.map_or_else(|| "-".to_owned(), |k| crate::observe::fingerprint_text(k.as_bytes())),
             "refused: too many in flight"
         );
         let counter = match full {

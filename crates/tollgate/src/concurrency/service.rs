@@ -128,13 +128,8 @@ where
         let protocol = Protocol::of(&parts.headers);
         let key: Option<Box<str>> = if config.limiter.limits.per_key_max.is_some() {
             let mut who = RequestIdentity::new(&parts, &config.resolver);
-            match who.key(
-                &config.limiter.limits.name,
-                &config.key,
-                config.missing,
-                None,
-            ) {
-                Ok(key) => key.map(|k| k.as_str().into()),
+            match who.key(&config.key, config.missing, None) {
+                Ok(key) => key.map(|k| k.text().into()),
                 Err(error) => {
                     let answer = Answer::for_key(error, &config.limiter.limits.name);
                     return ResponseFuture::refused(answer.into_response(protocol));

@@ -229,12 +229,15 @@ impl<'a> RequestIdentity<'a> {
         self.principal
     }
 
-    /// The key `(first, parts...)`, `Ok(None)` when the request should skip
-    /// it, or why it cannot be built. `route` names the operation when
-    /// routing left no `MatchedPath` (see [`Operation`]).
+    /// The key of `key_parts` (the budget's policy name is not part of
+    /// it: a store keeps each policy's budgets apart by itself), `Ok(None)`
+    /// when the request should skip it, or why it cannot be built. `route`
+    /// names the operation when routing left no `MatchedPath` (see
+    /// [`Operation`]). A key of the client address alone is
+    /// [`Key::client_ip`] (no text is written); a rule without parts has
+    /// the one key `*`.
     pub(crate) fn key(
         &mut self,
-        first: &str,
         key_parts: &[KeyPart],
         missing: MissingPrincipal,
         route: Option<&str>,
@@ -248,7 +251,7 @@ impl<'a> RequestIdentity<'a> {
             }
         }
         let principal = self.principal;
-        let mut key = Key::new(first);
+        let mut key = Building::Empty;
         let mut ip_done = false;
         for part in key_parts {
             let part = if fallback && part.needs_principal() {
@@ -263,35 +266,35 @@ impl<'a> RequestIdentity<'a> {
                 KeyPart::ClientIp => match self.ip() {
                     Ok(ip) => {
                         ip_done = true;
-                        key.push_tagged("ip=", ip.text());
+                        key.push_ip(ip);
                     }
                     Err(e) => return Err(KeyError::ClientIp(e)),
                 },
-                KeyPart::Tenant => key.push_tagged("t=", principal.map_or("", |p| p.tenant())),
+                KeyPart::Tenant => key.push("t=", principal.map_or("", |p| p.tenant())),
                 KeyPart::Account => {
-                    key.push_tagged("t=", principal.map_or("", |p| p.tenant()));
-                    key.push_tagged("a=", principal.map_or("", |p| p.account()));
+                    key.push("t=", principal.map_or("", |p| p.tenant()));
+                    key.push("a=", principal.map_or("", |p| p.account()));
                 }
                 KeyPart::Credential => {
-                    key.push_tagged("t=", principal.map_or("", |p| p.tenant()));
-                    key.push_tagged("a=", principal.map_or("", |p| p.account()));
-                    key.push_tagged("c=", principal.and_then(|p| p.credential()).unwrap_or(""));
+                    key.push("t=", principal.map_or("", |p| p.tenant()));
+                    key.push("a=", principal.map_or("", |p| p.account()));
+                    key.push("c=", principal.and_then(|p| p.credential()).unwrap_or(""));
                 }
                 KeyPart::Operation => match route {
                     // A rule-specific stand-in: not cached across rules.
                     Some(_) => {
-                        key.push_tagged("op=", Operation::with_fallback(self.parts, route).as_str())
+                        key.push("op=", Operation::with_fallback(self.parts, route).as_str())
                     }
                     None => {
                         let op = self
                             .operation
                             .get_or_insert_with(|| Operation::of(self.parts));
-                        key.push_tagged("op=", op.as_str());
+                        key.push("op=", op.as_str());
                     }
                 },
-                KeyPart::Literal(s) => key.push_tagged("lit=", s.as_bytes()),
+                KeyPart::Literal(s) => key.push("lit=", s),
                 KeyPart::Custom(c) => match (c.read)(self.parts) {
-                    Some(value) => key.push_tagged(&c.tag, value),
+                    Some(value) => key.push(&c.tag, &value),
                     None => match missing {
                         MissingPrincipal::Reject => {
                             return Err(KeyError::MissingPart(c.name.clone()));
@@ -301,7 +304,7 @@ impl<'a> RequestIdentity<'a> {
                         MissingPrincipal::FallbackToClientIp => match self.ip() {
                             Ok(ip) => {
                                 ip_done = true;
-                                key.push_tagged("ip=", ip.text());
+                                key.push_ip(ip);
                             }
                             Err(e) => return Err(KeyError::ClientIp(e)),
                         },
@@ -309,7 +312,50 @@ impl<'a> RequestIdentity<'a> {
                 },
             }
         }
-        Ok(Some(key))
+        Ok(Some(key.finish()))
+    }
+}
+
+/// A key being built: nothing yet, one client address (kept as the
+/// address, [`Key::client_ip`]), or text.
+enum Building {
+    Empty,
+    Ip(ClientIp),
+    Text(Key),
+}
+
+impl Building {
+    fn text(&mut self) -> Option<&mut Key> {
+        if let Building::Ip(ip) = *self {
+            *self = Building::Text(Key::client_ip(ip.addr(), ip.prefix()));
+        }
+        match self {
+            Building::Text(key) => Some(key),
+            _ => None,
+        }
+    }
+
+    /// Appends the component `tag` followed by `value`.
+    fn push(&mut self, tag: &str, value: &str) {
+        match self.text() {
+            Some(key) => key.push_tagged(tag, value),
+            None => *self = Building::Text(Key::tagged(tag, value)),
+        }
+    }
+
+    fn push_ip(&mut self, ip: ClientIp) {
+        match self.text() {
+            Some(key) => key.push_tagged("ip=", ip.text()),
+            None => *self = Building::Ip(ip),
+        }
+    }
+
+    fn finish(self) -> Key {
+        match self {
+            Building::Empty => Key::new("*"),
+            Building::Ip(ip) => Key::client_ip(ip.addr(), ip.prefix()),
+            Building::Text(key) => key,
+        }
     }
 }
 
@@ -344,9 +390,9 @@ mod tests {
             let (parts, ()) = req.into_parts();
             let resolver = ClientIpResolver::trusting(["0.0.0.0/0".parse().unwrap()], crate::ForwardedHeader::XForwardedFor).unwrap();
             let key = RequestIdentity::new(&parts, &resolver)
-                .key("acct", &[KeyPart::Account], MissingPrincipal::Reject, None)
+                .key(&[KeyPart::Account], MissingPrincipal::Reject, None)
                 .unwrap();
-            prop_assert_eq!(key, Some(Key::new("acct").with("t=north").with("a=alice")));
+            prop_assert_eq!(key, Some(Key::new("t=north").with("a=alice")));
         }
     }
 
@@ -368,21 +414,20 @@ mod tests {
         let anonymous = request(None);
         let named = request(Some(Principal::new("203.0.113.5", "203.0.113.5")));
         let by_address = RequestIdentity::new(&anonymous, &resolver)
-            .key("rule", &[KeyPart::ClientIp], MissingPrincipal::Reject, None)
+            .key(&[KeyPart::ClientIp], MissingPrincipal::Reject, None)
             .unwrap();
         for parts in [vec![KeyPart::Tenant], vec![KeyPart::Account]] {
             let fallback = RequestIdentity::new(&anonymous, &resolver)
-                .key("rule", &parts, MissingPrincipal::FallbackToClientIp, None)
+                .key(&parts, MissingPrincipal::FallbackToClientIp, None)
                 .unwrap();
             let principal = RequestIdentity::new(&named, &resolver)
-                .key("rule", &parts, MissingPrincipal::FallbackToClientIp, None)
+                .key(&parts, MissingPrincipal::FallbackToClientIp, None)
                 .unwrap();
             assert_eq!(fallback, by_address, "{parts:?}");
             assert_ne!(fallback, principal, "{parts:?}");
         }
         let literal = RequestIdentity::new(&anonymous, &resolver)
             .key(
-                "rule",
                 &[KeyPart::Literal("203.0.113.5".into())],
                 MissingPrincipal::Reject,
                 None,
@@ -417,19 +462,19 @@ mod tests {
         };
         let key = |part: KeyPart| {
             RequestIdentity::new(&parts, &resolver)
-                .key("rule", &[part], MissingPrincipal::Reject, None)
+                .key(&[part], MissingPrincipal::Reject, None)
                 .unwrap()
                 .unwrap()
         };
         let org = key(header("org"));
-        assert_eq!(org, Key::new("rule").with("x.org=north"));
+        assert_eq!(org, Key::new("x.org=north"));
         assert_ne!(org, key(KeyPart::Tenant));
         assert_ne!(org, key(header("tenant")));
         assert_ne!(org, key(KeyPart::Literal("north".into())));
         assert_ne!(org, key(KeyPart::Literal("x.org=north".into())));
         // A value with separators stays one component.
         let odd = KeyPart::unverified("org", |_: &Parts| Some("a:b=c".into())).unwrap();
-        assert_eq!(key(odd).components().len(), 2);
+        assert_eq!(key(odd).components().len(), 1);
         // Names are checked once, when the part is made.
         assert!(KeyPart::unverified("has space", |_: &Parts| None).is_err());
         assert!(KeyPart::from_extension("", |p: &Principal| p.tenant().to_owned()).is_err());

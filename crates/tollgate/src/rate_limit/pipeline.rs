@@ -98,7 +98,7 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
             }
         };
         let policy = rule.policy_for(parts);
-        let key = match who.key(policy.name(), &rule.key, rule.missing_principal, route) {
+        let key = match who.key(&rule.key, rule.missing_principal, route) {
             Ok(Some(key)) => key,
             Ok(None) => continue,
             Err(error) => {
@@ -171,7 +171,7 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
     if refusal.is_none() && !shaped.is_empty() {
         keys = shaped
             .iter()
-            .map(|&(i, s)| (charges[i].key().as_str().into(), s.per_key.get()))
+            .map(|&(i, s)| (line_of(&charges[i]), s.per_key.get()))
             .collect();
         if config.waiters.has_room(&keys, config.max_waiting) {
             for (i, s) in shaped {
@@ -192,6 +192,11 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
         refusal,
         shaped: keys,
     }
+}
+
+/// The line a shaped charge waits in: its policy's name and its key.
+fn line_of(charge: &Charge) -> Box<str> {
+    format!("{}:{}", charge.policy().name(), charge.key()).into()
 }
 
 /// How long a shaped charge may wait: the rule's `max_delay`, and no longer
