@@ -58,22 +58,28 @@ fn sat(n: u128) -> u64 {
 /// if the key has none) at time `now`.
 ///
 /// A `cost` of zero is treated as one; [`crate::Charge`] never carries zero.
+#[inline]
 pub fn decide(policy: &Policy, state: Option<State>, now: Nanos, cost: u64) -> Step {
     let cost = cost.max(1);
     if cost > policy.capacity() {
-        return Step {
-            decision: Decision::NeverFits {
-                cost,
-                capacity: policy.capacity(),
-            },
-            next: None,
-            idle_at: state.map_or(now, |_| idle_at(policy, state, now)),
-        };
+        return never_fits(policy, state, now, cost);
     }
-    match *policy.algorithm() {
+    match policy.algorithm() {
         Algorithm::TokenBucket(b) => token_bucket(b, state, now, cost),
         Algorithm::FixedWindow(w) => fixed_window(w.limit, w.window, state, now, cost),
         Algorithm::SlidingWindow(w) => sliding_window(w.limit, w.window, state, now, cost),
+    }
+}
+
+#[cold]
+fn never_fits(policy: &Policy, state: Option<State>, now: Nanos, cost: u64) -> Step {
+    Step {
+        decision: Decision::NeverFits {
+            cost,
+            capacity: policy.capacity(),
+        },
+        next: None,
+        idle_at: state.map_or(now, |_| idle_at(policy, state, now)),
     }
 }
 
@@ -134,21 +140,6 @@ pub fn describe(policy: &Policy, state: Option<State>, now: Nanos) -> Decision {
     }
 }
 
-/// For the algorithms whose state is one count and one time (token bucket,
-/// fixed window, both with `prior` 0): the time recovered from the count and
-/// the state's [`idle_at`]. A store may then keep (count, idle deadline)
-/// instead of (count, time, idle deadline). `None` for the sliding window.
-///
-/// Exact only when the deadline did not saturate; a store must check that
-/// the recovered time is the one it was given before relying on it.
-pub(crate) fn time_from_idle(algorithm: &Algorithm, level: u64, idle_at: Nanos) -> Option<Nanos> {
-    match *algorithm {
-        Algorithm::TokenBucket(p) => idle_at.checked_sub(p.time_to_full(level.min(p.cap()))),
-        Algorithm::FixedWindow(w) => idle_at.checked_sub(w.window),
-        Algorithm::SlidingWindow(_) => None,
-    }
-}
-
 /// When `state` stops mattering, without charging anything.
 pub fn idle_at(policy: &Policy, state: Option<State>, now: Nanos) -> Nanos {
     match state {
@@ -158,7 +149,7 @@ pub fn idle_at(policy: &Policy, state: Option<State>, now: Nanos) -> Nanos {
 }
 
 /// When `s` becomes indistinguishable from no state under `algorithm`.
-fn idle_since(algorithm: &Algorithm, s: State) -> Nanos {
+pub(crate) fn idle_since(algorithm: &Algorithm, s: State) -> Nanos {
     match *algorithm {
         Algorithm::TokenBucket(p) => {
             let level = s.level.min(p.cap());
@@ -461,8 +452,9 @@ fn same_numbers(a: &Algorithm, b: &Algorithm) -> bool {
 impl TokenBucket {
     /// Capacity in scaled units. [`Policy::token_bucket`] refuses policies
     /// whose scaled capacity does not fit in 64 bits, so every credit does.
+    #[inline]
     fn cap(&self) -> u64 {
-        self.capacity.saturating_mul(self.denominator)
+        self.cap
     }
 
     /// The credit `credit` (held at `at`) refilled up to `now`, and the time
@@ -544,7 +536,8 @@ fn per(units: u64, numerator: u64) -> u64 {
     }
 }
 
-fn token_bucket(p: TokenBucket, state: Option<State>, now: Nanos, cost: u64) -> Step {
+#[inline]
+fn token_bucket(p: &TokenBucket, state: Option<State>, now: Nanos, cost: u64) -> Step {
     let state = p.unless_idle(state, now);
     let (credit, at) = match state {
         Some(s) => (s.level, s.at),

@@ -124,6 +124,9 @@ pub struct TokenBucket {
     pub(crate) denominator: u64,
     pub(crate) initial: Initial,
     pub(crate) rate: Rate,
+    /// `capacity × denominator`: a full bucket in scaled units (checked to
+    /// fit 64 bits when the policy is made).
+    pub(crate) cap: u64,
 }
 
 impl TokenBucket {
@@ -399,6 +402,7 @@ impl Policy {
                 denominator,
                 initial: Initial::Full,
                 rate,
+                cap: capacity * denominator,
             }),
         ))
     }

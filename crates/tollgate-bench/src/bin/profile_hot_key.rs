@@ -5,8 +5,7 @@
 //!
 //! ```text
 //! cargo build --release -p tollgate-bench --bin profile_hot_key
-//! valgrind --tool=callgrind target/release/profile_hot_key
-//! valgrind --tool=callgrind target/release/profile_hot_key governor
+//! valgrind --tool=callgrind target/release/profile_hot_key [tollgate|governor] [hot|spread]
 //! ```
 
 use std::hint::black_box;
@@ -24,14 +23,18 @@ fn ip(i: u32) -> IpAddr {
 }
 
 fn main() {
+    // The second argument picks one part: `hot` (one key) or `spread`
+    // (round robin); both by default.
+    let part = std::env::args().nth(2).unwrap_or_default();
+    let (hot, spread) = (part != "spread", part != "hot");
     if std::env::args().nth(1).as_deref() == Some("governor") {
-        governor_run();
+        governor_run(hot, spread);
     } else {
-        tollgate_run();
+        tollgate_run(hot, spread);
     }
 }
 
-fn tollgate_run() {
+fn tollgate_run(hot: bool, spread: bool) {
     let Ok(policy) = Policy::token_bucket("bench", 1_000_000_000, Rate::per_second(1_000_000_000))
     else {
         return;
@@ -41,15 +44,15 @@ fn tollgate_run() {
         .filter_map(|i| Charge::new(Key::client_ip(ip(i), 32), policy.clone(), 1).ok())
         .map(|c| [c])
         .collect();
-    for _ in 0..DECISIONS {
+    for _ in 0..DECISIONS * usize::from(hot) {
         black_box(store.charge_now(&keys[0]).is_ok());
     }
-    for i in 0..DECISIONS {
+    for i in 0..DECISIONS * usize::from(spread) {
         black_box(store.charge_now(&keys[i % keys.len()]).is_ok());
     }
 }
 
-fn governor_run() {
+fn governor_run(hot: bool, spread: bool) {
     let (Some(rate), Some(burst)) = (
         NonZeroU32::new(1_000_000_000),
         NonZeroU32::new(1_000_000_000),
@@ -57,10 +60,10 @@ fn governor_run() {
         return;
     };
     let gov = RateLimiter::keyed(Quota::per_second(rate).allow_burst(burst));
-    for _ in 0..DECISIONS {
+    for _ in 0..DECISIONS * usize::from(hot) {
         black_box(gov.check_key(&ip(0)).is_ok());
     }
-    for i in 0..DECISIONS {
+    for i in 0..DECISIONS * usize::from(spread) {
         black_box(gov.check_key(&ip(i as u32 % KEYS)).is_ok());
     }
 }

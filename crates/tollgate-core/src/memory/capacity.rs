@@ -4,6 +4,7 @@ use std::sync::atomic::Ordering;
 
 use super::shard::{Id, Shard};
 use super::{Inner, OnKeyCap};
+use crate::algorithm;
 use crate::{Nanos, StoreError, StoreErrorKind};
 
 impl Inner {
@@ -14,7 +15,7 @@ impl Inner {
     }
 
     pub(super) fn sweep_shard(&self, shard: &mut Shard, now: Nanos) {
-        let removed = shard.drop_idle(now, &self.hashes);
+        let removed = shard.drop_idle(now, &self.hashes, |space| self.spaces.numbers(space));
         if removed > 0 {
             self.swept.fetch_add(removed as u64, Ordering::Relaxed);
         }
@@ -69,10 +70,15 @@ impl Inner {
         const SAMPLE: usize = 8;
         for _ in 0..count {
             let Some(victim) = shard
-                .deadlines(&self.hashes)
+                .states(&self.hashes)
                 .filter(|(id, _)| !keep.contains(id))
                 .take(SAMPLE)
-                .min_by_key(|(_, idle_at)| *idle_at)
+                .min_by_key(|(id, state)| {
+                    // Every space with entries was given by the store.
+                    self.spaces
+                        .numbers(id.space)
+                        .map_or(0, |numbers| algorithm::idle_since(&numbers, *state))
+                })
                 .map(|(id, _)| id)
             else {
                 return;

@@ -29,13 +29,13 @@ impl MemoryStore {
     pub fn charge_now(&self, charges: &[Charge]) -> Result<Outcome, StoreError> {
         let inner = &*self.inner;
         let now = inner.clock.now();
-        if let Some(outcome) = Outcome::never_fits(charges) {
-            return Ok(outcome);
-        }
         if let [charge] = charges {
-            if charge.max_delay().is_none() {
+            if charge.max_delay().is_none() && charge.can_fit() {
                 return self.charge_one(charge, now);
             }
+        }
+        if let Some(outcome) = Outcome::never_fits(charges) {
+            return Ok(outcome);
         }
         let ids = charges
             .iter()
@@ -100,11 +100,11 @@ impl MemoryStore {
             |d: &Decided<'_>| d.step.next.is_some() && (admitted || !d.step.decision.is_admitted());
         // A state carried over from a sibling space and not otherwise
         // written is written as converted (it moves to its own space).
-        let conversions: Vec<(Id, u32, Option<State>, &Policy)> = steps
+        let conversions: Vec<(Id, u32, Option<State>)> = steps
             .iter()
             .zip(&before)
             .filter(|(d, _)| !writes(d))
-            .filter_map(|(d, state)| d.from.map(|from| (d.id, from, *state, d.policy)))
+            .filter_map(|(d, state)| d.from.map(|from| (d.id, from, *state)))
             .collect();
         steps.retain(writes);
         if inner.per_shard.is_some() {
@@ -134,14 +134,14 @@ impl MemoryStore {
                 inner.evict(guard, count, &ids);
             }
         }
-        for (id, from, state, policy) in conversions {
+        for (id, from, state) in conversions {
             let shard = &mut guards[guard_of(&id)];
-            inner.convert_in_place(shard, &id, from, state, policy, now);
+            inner.convert_in_place(shard, &id, from, state);
         }
         for d in steps {
             if let Some(state) = d.step.next {
                 let shard = &mut guards[guard_of(&d.id)];
-                inner.write(shard, &d.id, d.policy.algorithm(), state, d.step.idle_at);
+                inner.write(shard, &d.id, state);
             }
         }
         Ok(outcome)
@@ -152,14 +152,16 @@ impl MemoryStore {
         let inner = &*self.inner;
         let id = inner.id(charge)?;
         let (policy, cost) = (charge.policy(), charge.cost());
-        let algorithm = policy.algorithm();
         let mut shard = inner.lock(inner.shard_of(&id));
         inner.maybe_sweep(&mut shard, now);
         // A key tracked in its own space is decided and written in place:
         // one probe.
-        let decide = |state| algorithm::decide(policy, Some(state), now, cost);
-        if let Some(step) = shard.decide_in_place(&id, algorithm, decide) {
-            return Ok(Outcome::one(step.decision));
+        let decide = |state| {
+            let step = algorithm::decide(policy, Some(state), now, cost);
+            (step.decision, step.next)
+        };
+        if let Some(decision) = shard.decide_in_place(&id, decide) {
+            return Ok(Outcome::one(decision));
         }
         let existed = shard.contains(&id);
         let (state, from) = inner.state(&mut shard, &id, policy, now);
@@ -172,16 +174,16 @@ impl MemoryStore {
                     inner.evict(&mut shard, count, &[id]);
                 }
                 if from.is_some() {
-                    inner.write(&mut shard, &id, algorithm, next, step.idle_at);
+                    inner.write(&mut shard, &id, next);
                 } else {
-                    shard.put(&id, algorithm, next, step.idle_at, &inner.hashes);
+                    shard.put(&id, next, &inner.hashes);
                 }
             }
             // Stored under other numbers and refused: converted once, so
             // that the change takes effect for the key now.
             None => {
                 if let Some(from) = from {
-                    inner.convert_in_place(&mut shard, &id, from, state, policy, now);
+                    inner.convert_in_place(&mut shard, &id, from, state);
                 }
             }
         }
@@ -204,13 +206,9 @@ impl MemoryStore {
             };
             let mut shard = inner.lock(inner.shard_of(&id));
             // Its own space: written under these numbers.
-            let unchanged = shard
-                .read(&id)
-                .is_some_and(|s| s.state(policy.algorithm()) == written);
-            if unchanged {
+            if shard.read(&id) == Some(written) {
                 let back = algorithm::give_back(policy, written, now, charge.cost());
-                let idle_at = algorithm::idle_at(policy, Some(back), now);
-                shard.put(&id, policy.algorithm(), back, idle_at, &inner.hashes);
+                shard.put(&id, back, &inner.hashes);
             }
         }
     }
@@ -291,22 +289,13 @@ impl MemoryStore {
 }
 
 impl super::Inner {
-    /// Writes `state`, a state carried over to `policy`'s numbers from
-    /// sibling space `from`, in `id`'s own space: the key is under the new
+    /// Writes `state`, a state carried over to `id`'s numbers from sibling
+    /// space `from`, in `id`'s own space: the key is under the new
     /// numbers from now on. Nothing is spent; an idle state is dropped.
-    fn convert_in_place(
-        &self,
-        shard: &mut Shard,
-        id: &Id,
-        from: u32,
-        state: Option<State>,
-        policy: &Policy,
-        now: Nanos,
-    ) {
+    fn convert_in_place(&self, shard: &mut Shard, id: &Id, from: u32, state: Option<State>) {
         shard.remove(&Id { space: from, ..*id });
         if let Some(s) = state {
-            let idle_at = algorithm::idle_at(policy, Some(s), now);
-            self.write(shard, id, policy.algorithm(), s, idle_at);
+            self.write(shard, id, s);
         }
     }
 }
@@ -412,10 +401,10 @@ mod tests {
         assert_eq!(store.stats().keys, 0);
     }
 
-    /// A token bucket whose idle deadline saturates cannot be kept compact:
-    /// it moves to the wide map and stays exact, and back when it can.
+    /// A token bucket whose idle deadline would pass 2^64 ns stays exact
+    /// (slots keep the state's time, not its deadline).
     #[test]
-    fn saturated_deadlines_stay_exact_in_the_wide_map() {
+    fn deadlines_past_the_horizon_stay_exact() {
         let clock = ManualClock::new(2_000_000_000_000_000_000);
         let store = MemoryStore::builder().clock(clock.clone()).build();
         let p = Policy::token_bucket("huge", 1_800_000_000, Rate::new(1, Duration::from_secs(10)))
@@ -424,7 +413,7 @@ mod tests {
         assert!(spent.is_admitted());
         let inner = &*store.inner;
         let id = inner.id(&charge("k", &p, 1)).unwrap();
-        assert_eq!(inner.lock(inner.shard_of(&id)).counts(), (0, 1));
+        assert_eq!(inner.lock(inner.shard_of(&id)).counts(), (1, 0));
         let rest = store.charge_now(&[charge("k", &p, 100_000_000)]).unwrap();
         assert_eq!(rest.limits()[0].remaining(), 0);
         assert!(rest.is_admitted());
@@ -452,8 +441,9 @@ mod tests {
         assert_eq!(store.stats().keys, 1);
     }
 
-    /// Token buckets and fixed windows are kept in 32-byte slots, sliding
-    /// windows in 48-byte ones; one store holds both, each key once.
+    /// States of one count and one time are kept in compact slots, a
+    /// sliding window that counts its previous window in a wide one; one
+    /// store holds both, each key once.
     #[test]
     fn compact_and_wide_entries_live_side_by_side() {
         let clock = ManualClock::new(0);
@@ -480,12 +470,22 @@ mod tests {
                     .is_admitted()
             );
         }
-        {
-            let shard = store.inner.lock(0);
-            assert_eq!(shard.counts(), (2, 1));
-        }
-        assert_eq!(store.stats().keys, 3);
-        clock.advance(Duration::from_secs(3));
+        // All three are one count and one time so far.
+        assert_eq!(store.inner.lock(0).counts(), (3, 0));
+        // Half a window into the next window, the sliding window counts
+        // its previous window too: its state moves to a wide slot; the
+        // bucket stays compact (the fixed window is over, swept by this
+        // access).
+        clock.advance(Duration::from_millis(1500));
+        assert!(
+            store
+                .charge_now(&[charge("k", &sliding, 1)])
+                .unwrap()
+                .is_admitted()
+        );
+        assert_eq!(store.inner.lock(0).counts(), (1, 1));
+        assert_eq!(store.stats().keys, 2);
+        clock.advance(Duration::from_secs(2));
         store.sweep();
         assert_eq!(store.stats().keys, 0);
     }
@@ -583,7 +583,10 @@ mod shaping_tests {
             }
         );
         // Allowed to wait 5 s, it is held 4 s.
-        assert_eq!(store.charge_now(&call(5)).unwrap().delay(), Duration::from_secs(4));
+        assert_eq!(
+            store.charge_now(&call(5)).unwrap().delay(),
+            Duration::from_secs(4)
+        );
     }
 
     /// A bucket of 1 refilling 2 per second, shaped up to 2 s: a burst of

@@ -284,7 +284,7 @@ impl Inner {
     ) -> (Option<State>, Option<u32>) {
         let algorithm = policy.algorithm();
         if let Some(stored) = shard.read(id) {
-            return (Some(stored.state(algorithm)), None);
+            return (Some(stored), None);
         }
         self.load_siblings(shard, id.space);
         let mut i = 0;
@@ -294,14 +294,13 @@ impl Inner {
                 space: sibling,
                 ..*id
             };
-            let Some(stored) = shard.read(&other) else {
+            let Some(state) = shard.read(&other) else {
                 continue;
             };
             // Every space in a shard was given by this store.
             let Some(from) = self.spaces.numbers(sibling) else {
                 continue;
             };
-            let state = stored.state(&from);
             return (
                 algorithm::carry_over(&from, state, algorithm, now),
                 Some(sibling),
@@ -322,15 +321,8 @@ impl Inner {
     /// spaces hold for the key: a budget lives in one space at a time (the
     /// last one written), so no stale copy is read later under other
     /// numbers.
-    pub(super) fn write(
-        &self,
-        shard: &mut Shard,
-        id: &Id,
-        algorithm: &crate::Algorithm,
-        state: State,
-        idle_at: Nanos,
-    ) {
-        shard.put(id, algorithm, state, idle_at, &self.hashes);
+    pub(super) fn write(&self, shard: &mut Shard, id: &Id, state: State) {
+        shard.put(id, state, &self.hashes);
         self.load_siblings(shard, id.space);
         let mut i = 0;
         while let Some(sibling) = shard.sibling(id.space, i) {

@@ -1,14 +1,17 @@
 //! The storage layout: per shard, per space (a policy's name, unit and
 //! numbers, [`super::spaces`]), one table per kind of key, each with
-//! compact slots for states that are one count and one time and wide
-//! slots for the rest.
+//! compact slots for states that are one count and one time (token
+//! buckets, fixed windows, a sliding window with nothing in its previous
+//! window) and wide slots for the rest.
 //!
 //! Slot keys are exact where they can be: an IPv4 client address is its 32
 //! bits and an IPv6 one its 128 bits, so two addresses never share a
 //! budget; any other key is the keyed 128-bit digest of its text. A key's
 //! bits are kept as 32-bit words so that a slot is aligned to 4 bytes: an
 //! IPv4 token bucket's slot is 20 bytes (4 of address, 8 of count, 8 of
-//! idle deadline), a 128-bit key's 32.
+//! time), a 128-bit key's 32. A slot holds no deadline: when a state goes
+//! idle follows from it and its space's numbers, and is computed only when
+//! a shard is swept or a key must be evicted.
 //!
 //! The space is the table, not part of the slot: a key has one slot per
 //! space it was charged under, and a reader whose numbers differ finds the
@@ -18,7 +21,7 @@
 use hashbrown::HashTable;
 
 use crate::algorithm::{self, State};
-use crate::{Algorithm, Nanos};
+use crate::{Algorithm, Decision, Nanos};
 
 /// A slot's key: 32-bit words (one for IPv4, four otherwise).
 pub(super) trait Words: Copy + Eq {}
@@ -67,64 +70,51 @@ impl KeyBits {
     }
 }
 
-/// A compact slot: a token bucket's credit or a fixed window's count, and
-/// the state's idle deadline, from which (with the numbers) its time
-/// follows exactly ([`algorithm::time_from_idle`]).
+/// A compact slot: a state whose `prior` is 0 (a count or credit, and
+/// its time).
 #[derive(Clone, Copy)]
 pub(super) struct Compact<W> {
     key: W,
     level: [u32; 2],
-    idle_at: [u32; 2],
+    at: [u32; 2],
 }
 
-/// A wide slot: the whole state and its idle deadline.
+/// A wide slot: the whole state.
 #[derive(Clone, Copy)]
 pub(super) struct Wide<W> {
     key: W,
     state: [u32; 6],
-    idle_at: [u32; 2],
 }
 
 impl<W> Compact<W> {
-    fn idle_at(&self) -> Nanos {
-        join(self.idle_at)
-    }
-
-    fn state(&self, algorithm: &Algorithm) -> State {
-        let (level, idle_at) = (join(self.level), self.idle_at());
+    #[inline]
+    fn state(&self) -> State {
         State {
-            level,
+            level: join(self.level),
             prior: 0,
-            // `pack` checked that the time is recoverable. Were it not, the
-            // deadline is the conservative reading: nothing refills before it.
-            at: algorithm::time_from_idle(algorithm, level, idle_at).unwrap_or(idle_at),
+            at: join(self.at),
         }
     }
 
-    /// The compact form of `state`, if it gives `state` back exactly.
-    fn pack(key: W, algorithm: &Algorithm, state: State, idle_at: Nanos) -> Option<Self> {
-        let at = algorithm::time_from_idle(algorithm, state.level, idle_at);
-        (state.prior == 0 && at == Some(state.at)).then_some(Self {
+    /// The compact form of `state`, if it has one (`prior` is 0).
+    #[inline]
+    fn pack(key: W, state: State) -> Option<Self> {
+        (state.prior == 0).then_some(Self {
             key,
             level: split(state.level),
-            idle_at: split(idle_at),
+            at: split(state.at),
         })
     }
 }
 
 impl<W> Wide<W> {
-    fn idle_at(&self) -> Nanos {
-        join(self.idle_at)
-    }
-
-    fn new(key: W, state: State, idle_at: Nanos) -> Self {
+    fn new(key: W, state: State) -> Self {
         let [a, b] = split(state.level);
         let [c, d] = split(state.prior);
         let [e, f] = split(state.at);
         Self {
             key,
             state: [a, b, c, d, e, f],
-            idle_at: split(idle_at),
         }
     }
 
@@ -134,28 +124,6 @@ impl<W> Wide<W> {
             level: join([s[0], s[1]]),
             prior: join([s[2], s[3]]),
             at: join([s[4], s[5]]),
-        }
-    }
-}
-
-/// A state as stored, compact (decoded with the numbers it was written
-/// under) or whole.
-#[derive(Clone, Copy)]
-pub(super) enum Stored {
-    Compact { level: u64, idle_at: Nanos },
-    Wide(State),
-}
-
-impl Stored {
-    /// The state, decoded with `algorithm`, the numbers that wrote it.
-    pub(super) fn state(self, algorithm: &Algorithm) -> State {
-        match self {
-            Stored::Wide(state) => state,
-            Stored::Compact { level, idle_at } => State {
-                level,
-                prior: 0,
-                at: algorithm::time_from_idle(algorithm, level, idle_at).unwrap_or(idle_at),
-            },
         }
     }
 }
@@ -180,31 +148,18 @@ impl<W: Words> Table<W> {
         self.compact.len() + self.wide.len()
     }
 
-    fn read(&self, key: W, hash: u64) -> Option<Stored> {
+    fn read(&self, key: W, hash: u64) -> Option<State> {
         if let Some(c) = self.compact.find(hash, |c| c.key == key) {
-            return Some(Stored::Compact {
-                level: join(c.level),
-                idle_at: c.idle_at(),
-            });
+            return Some(c.state());
         }
         if self.wide.is_empty() {
             return None;
         }
-        self.wide
-            .find(hash, |w| w.key == key)
-            .map(|w| Stored::Wide(w.state()))
+        self.wide.find(hash, |w| w.key == key).map(Wide::state)
     }
 
-    fn put(
-        &mut self,
-        key: W,
-        hash: u64,
-        algorithm: &Algorithm,
-        state: State,
-        idle_at: Nanos,
-        rehash: impl Fn(&W) -> u64,
-    ) {
-        match Compact::pack(key, algorithm, state, idle_at) {
+    fn put(&mut self, key: W, hash: u64, state: State, rehash: impl Fn(&W) -> u64) {
+        match Compact::pack(key, state) {
             Some(c) => {
                 match self.compact.find_mut(hash, |s| s.key == key) {
                     Some(slot) => *slot = c,
@@ -217,7 +172,7 @@ impl<W: Words> Table<W> {
                 }
             }
             None => {
-                let w = Wide::new(key, state, idle_at);
+                let w = Wide::new(key, state);
                 match self.wide.find_mut(hash, |s| s.key == key) {
                     Some(slot) => *slot = w,
                     None => {
@@ -255,9 +210,15 @@ impl<W: Words> Table<W> {
         }
     }
 
-    fn drop_idle(&mut self, now: Nanos, rehash: impl Fn(&W) -> u64) {
-        self.compact.retain(|c| c.idle_at() > now);
-        self.wide.retain(|w| w.idle_at() > now);
+    /// Drops every entry whose state is idle at `now` (by `idle_at`).
+    fn drop_idle(
+        &mut self,
+        now: Nanos,
+        idle_at: &impl Fn(State) -> Nanos,
+        rehash: impl Fn(&W) -> u64,
+    ) {
+        self.compact.retain(|c| idle_at(c.state()) > now);
+        self.wide.retain(|w| idle_at(w.state()) > now);
         if self.compact.capacity() > 64 && self.compact.capacity() > 4 * self.compact.len() {
             self.compact.shrink_to_fit(|s| rehash(&s.key));
         }
@@ -266,9 +227,9 @@ impl<W: Words> Table<W> {
         }
     }
 
-    fn deadlines(&self) -> impl Iterator<Item = (W, Nanos)> + '_ {
-        let compact = self.compact.iter().map(|c| (c.key, c.idle_at()));
-        let wide = self.wide.iter().map(|w| (w.key, w.idle_at()));
+    fn states(&self) -> impl Iterator<Item = (W, State)> + '_ {
+        let compact = self.compact.iter().map(|c| (c.key, c.state()));
+        let wide = self.wide.iter().map(|w| (w.key, w.state()));
         compact.chain(wide)
     }
 }
@@ -374,7 +335,7 @@ impl Shard {
     }
 
     /// What is stored for `id` in its own space.
-    pub(super) fn read(&self, id: &Id) -> Option<Stored> {
+    pub(super) fn read(&self, id: &Id) -> Option<State> {
         let t = self.tables(id.space)?;
         match id.key {
             KeyBits::V4(k) => t.v4.read(k, id.hash),
@@ -384,39 +345,30 @@ impl Shard {
     }
 
     /// Decides `id`'s compact slot in place with `decide` when the slot is
-    /// there and the new state packs: one probe. `None` when the caller
-    /// must take the general path (no compact slot, or the new state must
-    /// move to the wide table): nothing was changed then.
+    /// there and the new state is compact too: one probe. `None` when the
+    /// caller must take the general path (no compact slot, or the new state
+    /// must move to the wide table): nothing was changed then.
     #[inline]
     pub(super) fn decide_in_place(
         &mut self,
         id: &Id,
-        algorithm: &Algorithm,
-        decide: impl FnOnce(State) -> algorithm::Step,
-    ) -> Option<algorithm::Step> {
+        decide: impl FnOnce(State) -> (Decision, Option<State>),
+    ) -> Option<Decision> {
         let t = self.spaces.get_mut(id.space as usize)?;
         match id.key {
-            KeyBits::V4(k) => in_place(&mut t.v4, k, id.hash, algorithm, decide),
-            KeyBits::V6(k) => in_place(&mut t.v6, k, id.hash, algorithm, decide),
-            KeyBits::Text(k) => in_place(&mut t.text, k, id.hash, algorithm, decide),
+            KeyBits::V4(k) => in_place(&mut t.v4, k, id.hash, decide),
+            KeyBits::V6(k) => in_place(&mut t.v6, k, id.hash, decide),
+            KeyBits::Text(k) => in_place(&mut t.text, k, id.hash, decide),
         }
     }
 
-    /// Writes `state` for `id` under its space's numbers (`algorithm`),
-    /// compactly when it packs exactly; a key is only ever in one of its
-    /// space's two tables, once.
-    pub(super) fn put<H: Rehash>(
-        &mut self,
-        id: &Id,
-        algorithm: &Algorithm,
-        state: State,
-        idle_at: Nanos,
-        hashes: &H,
-    ) {
+    /// Writes `state` for `id` in its own space, compactly when it can; a
+    /// key is only ever in one of its space's two tables, once.
+    pub(super) fn put<H: Rehash>(&mut self, id: &Id, state: State, hashes: &H) {
         let tables = self.tables_mut(id.space);
         let before = tables.len();
         on_table!(tables, id, hashes, |t, k, rehash| t
-            .put(k, id.hash, algorithm, state, idle_at, rehash));
+            .put(k, id.hash, state, rehash));
         let after = tables.len();
         self.len = self.len + after - before;
     }
@@ -435,28 +387,40 @@ impl Shard {
         removed
     }
 
-    /// Drops every entry idle at `now`; how many.
-    pub(super) fn drop_idle<H: Rehash>(&mut self, now: Nanos, hashes: &H) -> usize {
+    /// Drops every entry idle at `now` under its space's numbers
+    /// (`numbers`); how many.
+    pub(super) fn drop_idle<H: Rehash>(
+        &mut self,
+        now: Nanos,
+        hashes: &H,
+        numbers: impl Fn(u32) -> Option<Algorithm>,
+    ) -> usize {
         let before = self.len;
         let mut len = 0;
-        for t in &mut self.spaces {
-            t.v4.drop_idle(now, |k| hashes.v4(k));
-            t.v6.drop_idle(now, |k| hashes.v6(k));
-            t.text.drop_idle(now, <H as Rehash>::text);
+        for (space, t) in self.spaces.iter_mut().enumerate() {
+            if t.len() > 0 {
+                // Every space with entries was given by the store.
+                if let Some(numbers) = numbers(space as u32) {
+                    let idle_at = |s: State| algorithm::idle_since(&numbers, s);
+                    t.v4.drop_idle(now, &idle_at, |k| hashes.v4(k));
+                    t.v6.drop_idle(now, &idle_at, |k| hashes.v6(k));
+                    t.text.drop_idle(now, &idle_at, <H as Rehash>::text);
+                }
+            }
             len += t.len();
         }
         self.len = len;
         before - len
     }
 
-    /// Every entry's key (in its own space) and idle deadline.
-    pub(super) fn deadlines<'a, H: Rehash>(
+    /// Every entry's key (in its own space) and state.
+    pub(super) fn states<'a, H: Rehash>(
         &'a self,
         hashes: &'a H,
-    ) -> impl Iterator<Item = (Id, Nanos)> + 'a {
+    ) -> impl Iterator<Item = (Id, State)> + 'a {
         self.spaces.iter().enumerate().flat_map(move |(space, t)| {
             let space = space as u32;
-            let v4 = t.v4.deadlines().map(move |(k, at)| {
+            let v4 = t.v4.states().map(move |(k, at)| {
                 let hash = hashes.v4(&k);
                 (
                     Id {
@@ -467,7 +431,7 @@ impl Shard {
                     at,
                 )
             });
-            let v6 = t.v6.deadlines().map(move |(k, at)| {
+            let v6 = t.v6.states().map(move |(k, at)| {
                 let hash = hashes.v6(&k);
                 (
                     Id {
@@ -478,7 +442,7 @@ impl Shard {
                     at,
                 )
             });
-            let text = t.text.deadlines().map(move |(k, at)| {
+            let text = t.text.states().map(move |(k, at)| {
                 (
                     Id {
                         space,
@@ -505,17 +469,17 @@ impl Shard {
     }
 }
 
+#[inline]
 fn in_place<W: Words>(
     table: &mut Table<W>,
     key: W,
     hash: u64,
-    algorithm: &Algorithm,
-    decide: impl FnOnce(State) -> algorithm::Step,
-) -> Option<algorithm::Step> {
+    decide: impl FnOnce(State) -> (Decision, Option<State>),
+) -> Option<Decision> {
     let slot = table.compact.find_mut(hash, |c| c.key == key)?;
-    let step = decide(slot.state(algorithm));
-    if let Some(next) = step.next {
-        *slot = Compact::pack(key, algorithm, next, step.idle_at)?;
+    let (decision, next) = decide(slot.state());
+    if let Some(next) = next {
+        *slot = Compact::pack(key, next)?;
     }
-    Some(step)
+    Some(decision)
 }
