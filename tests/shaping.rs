@@ -21,7 +21,16 @@ const ALICE: (&str, &str) = ("Authorization", "Bearer alice-key-1");
 /// released about 0.5 s apart (0, 0.5, 1, 1.5, 2 s), and three 429 at once
 /// with `Retry-After`. Releases are never early, so the lower bounds are
 /// exact; the upper bounds only allow for a busy machine.
-async fn eight_at_once(addr: std::net::SocketAddr, first_octet: u8) {
+///
+/// Through a store with a round trip (Redis) a request holds its place in
+/// line while it is decided, so a request admitted at once may have taken
+/// one of the four places: four or five are admitted then, and a request
+/// refused unshaped early in the burst waits less (`Retry-After` 1).
+async fn eight_at_once(
+    addr: std::net::SocketAddr,
+    first_octet: u8,
+    admitted_range: (usize, usize),
+) {
     let started = Instant::now();
     let tasks: Vec<_> = (0..8u8)
         .map(|i| {
@@ -34,21 +43,26 @@ async fn eight_at_once(addr: std::net::SocketAddr, first_octet: u8) {
         .collect();
     let mut admitted = Vec::new();
     let mut refused = Vec::new();
+    let shortest_wait = if admitted_range.0 == admitted_range.1 {
+        2
+    } else {
+        1
+    };
     for t in tasks {
         let (r, after) = t.await.unwrap();
         match r.status {
             StatusCode::OK => admitted.push(after),
             StatusCode::TOO_MANY_REQUESTS => {
                 let wait: u64 = r.header("retry-after").unwrap().parse().unwrap();
-                assert!((2..=3).contains(&wait), "Retry-After {wait}");
+                assert!((shortest_wait..=3).contains(&wait), "Retry-After {wait}");
                 refused.push(after);
             }
             other => panic!("unexpected {other}"),
         }
     }
-    assert_eq!(
-        (admitted.len(), refused.len()),
-        (5, 3),
+    assert!(
+        (admitted_range.0..=admitted_range.1).contains(&admitted.len())
+            && admitted.len() + refused.len() == 8,
         "{admitted:?} {refused:?}"
     );
     admitted.sort();
@@ -75,7 +89,7 @@ async fn eight_at_once(addr: std::net::SocketAddr, first_octet: u8) {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_burst_is_released_at_the_sustained_rate_in_memory() {
     let q = quickstart(&[]);
-    eight_at_once(q.addr, 70).await;
+    eight_at_once(q.addr, 70, (5, 5)).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -84,7 +98,7 @@ async fn a_burst_is_released_at_the_sustained_rate_in_redis() {
         return;
     };
     let q = quickstart(&["--store", &server.url()]);
-    eight_at_once(q.addr, 71).await;
+    eight_at_once(q.addr, 71, (4, 5)).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -232,35 +232,6 @@ pub fn charge_at(policy: &Policy, state: Option<State>, now: Nanos, at: Nanos, c
     }
 }
 
-/// Shaping, for token buckets: the state after giving `cost` back to the
-/// state a reservation wrote (`written`), for a request dropped before its
-/// release. Never more credit than before the reservation: a debt is
-/// repaid by `cost`'s worth of refill time, credit is returned up to the
-/// capacity.
-pub fn give_back(policy: &Policy, written: State, now: Nanos, cost: u64) -> State {
-    let Algorithm::TokenBucket(p) = *policy.algorithm() else {
-        return written;
-    };
-    let need = cost.saturating_mul(p.denominator);
-    if written.level == 0 && written.at > now {
-        // Empty until `at`: `cost` repays refill time up to now.
-        let back = (need / p.numerator).min(written.at - now);
-        // Requests reserved before it are still held until then.
-        State {
-            level: need - back * p.numerator,
-            prior: written.prior,
-            at: written.at - back,
-        }
-    } else {
-        let (credit, t) = p.refilled(written.level, written.at, now);
-        State {
-            level: credit.saturating_add(need).min(p.cap()),
-            prior: 0,
-            at: t,
-        }
-    }
-}
-
 /// A token bucket's `prior` when the state was written by a reservation
 /// ([`charge_at`]) whose bucket is empty until `at`: requests are held
 /// until then.

@@ -186,23 +186,36 @@ pub struct Outcome {
 
 /// What a store reserved for a delayed [`Outcome`], so that it can give the
 /// reservation back if the request is dropped before its release
-/// ([`Store::cancel`](crate::Store::cancel)): per shaped charge, its index
-/// and the state the reservation wrote, in the store's own time. A store
-/// gives a reservation back only while that state is still what is stored
-/// (nothing was reserved or written after it).
+/// ([`Store::cancel`](crate::Store::cancel)): per shaped charge, the state
+/// the reservation wrote and the state it replaced, in the store's own
+/// time. A store gives a reservation back only while the written state is
+/// still what is stored (nothing was reserved or written after it), and
+/// then puts back the state it replaced: the budget is exactly as if the
+/// request had never come.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Reservation {
-    entries: Vec<(usize, crate::algorithm::State)>,
+    entries: Vec<Reserved>,
+}
+
+/// One shaped charge's part of a [`Reservation`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Reserved {
+    /// The charge's index in its call.
+    pub index: usize,
+    /// The state the reservation wrote.
+    pub written: crate::algorithm::State,
+    /// The state it replaced (`None`: the key had none).
+    pub before: Option<crate::algorithm::State>,
 }
 
 impl Reservation {
-    /// The state written for each shaped charge, by charge index.
-    pub fn new(entries: Vec<(usize, crate::algorithm::State)>) -> Self {
+    /// What was reserved, per shaped charge.
+    pub fn new(entries: Vec<Reserved>) -> Self {
         Self { entries }
     }
 
-    /// The state written for each shaped charge, by charge index.
-    pub fn entries(&self) -> &[(usize, crate::algorithm::State)] {
+    /// What was reserved, per shaped charge, in charge order.
+    pub fn entries(&self) -> &[Reserved] {
         &self.entries
     }
 }

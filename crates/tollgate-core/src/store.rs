@@ -90,9 +90,10 @@ pub trait Store: Send + Sync + 'static {
     /// `charges`) reserved, for a request dropped before its release, where
     /// that is safe: for each shaped charge whose stored state is still the
     /// one the reservation wrote (nothing was reserved or written after
-    /// it), that charge's cost is returned; otherwise it stays spent, so
-    /// that the requests reserved behind it keep their release times and
-    /// no interval ever releases more than the budget. Other charges of the
+    /// it), the state the reservation replaced is put back, exactly as if
+    /// the request had never come; otherwise it stays spent, so that the
+    /// requests reserved behind it keep their release times and no
+    /// interval ever releases more than the budget. Other charges of the
     /// request stay charged. The default gives nothing back.
     fn cancel<'a>(
         &'a self,

@@ -40,8 +40,10 @@
 -- stood before this charge, for a call that is refused as a whole (nothing
 -- was spent, and every store describes its limits as they stand). A shaped
 -- charge of a delayed call answers {2, remaining, reset ns, the call's delay
--- ns, the written state's era, offset, level and prior}. Cancel answers
--- {1 if given back, else 0; then zeros} per charge.
+-- ns, the written state's era, offset, level and prior}, and after every
+-- charge's eight come five per shaped charge: the state the reservation
+-- replaced (1, level, prior, era, offset; or 0 and zeros when there was
+-- none). Cancel answers {1 if given back, else 0; then zeros} per charge.
 
 local ERA_SEC = 4000000
 local ERA_NS = 4000000000000000
@@ -342,35 +344,34 @@ for i = 1, n do
   end
 end
 
--- Cancel: give back a delayed call's reservations (tollgate_core's
--- give_back), each only while its key still holds the state it wrote.
--- Per charge: algorithm, p1..p3, the written level (in p4's place), need,
--- and the written state's (era, offset).
+-- Cancel: give back a delayed call's reservations, each only while its
+-- key still holds the state the reservation wrote: the state it replaced
+-- is put back (deleted when there was none), exactly as if the request
+-- had never come. Per charge, ARGV[5 + i]: algorithm, p1..p3, the written
+-- state's level and prior (in p4's and need's places) and (era, offset);
+-- ARGV[5 + n + i]: 1 and the replaced state's level, prior, era and offset,
+-- or 0 when the key had none, then zeros.
 if mode == "cancel" then
   for i = 1, n do
+    local a = ARGV[5 + n + i]
+    if a == nil or not ((#a == 64 and string.byte(a, 1) == 0) or string.match(a, TEXT)) then
+      return redis.error_reply("tollgate: cancel " .. i .. " has no replaced state")
+    end
+  end
+  for i = 1, n do
     local key = KEYS[i]
-    local algo, p1, p2, p3, wl, need, we_, wo_ = charge_args(ARGV[5 + i])
+    local algo, p1, p2, p3, wl, wp, we_, wo_ = charge_args(ARGV[5 + i])
+    local had, bl, bp, be, bo = charge_args(ARGV[5 + n + i])
     local level, prior, se, so, oa, o1, o2, o3, o4 = load(key)
     local back = 0
     if level ~= nil and algo == 1 and oa == 1 and o1 == p1 and o2 == p2 and o3 == p3
-        and level == wl and se == we_ and so == wo_ then
-      local cap, num = p1, p2
-      local ae, ao, credit
-      local held = 0
-      if level == 0 and before(NE, NO, se, so) then
-        -- Empty until then: the cost repays refill time up to now; the
-        -- requests reserved before it are still held (prior kept).
-        local owed = math.min(idiv(need, num), diff(se, so, NE, NO))
-        credit, ae, ao = need - owed * num, sub(se, so, owed)
-        held = prior
+        and level == wl and prior == wp and se == we_ and so == wo_ then
+      if had == 1 then
+        redis.call("SET", key, state(bl, bp, be, bo, oa, o1, o2, o3, o4), "PX",
+                   ttl(add(be, bo, cdiv(p1 - math.min(bl, p1), p2))))
       else
-        local te, to = NE, NO
-        if before(NE, NO, se, so) then te, to = se, so end
-        credit = math.min(cap, refill(level, cap, num, diff(te, to, se, so)) + need)
-        ae, ao = te, to
+        redis.call("DEL", key)
       end
-      redis.call("SET", key, state(credit, held, ae, ao, oa, o1, o2, o3, o4), "PX",
-                 ttl(add(ae, ao, cdiv(cap - credit, num))))
       back = 1
     end
     for j = 1, 8 do replies[(i - 1) * 8 + j] = 0 end
@@ -395,6 +396,9 @@ for i = 1, n do
       converted[#converted + 1] = {key, #writes, level, prior, se, so, algo, p1, p2, p3, p4}
     end
   end
+  -- The state this charge finds (under its numbers): what a reservation
+  -- puts back when its request is dropped.
+  local found = {level, prior, se, so}
   local ok, remaining, reset, retry, we, wo = 0, 0, 0, 0, 0, 0
   local br, bt = 0, 0
   local write, idle_e, idle_o = nil, nil, nil
@@ -425,7 +429,7 @@ for i = 1, n do
     -- What shaping needs: the credit at (te, to), and how long it may wait.
     if re > 0 and mode == "charge" and num <= den then
       buckets[i] = {credit = credit, te = te, to = to, cap = cap, num = num, den = den,
-                    need = need, wait = re, numbers = {algo, p1, p2, p3, p4}}
+                    need = need, wait = re, numbers = {algo, p1, p2, p3, p4}, found = found}
     end
     if mode == "refund" then
       credit = math.min(cap, credit + need)
@@ -625,6 +629,22 @@ if mode == "charge" and not all and not repeated and next(buckets) ~= nil then
       replies[r + 3], replies[r + 4] = lead + cdiv(b.cap - level, b.num), delay
       replies[r + 5], replies[r + 6], replies[r + 7] = ae, ao, level
       replies[r + 8] = held
+    end
+    -- After every charge's eight: per shaped bucket, in charge order, the
+    -- state it replaced (1, level, prior, era, offset; or five zeros).
+    local nr = n * 8
+    for i = 1, n do
+      local b = buckets[i]
+      if b ~= nil then
+        local f = b.found
+        if f[1] ~= nil then
+          replies[nr + 1], replies[nr + 2], replies[nr + 3] = 1, f[1], f[2]
+          replies[nr + 4], replies[nr + 5] = f[3], f[4]
+        else
+          for j = 1, 5 do replies[nr + j] = 0 end
+        end
+        nr = nr + 5
+      end
     end
     all = true
   end

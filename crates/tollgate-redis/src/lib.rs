@@ -91,7 +91,8 @@ use redis::cluster_async::ClusterConnection;
 use tokio::sync::OnceCell;
 use tollgate_core::algorithm::State;
 use tollgate_core::{
-    Charge, Decision, Nanos, Outcome, Policy, Reservation, Store, StoreError, StoreErrorKind,
+    Charge, Decision, Nanos, Outcome, Policy, Reservation, Reserved, Store, StoreError,
+    StoreErrorKind,
 };
 
 pub use cache::CacheStats;
@@ -615,7 +616,13 @@ impl RedisStore {
         let reply: Vec<i64> = self
             .run(&invocation, || prepared.eval(now, mode), deadline)
             .await?;
-        if reply.len() == script::REPLY * prepared.len() {
+        let own = script::REPLY * prepared.len();
+        // A delayed call adds the states its reservations replaced.
+        let extra = reply.len().saturating_sub(own);
+        if reply.len() >= own
+            && extra % script::REPLACED == 0
+            && extra / script::REPLACED <= prepared.len()
+        {
             Ok(reply)
         } else {
             Err(StoreError::new(
@@ -814,7 +821,18 @@ impl RedisStore {
                     })
                     .collect();
                 if let Some(&(_, (delay, _))) = reserved.first() {
-                    let entries = reserved.into_iter().map(|(i, (_, s))| (i, s)).collect();
+                    // The replaced states follow every charge's values, in
+                    // the same order.
+                    let tail = reply[group.len() * script::REPLY..].chunks(script::REPLACED);
+                    let entries = reserved
+                        .into_iter()
+                        .zip(tail.map(script::replaced).chain(std::iter::repeat(None)))
+                        .map(|((index, (_, written)), before)| Reserved {
+                            index,
+                            written,
+                            before,
+                        })
+                        .collect();
                     return Ok(Outcome::delayed(
                         decisions,
                         delay,
@@ -1113,14 +1131,14 @@ impl RedisStore {
         let keys: Vec<String> = reservation
             .entries()
             .iter()
-            .filter_map(|&(i, _)| charges.get(i).map(|c| self.redis_key(c)))
+            .filter_map(|r| charges.get(r.index).map(|c| self.redis_key(c)))
             .collect();
         let items = reservation
             .entries()
             .iter()
-            .filter_map(|&(i, s)| charges.get(i).map(|c| (c, s)))
+            .filter_map(|r| charges.get(r.index).map(|c| (c, *r)))
             .zip(&keys)
-            .map(|((c, s), k)| (k, c, s));
+            .map(|((c, r), k)| (k, c, r));
         let prepared = Prepared::cancel(items)?;
         if prepared.len() == 0 {
             return Ok(());

@@ -134,6 +134,8 @@ pub(crate) struct Prepared {
     params: Vec<[u128; 6]>,
     /// Per charge, the window (era, offset) a refund gives back to.
     windows: Vec<(i64, i64)>,
+    /// Arguments after the charges' own (a cancel's replaced states).
+    tail: Vec<[u8; 64]>,
 }
 
 /// One charge's script argument: its six parameters and the refund window
@@ -159,6 +161,7 @@ impl Prepared {
             keys: Vec::new(),
             params: Vec::new(),
             windows: Vec::new(),
+            tail: Vec::new(),
         };
         for (key, charge) in items {
             p.keys.push(key.clone());
@@ -186,25 +189,41 @@ impl Prepared {
     }
 
     /// A cancel call for the reservation's shaped charges: each written
-    /// state's level rides in the fifth number, its time in the window.
+    /// state's level and prior ride in the fifth and sixth numbers, its time
+    /// in the window; the state it replaced follows all the charges.
     pub(crate) fn cancel<'a>(
-        items: impl Iterator<Item = (&'a String, &'a Charge, tollgate_core::algorithm::State)>,
+        items: impl Iterator<Item = (&'a String, &'a Charge, tollgate_core::Reserved)>,
     ) -> Result<Self, StoreError> {
         let mut p = Prepared {
             keys: Vec::new(),
             params: Vec::new(),
             windows: Vec::new(),
+            tail: Vec::new(),
         };
-        for (key, charge, written) in items {
+        for (key, charge, reserved) in items {
             let mut params = params(charge.policy(), charge.cost())?;
-            params[4] = u128::from(written.level);
+            params[4] = u128::from(reserved.written.level);
+            params[5] = u128::from(reserved.written.prior);
             p.keys.push(key.clone());
             p.params.push(params);
-            let era = written.at / ERA_NS;
-            p.windows.push((
-                i64::try_from(era).unwrap_or(i64::MAX),
-                i64::try_from(written.at - era * ERA_NS).unwrap_or(0),
-            ));
+            p.windows.push(era_offset(reserved.written.at));
+            p.tail.push(match reserved.before {
+                Some(b) => {
+                    let (era, offset) = era_offset(b.at);
+                    packed(
+                        &[
+                            1,
+                            u128::from(b.level),
+                            u128::from(b.prior),
+                            era as u128,
+                            offset as u128,
+                            0,
+                        ],
+                        (0, 0),
+                    )
+                }
+                None => packed(&[0; 6], (0, 0)),
+            });
         }
         Ok(p)
     }
@@ -266,7 +285,19 @@ impl Prepared {
         for (p, w) in self.params.iter().zip(&self.windows) {
             cmd.arg(&packed(p, *w)[..]);
         }
+        for t in &self.tail {
+            cmd.arg(&t[..]);
+        }
     }
+}
+
+/// A time in the script's (era, offset) form.
+fn era_offset(at: Nanos) -> (i64, i64) {
+    let era = at / ERA_NS;
+    (
+        i64::try_from(era).unwrap_or(i64::MAX),
+        i64::try_from(at - era * ERA_NS).unwrap_or(0),
+    )
 }
 
 /// Reply values per charge.
@@ -291,6 +322,20 @@ pub(crate) fn reserved(values: &[i64]) -> Option<(Duration, tollgate_core::algor
             at: n(4).saturating_mul(ERA_NS).saturating_add(n(5)),
         },
     ))
+}
+
+/// Reply values per shaped charge after every charge's own, in a delayed
+/// call: the state its reservation replaced.
+pub(crate) const REPLACED: usize = 5;
+
+/// The state a reservation replaced, from its [`REPLACED`] reply values.
+pub(crate) fn replaced(values: &[i64]) -> Option<tollgate_core::algorithm::State> {
+    let n = |i: usize| u64::try_from(values[i]).unwrap_or(0);
+    (values[0] == 1).then(|| tollgate_core::algorithm::State {
+        level: n(1),
+        prior: n(2),
+        at: n(3).saturating_mul(ERA_NS).saturating_add(n(4)),
+    })
 }
 
 /// One charge's decision from its reply values: as charged, and the

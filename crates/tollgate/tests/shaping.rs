@@ -121,8 +121,9 @@ async fn a_held_request_does_not_keep_the_inner_service_ready() {
     assert_eq!(held.await.unwrap().unwrap().status(), 200);
 }
 
-/// Holding needs tokio's timer. Outside a runtime a request that would be
-/// held is refused (its reservation given back), not a panic.
+/// Holding needs tokio's timer. Outside a runtime nothing is held: a
+/// request is decided unshaped (refused here, spending nothing), not a
+/// panic.
 #[test]
 fn without_a_runtime_a_request_that_would_wait_is_refused() {
     let clock = ManualClock::new(0);
@@ -153,4 +154,100 @@ fn a_zero_wait_is_refused_as_a_rule() {
         .try_rule(rule)
         .unwrap_err();
     assert!(error.to_string().contains("above zero"), "{error}");
+}
+
+/// A MemoryStore that answers one poll later, as a store with a round
+/// trip does (and never inside `call`).
+#[derive(Clone)]
+struct RoundTrip(MemoryStore);
+
+struct OnePollLater(bool);
+
+impl std::future::Future for OnePollLater {
+    type Output = ();
+    fn poll(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<()> {
+        if self.0 {
+            return std::task::Poll::Ready(());
+        }
+        self.0 = true;
+        cx.waker().wake_by_ref();
+        std::task::Poll::Pending
+    }
+}
+
+impl tollgate::Store for RoundTrip {
+    async fn charge(&self, charges: &[Charge]) -> Result<tollgate::Outcome, tollgate::StoreError> {
+        OnePollLater(false).await;
+        self.0.charge_now(charges)
+    }
+
+    fn can_shape(&self) -> bool {
+        true
+    }
+
+    fn cancel<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        reservation: &'a tollgate::core::Reservation,
+    ) -> impl std::future::Future<Output = Result<(), tollgate::StoreError>> + Send + 'a {
+        self.0.cancel_now(charges, reservation);
+        std::future::ready(Ok(()))
+    }
+
+    fn check_policy(&self, policy: &Policy) -> Result<(), tollgate::StoreError> {
+        tollgate::Store::check_policy(&self.0, policy)
+    }
+}
+
+/// Review finding: with a store that answers after a round trip, every
+/// request of a burst checked the line while it was still empty, the store
+/// held them all, and those beyond `max_waiting` were then refused with
+/// their charges spent (an unshaped rule charged, reservations left that
+/// delayed later callers). Now a request takes its place in line before
+/// the store decides it: beyond the line it is decided unshaped, and a
+/// refusal spends nothing.
+#[tokio::test]
+async fn a_full_line_refuses_before_the_store_decides_and_spends_nothing() {
+    let clock = ManualClock::new(0);
+    let memory = MemoryStore::builder().clock(clock.clone()).build();
+    let other = Policy::token_bucket("other", 100, Rate::per_hour(1)).unwrap();
+    let layer = RateLimitLayer::new(RoundTrip(memory.clone()))
+        .max_waiting(2)
+        .rule(
+            Rule::new(held())
+                .keyed_by([KeyPart::Literal("one".into())])
+                .shape(Duration::from_secs(5), NonZeroUsize::new(10).unwrap()),
+        )
+        .rule(Rule::new(other.clone()).keyed_by([KeyPart::Literal("two".into())]));
+    let svc = layer.layer(tower::service_fn(|_req: Request<()>| async {
+        Ok::<_, Infallible>(Response::new(()))
+    }));
+    // Six calls made before any is decided (all in flight to the store).
+    let calls: Vec<_> = (0..6)
+        .map(|_| {
+            let mut svc = svc.clone();
+            async move { svc.ready().await.unwrap().call(request()).await.unwrap() }
+        })
+        .map(tokio::spawn)
+        .collect();
+    let mut statuses = Vec::new();
+    for call in calls {
+        statuses.push(call.await.unwrap().status().as_u16());
+    }
+    statuses.sort_unstable();
+    // One at once and one held (the line of two, one of whose places was
+    // taken by the first while it was decided); the rest refused.
+    assert_eq!(statuses, [200, 200, 429, 429, 429, 429]);
+    // The refused spent nothing: `other` was charged for the two admitted,
+    // and the held bucket is full 1 s from now (0.5 s line, 0.5 s refill).
+    let probe = |p: &Policy, k: &str| {
+        memory
+            .peek(&[Charge::new(Key::new(k), p.clone(), 1).unwrap()])
+            .limits()[0]
+    };
+    assert_eq!(probe(&other, "lit=two").remaining(), 98);
+    assert_eq!(probe(&held(), "lit=one").reset(), Duration::from_secs(1));
 }

@@ -6,7 +6,7 @@ use std::sync::MutexGuard;
 use super::MemoryStore;
 use super::shard::{Id, Shard};
 use crate::algorithm::{self, State, Step};
-use crate::{Charge, Decision, Nanos, Outcome, Policy, Reservation, StoreError};
+use crate::{Charge, Decision, Nanos, Outcome, Policy, Reservation, Reserved, StoreError};
 
 /// One charge of a call as decided: its slot key, the step, its policy,
 /// and the sibling space its state was carried over from, if any.
@@ -191,24 +191,26 @@ impl MemoryStore {
     }
 
     /// Gives back a delayed outcome's reservation ([`Store::cancel`](crate::Store::cancel)),
-    /// synchronously: each shaped charge whose state is still the one the
-    /// reservation wrote gets its cost back ([`algorithm::give_back`]).
+    /// synchronously: each shaped charge whose key still holds the state
+    /// the reservation wrote gets the state it replaced back.
     pub fn cancel_now(&self, charges: &[Charge], reservation: &Reservation) {
         let inner = &*self.inner;
-        let now = inner.clock.now();
-        for &(i, written) in reservation.entries() {
-            let Some(charge) = charges.get(i) else {
+        for r in reservation.entries() {
+            let Some(charge) = charges.get(r.index) else {
                 continue;
             };
-            let policy = charge.policy();
             let Ok(id) = inner.id(charge) else {
                 continue;
             };
             let mut shard = inner.lock(inner.shard_of(&id));
             // Its own space: written under these numbers.
-            if shard.read(&id) == Some(written) {
-                let back = algorithm::give_back(policy, written, now, charge.cost());
-                shard.put(&id, back, &inner.hashes);
+            if shard.read(&id) == Some(r.written) {
+                match r.before {
+                    Some(before) => shard.put(&id, before, &inner.hashes),
+                    None => {
+                        shard.remove(&id);
+                    }
+                }
             }
         }
     }
@@ -351,7 +353,11 @@ fn shape(
             && algorithm::earliest_fit(c.policy(), before[i], now, c.cost()).is_some()
         {
             let step = algorithm::charge_at(c.policy(), before[i], now, release, c.cost());
-            written.push((i, step.next?));
+            written.push(Reserved {
+                index: i,
+                written: step.next?,
+                before: before[i],
+            });
             steps[i].step = step;
         }
     }
@@ -587,6 +593,56 @@ mod shaping_tests {
             store.charge_now(&call(5)).unwrap().delay(),
             Duration::from_secs(4)
         );
+    }
+
+    /// Review finding: a request held by another rule's later fit and then
+    /// dropped gave its first rule back only its cost, not the refill the
+    /// reservation had taken with it, so later callers waited for nothing.
+    /// A dropped last-in-line request leaves every budget as if it had
+    /// never come.
+    #[test]
+    fn a_dropped_waiter_leaves_its_budgets_as_if_it_never_came() {
+        let clock = ManualClock::new(0);
+        let store = MemoryStore::builder().clock(clock.clone()).build();
+        let quick = Policy::token_bucket("quick", 1, Rate::per_second(2)).unwrap();
+        let slow = Policy::token_bucket("slow", 1, Rate::new(1, Duration::from_secs(4))).unwrap();
+        let call = [
+            Charge::new(Key::new("k"), quick.clone(), 1)
+                .unwrap()
+                .shaped(Duration::from_secs(10)),
+            Charge::new(Key::new("k"), slow.clone(), 1)
+                .unwrap()
+                .shaped(Duration::from_secs(10)),
+        ];
+        assert_eq!(store.charge_now(&call).unwrap().delay(), Duration::ZERO);
+        let held = store.charge_now(&call).unwrap();
+        assert_eq!(held.delay(), Duration::from_secs(4));
+        store.cancel_now(&call, held.reservation().unwrap());
+        // Quick refilled its one token 0.5 s after the first request.
+        clock.set(600 * MS);
+        let alone = [Charge::new(Key::new("k"), quick.clone(), 1).unwrap()];
+        assert!(store.charge_now(&alone).unwrap().is_admitted());
+        // Slow is as the first request left it: empty until 4 s.
+        let slow_alone = [Charge::new(Key::new("k"), slow.clone(), 1).unwrap()];
+        assert_eq!(
+            store.charge_now(&slow_alone).unwrap().verdict(),
+            Verdict::Denied {
+                retry_after: Duration::from_millis(3400)
+            }
+        );
+        // A key that had no state before its reservation has none again.
+        let empty = Policy::token_bucket("empty", 1, Rate::per_second(1))
+            .unwrap()
+            .with_initial(crate::Initial::Empty);
+        let fresh = [Charge::new(Key::new("fresh"), empty, 1)
+            .unwrap()
+            .shaped(Duration::from_secs(10))];
+        let keys = store.stats().keys;
+        let first = store.charge_now(&fresh).unwrap();
+        assert_eq!(first.delay(), Duration::from_secs(1));
+        assert_eq!(store.stats().keys, keys + 1);
+        store.cancel_now(&fresh, first.reservation().unwrap());
+        assert_eq!(store.stats().keys, keys);
     }
 
     /// A bucket of 1 refilling 2 per second, shaped up to 2 s: a burst of

@@ -22,7 +22,7 @@ use super::exempt::any_matches;
 use super::layer::{Config, OnStoreError};
 use super::route::RouteMatch;
 use super::rule::{Applies, CostRefusal, Shaping, StatusFilter};
-use super::shaping::{Wait, WaitKeys};
+use super::shaping::{Line, Place, Wait, WaitKeys};
 use crate::identity::{RequestIdentity, operation_route};
 use crate::observe;
 use crate::response::{Answer, Refusal, ratelimit_fields};
@@ -54,9 +54,44 @@ pub(crate) struct Plan {
     /// The layer's own refusal, given once the charges are admitted: the
     /// first in rule order.
     pub(crate) refusal: Option<Answer>,
-    /// The keys of the shaped charges, to wait on if the store holds the
-    /// request (empty when nothing is shaped).
-    pub(crate) shaped: WaitKeys,
+    /// How the request may be held by shaping rules (nothing when none
+    /// applies, or the layer refuses it on its own account).
+    pub(crate) shaping: ShapePlan,
+}
+
+/// What shaping a request needs: the lines it would wait in, and each
+/// shaped charge's longest wait. Applied only once the request has its
+/// place in line ([`ShapePlan::take_place`]).
+#[derive(Default)]
+pub(crate) struct ShapePlan {
+    keys: WaitKeys,
+    waits: SmallVec<[(usize, Duration); 1]>,
+}
+
+impl ShapePlan {
+    pub(crate) fn is_empty(&self) -> bool {
+        self.waits.is_empty()
+    }
+
+    /// Takes the request's place in line (the line locked by the caller)
+    /// and makes its shaping charges shaped; `None`, and the charges left
+    /// unshaped (decided as if no rule shaped), when the line is full or
+    /// there is no tokio runtime to hold a request on.
+    pub(crate) fn take_place(
+        &self,
+        line: &mut Line<'_>,
+        max_waiting: usize,
+        charges: &mut Charges,
+    ) -> Option<Place> {
+        if self.is_empty() || tokio::runtime::Handle::try_current().is_err() {
+            return None;
+        }
+        let place = line.enter(&self.keys, max_waiting)?;
+        for &(i, wait) in &self.waits {
+            charges[i] = charges[i].clone().shaped(wait);
+        }
+        Some(place)
+    }
 }
 
 /// What an admitted request gets: the `RateLimit` fields, and the wait
@@ -164,23 +199,17 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
             }
         }
     }
-    // Shaping holds a request only while there is room in line (checked
-    // again, strictly, when the store has held it), and never one the
-    // layer refuses on its own account.
-    let mut keys = WaitKeys::new();
+    // Shaping never holds a request the layer refuses on its own account.
+    let mut shaping = ShapePlan::default();
     if refusal.is_none() && !shaped.is_empty() {
-        keys = shaped
+        shaping.keys = shaped
             .iter()
             .map(|&(i, s)| (line_of(&charges[i]), s.per_key.get()))
             .collect();
-        if config.waiters.has_room(&keys, config.max_waiting) {
-            for (i, s) in shaped {
-                let wait = longest_wait(&charges[i], s);
-                charges[i] = charges[i].clone().shaped(wait);
-            }
-        } else {
-            keys.clear();
-        }
+        shaping.waits = shaped
+            .iter()
+            .map(|&(i, s)| (i, longest_wait(&charges[i], s)))
+            .collect();
     }
     let enforced = charges.len();
     charges.extend(dry);
@@ -190,7 +219,7 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
         enforced,
         after,
         refusal,
-        shaped: keys,
+        shaping,
     }
 }
 
@@ -248,13 +277,14 @@ pub(crate) enum Now {
     Later(Option<StoreError>),
 }
 
-/// Decides at once when the store can ([`Store::try_charge_now`]).
+/// Decides at once when the store can ([`Store::try_charge_now`]). A
+/// request held by shaping takes `place` into its wait.
 pub(crate) fn decide_now<St: Store>(
     config: &Config<St>,
     charges: &[Charge],
     enforced: usize,
     refusal: &mut Option<Answer>,
-    shaped: &WaitKeys,
+    place: &mut Option<Place>,
 ) -> Now {
     let started = observe::start();
     match config.store.try_charge_now(charges) {
@@ -265,7 +295,7 @@ pub(crate) fn decide_now<St: Store>(
                 // was refused): [`decide`] decides again without it.
                 return Now::Later(None);
             }
-            let wait = match hold(config, &config.store, charges, &outcome, shaped) {
+            let wait = match hold(config, &config.store, charges, &outcome, place) {
                 Ok(wait) => wait,
                 Err(answer) => return Now::Decided(Err(answer)),
             };
@@ -293,7 +323,7 @@ pub(crate) async fn decide<St: Store>(
     mut failed: Option<StoreError>,
     refusal: Option<Answer>,
     checks: Checks,
-    shaped: WaitKeys,
+    mut place: Option<Place>,
 ) -> Result<Admit, Answer> {
     if !checks.charges.is_empty() {
         check_first(&config, &checks).await?;
@@ -336,36 +366,31 @@ pub(crate) async fn decide<St: Store>(
     };
     // A reservation is given back where it was made.
     let wait = match on_fallback {
-        None => hold(&config, &config.store, &charges, &outcome, &shaped)?,
-        Some(fallback) => hold(&config, fallback, &charges, &outcome, &shaped)?,
+        None => hold(&config, &config.store, &charges, &outcome, &mut place)?,
+        Some(fallback) => hold(&config, fallback, &charges, &outcome, &mut place)?,
     };
     conclude(&config, &charges, outcome, &shadowed, refusal, wait)
 }
 
-/// For an outcome the store delayed: the request's wait, with its place in
-/// line; or, when the line is full (other requests took the room since the
-/// plan looked) or there is no tokio runtime to wait on, `429` after the
-/// exact wait, the reservation given back.
+/// For an outcome the store delayed: the request's wait, holding its
+/// `place` in line (taken before the store decided, so there is always
+/// one: only charges with a place are shaped).
 fn hold<St, S: Store + Clone>(
     config: &Config<St>,
     store: &S,
     charges: &[Charge],
     outcome: &Outcome,
-    shaped: &WaitKeys,
+    place: &mut Option<Place>,
 ) -> Result<Option<Wait>, Answer> {
     if outcome.reservation().is_none() {
         return Ok(None);
     }
-    // Holding needs the runtime's timer; without a runtime the request is
-    // refused (as when the line is full) rather than panicking.
-    let place = match tokio::runtime::Handle::try_current() {
-        Ok(_) => config.waiters.enter(shaped.clone(), config.max_waiting),
-        Err(_) => None,
-    };
-    match place {
+    match place.take() {
         Some(place) => Ok(Wait::of(store, charges, outcome, Some(place))),
         None => {
-            // Dropped at once: the reservation goes back.
+            // Not reached: a store holds only shaped charges. Should one
+            // hold another, the request is refused after the exact wait
+            // and the reservation given back at once.
             drop(Wait::of(store, charges, outcome, None));
             let verdict = Verdict::Denied {
                 retry_after: outcome.delay(),

@@ -84,32 +84,38 @@ where
         let (parts, body) = req.into_parts();
         let protocol = Protocol::of(&parts.headers);
         let Plan {
-            charges,
+            mut charges,
             enforced,
             after,
             mut refusal,
-            shaped,
+            shaping,
         } = pipeline::plan(&self.config, &parts);
+        let config = &self.config;
         if !after.is_empty() {
             // Rules charged after the response are checked first, which
             // needs the store's answer: always the deciding path.
+            let place = if shaping.is_empty() {
+                None
+            } else {
+                shaping.take_place(&mut config.waiters.lock(), config.max_waiting, &mut charges)
+            };
             let checks = Checks::of(&after);
-            let after = pipeline::after_response(self.config.clone(), after);
+            let after = pipeline::after_response(config.clone(), after);
             let decision = Box::pin(pipeline::decide(
-                self.config.clone(),
+                config.clone(),
                 charges,
                 enforced,
                 None,
                 refusal,
                 checks,
-                shaped,
+                place,
             ));
             return ResponseFuture::deciding(
                 decision,
                 inner,
                 Request::from_parts(parts, body),
                 protocol,
-                self.config.shape.clone(),
+                config.shape.clone(),
                 Some(after),
             );
         }
@@ -123,29 +129,52 @@ where
                 }
             };
         }
-        match pipeline::decide_now(&self.config, &charges, enforced, &mut refusal, &shaped) {
-            Now::Decided(Ok(admit)) => {
-                ResponseFuture::admitted(inner, Request::from_parts(parts, body), admit, None)
+        // A request that may wait is decided under the locked line, with
+        // its place taken: a decision in process takes microseconds, and no
+        // other request can take the room it was decided with.
+        let mut line = (!shaping.is_empty()).then(|| config.waiters.lock());
+        let mut place = match &mut line {
+            Some(line) => shaping.take_place(line, config.max_waiting, &mut charges),
+            None => None,
+        };
+        match pipeline::decide_now(config, &charges, enforced, &mut refusal, &mut place) {
+            Now::Decided(result) => {
+                // Not held: the place is given up, under the same lock.
+                if let (Some(line), Some(place)) = (&mut line, place.take()) {
+                    line.leave(place);
+                }
+                drop(line);
+                match result {
+                    Ok(admit) => ResponseFuture::admitted(
+                        inner,
+                        Request::from_parts(parts, body),
+                        admit,
+                        None,
+                    ),
+                    Err(answer) => ResponseFuture::refused(
+                        answer.into_shaped_response(protocol, config.shape.as_ref()),
+                    ),
+                }
             }
-            Now::Decided(Err(answer)) => ResponseFuture::refused(
-                answer.into_shaped_response(protocol, self.config.shape.as_ref()),
-            ),
             Now::Later(failed) => {
+                // The store needs I/O: the place is held during the round
+                // trip and given up if the request is not held.
+                drop(line);
                 let decision = Box::pin(pipeline::decide(
-                    self.config.clone(),
+                    config.clone(),
                     charges,
                     enforced,
                     failed,
                     refusal,
                     Checks::default(),
-                    shaped,
+                    place,
                 ));
                 ResponseFuture::deciding(
                     decision,
                     inner,
                     Request::from_parts(parts, body),
                     protocol,
-                    self.config.shape.clone(),
+                    config.shape.clone(),
                     None,
                 )
             }

@@ -11,6 +11,15 @@ use std::time::Duration;
 use tollgate_core::{Charge, Outcome, Reservation, Store};
 
 /// The requests a layer holds: how many in all, and per shaped key.
+///
+/// A request that may wait takes its place before the store decides it
+/// (and gives it up when the store admits or refuses it at once): so the
+/// store never holds a request the line has no room for, which would then
+/// have to be refused after its charges were spent. An in-process store
+/// decides under the locked line; a store that needs I/O decides while the
+/// place is held, which counts the request as waiting during its round
+/// trip (conservative: at most the bound wait, and a burst through such a
+/// store may be shaped a little less).
 #[derive(Default)]
 pub(crate) struct Waiters {
     counts: Mutex<Counts>,
@@ -26,20 +35,28 @@ struct Counts {
 pub(crate) type WaitKeys = Vec<(Box<str>, usize)>;
 
 impl Waiters {
-    /// Whether one more request could wait on each of `keys` and in the
-    /// layer (`max`) now.
-    pub(crate) fn has_room(&self, keys: &WaitKeys, max: usize) -> bool {
-        let counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
-        counts.total < max
-            && keys
-                .iter()
-                .all(|(key, limit)| counts.per_key.get(key).copied().unwrap_or(0) < *limit)
+    /// The line, locked: a request that may wait takes its place and is
+    /// decided under it, so that no other request takes the room between
+    /// the two (see [`Line`]).
+    pub(crate) fn lock(self: &Arc<Self>) -> Line<'_> {
+        Line {
+            waiters: self,
+            counts: self.counts.lock().unwrap_or_else(PoisonError::into_inner),
+        }
     }
+}
 
+/// The locked line.
+pub(crate) struct Line<'a> {
+    waiters: &'a Arc<Waiters>,
+    counts: std::sync::MutexGuard<'a, Counts>,
+}
+
+impl Line<'_> {
     /// A place for one more request in line on each of `keys` (key text,
     /// per-key limit), if every key and the layer (`max`) have room.
-    pub(crate) fn enter(self: &Arc<Self>, keys: WaitKeys, max: usize) -> Option<Place> {
-        let mut counts = self.counts.lock().unwrap_or_else(PoisonError::into_inner);
+    pub(crate) fn enter(&mut self, keys: &WaitKeys, max: usize) -> Option<Place> {
+        let counts = &mut *self.counts;
         let full = |(key, limit): &(Box<str>, usize)| {
             counts.per_key.get(key).copied().unwrap_or(0) >= *limit
         };
@@ -47,37 +64,52 @@ impl Waiters {
             return None;
         }
         counts.total += 1;
-        for (key, _) in &keys {
+        for (key, _) in keys {
             *counts.per_key.entry(key.clone()).or_default() += 1;
         }
         Some(Place {
-            waiters: self.clone(),
-            keys: keys.into_iter().map(|(k, _)| k).collect(),
+            waiters: Some(self.waiters.clone()),
+            keys: keys.iter().map(|(k, _)| k.clone()).collect(),
         })
+    }
+
+    /// Gives `place` up while the line is locked (dropping it would lock
+    /// the line again).
+    pub(crate) fn leave(&mut self, mut place: Place) {
+        place.waiters = None;
+        self.counts.leave(&place.keys);
+    }
+}
+
+impl Counts {
+    fn leave(&mut self, keys: &[Box<str>]) {
+        self.total -= 1;
+        for key in keys {
+            if let Some(n) = self.per_key.get_mut(key) {
+                *n -= 1;
+                if *n == 0 {
+                    self.per_key.remove(key);
+                }
+            }
+        }
     }
 }
 
 /// A request's place in line; left when dropped.
 pub(crate) struct Place {
-    waiters: Arc<Waiters>,
+    /// `None` once left.
+    waiters: Option<Arc<Waiters>>,
     keys: Vec<Box<str>>,
 }
 
 impl Drop for Place {
     fn drop(&mut self) {
-        let mut counts = self
-            .waiters
-            .counts
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
-        counts.total -= 1;
-        for key in &self.keys {
-            if let Some(n) = counts.per_key.get_mut(key) {
-                *n -= 1;
-                if *n == 0 {
-                    counts.per_key.remove(key);
-                }
-            }
+        if let Some(waiters) = self.waiters.take() {
+            waiters
+                .counts
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .leave(&self.keys);
         }
     }
 }
