@@ -325,18 +325,20 @@ impl Outcome {
     /// is reported as denied with no wait, which a store never returns.
     pub fn verdict(&self) -> Verdict {
         let mut wait: Option<Duration> = None;
+        let mut unevaluated = false;
         for d in self.limits() {
             match *d {
                 Decision::NeverFits { .. } => return Verdict::NeverFits,
                 Decision::Denied { retry_after, .. } => {
                     wait = Some(wait.map_or(retry_after, |w| w.max(retry_after)));
                 }
-                Decision::Admitted { .. } | Decision::Unevaluated => {}
+                Decision::Unevaluated => unevaluated = true,
+                Decision::Admitted { .. } => {}
             }
         }
         match wait {
             Some(retry_after) => Verdict::Denied { retry_after },
-            None if self.limits().contains(&Decision::Unevaluated) => Verdict::Denied {
+            None if unevaluated => Verdict::Denied {
                 retry_after: Duration::ZERO,
             },
             None => Verdict::Admitted,

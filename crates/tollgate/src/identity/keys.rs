@@ -196,7 +196,9 @@ pub(crate) enum KeyError {
 pub(crate) struct RequestIdentity<'a> {
     parts: &'a Parts,
     resolver: &'a ClientIpResolver,
-    principal: Option<&'a Principal>,
+    /// The principal an authentication layer set, looked up once, when
+    /// first needed.
+    principal: Option<Option<&'a Principal>>,
     /// The client address before aggregation, resolved once.
     addr: Option<Result<IpAddr, ClientIpError>>,
     operation: Option<Operation>,
@@ -207,7 +209,7 @@ impl<'a> RequestIdentity<'a> {
         Self {
             parts,
             resolver,
-            principal: parts.extensions.get::<Principal>(),
+            principal: None,
             addr: None,
             operation: None,
         }
@@ -225,8 +227,11 @@ impl<'a> RequestIdentity<'a> {
     }
 
     /// The principal an authentication layer set, if any.
-    pub(crate) fn principal(&self) -> Option<&'a Principal> {
-        self.principal
+    pub(crate) fn principal(&mut self) -> Option<&'a Principal> {
+        let parts = self.parts;
+        *self
+            .principal
+            .get_or_insert_with(|| parts.extensions.get::<Principal>())
     }
 
     /// The key of `key_parts` (the budget's policy name is not part of
@@ -242,15 +247,22 @@ impl<'a> RequestIdentity<'a> {
         missing: MissingPrincipal,
         route: Option<&str>,
     ) -> Result<Option<Key>, KeyError> {
+        if let [KeyPart::ClientIp] = key_parts {
+            // The common rule, per client address: the address is the key.
+            return match self.ip() {
+                Ok(ip) => Ok(Some(Key::client_ip(ip.addr(), ip.prefix()))),
+                Err(e) => Err(KeyError::ClientIp(e)),
+            };
+        }
         let mut fallback = false;
-        if self.principal.is_none() && key_parts.iter().any(KeyPart::needs_principal) {
+        let principal = self.principal();
+        if principal.is_none() && key_parts.iter().any(KeyPart::needs_principal) {
             match missing {
                 MissingPrincipal::Reject => return Err(KeyError::NoPrincipal),
                 MissingPrincipal::Skip => return Ok(None),
                 MissingPrincipal::FallbackToClientIp => fallback = true,
             }
         }
-        let principal = self.principal;
         let mut key = Building::Empty;
         let mut ip_done = false;
         for part in key_parts {

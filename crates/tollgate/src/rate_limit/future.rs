@@ -34,20 +34,18 @@ struct Held<S, ReqB> {
     after: Option<AfterResponse>,
 }
 
-impl<S: Clone, ReqB> Held<S, ReqB> {
-    /// Holds `req` for `wait`. The ready `inner` is let go at once: a
-    /// service whose readiness is a resource (a permit of tower's
-    /// `ConcurrencyLimit`, a `Buffer` slot) must not be held by a request
-    /// that only waits; a fresh clone is made ready after the wait.
+impl<S, ReqB> Held<S, ReqB> {
+    /// Holds `req` for `wait` with `idle`, a clone of the inner service
+    /// that is not ready: a service whose readiness is a resource (a permit
+    /// of tower's `ConcurrencyLimit`, a `Buffer` slot) must not be held by
+    /// a request that only waits; the clone is made ready after the wait.
     fn new(
         wait: Wait,
-        inner: S,
+        idle: S,
         req: Request<ReqB>,
         fields: Fields,
         after: Option<AfterResponse>,
     ) -> Box<Self> {
-        let idle = inner.clone();
-        drop(inner);
         Box::new(Self {
             until: Box::pin(tokio::time::sleep(wait.delay)),
             wait: Some(wait),
@@ -133,35 +131,23 @@ where
         }
     }
 
-    pub(crate) fn calling(
-        mut inner: S,
-        req: Request<ReqB>,
-        fields: Fields,
-        after: Option<AfterResponse>,
-    ) -> Self {
+    /// Admitted: the inner service's future, with the fields to add.
+    pub(crate) fn calling(future: S::Future, fields: Fields, after: Option<AfterResponse>) -> Self {
         Self {
             state: State::Calling {
-                future: inner.call(req),
+                future,
                 fields,
                 after,
             },
         }
     }
 
-    /// Admitted: call the inner service now, or once shaping rules release
-    /// the request.
-    pub(crate) fn admitted(
-        inner: S,
-        req: Request<ReqB>,
-        admit: Admit,
-        after: Option<AfterResponse>,
-    ) -> Self {
-        match admit.wait {
-            None => Self::calling(inner, req, admit.fields, after),
-            Some(wait) => Self {
-                state: State::Waiting {
-                    held: Held::new(wait, inner, req, admit.fields, after),
-                },
+    /// Admitted for later: held until shaping rules release it, then made
+    /// ready and called on `idle`, a clone of the inner service.
+    pub(crate) fn waiting(wait: Wait, idle: S, req: Request<ReqB>, fields: Fields) -> Self {
+        Self {
+            state: State::Waiting {
+                held: Held::new(wait, idle, req, fields, None),
             },
         }
     }
@@ -217,9 +203,15 @@ where
                                     wait: Some(wait),
                                 }),
                                 Some((inner, req)),
-                            ) => State::Waiting {
-                                held: Held::new(wait, inner, req, fields, deciding.after.take()),
-                            },
+                            ) => {
+                                // The ready instance is let go at once; a
+                                // clone waits (see `Held::new`).
+                                let idle = inner.clone();
+                                drop(inner);
+                                State::Waiting {
+                                    held: Held::new(wait, idle, req, fields, deciding.after.take()),
+                                }
+                            }
                             (Err(answer), _) => State::Refused {
                                 response: Some(answer.into_shaped_response(
                                     deciding.protocol,
@@ -265,7 +257,8 @@ where
                     // Appended, not replaced: an inner limit (e.g. a
                     // concurrency limit) may have described itself already,
                     // and a structured-field list may span field lines.
-                    if let Some((policy, current)) = fields.take() {
+                    if let Some(both) = fields.take() {
+                        let (policy, current) = *both;
                         let headers = response.headers_mut();
                         headers.append(RATELIMIT_POLICY.clone(), policy);
                         headers.append(RATELIMIT.clone(), current);

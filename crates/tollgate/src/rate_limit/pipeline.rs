@@ -28,7 +28,9 @@ use crate::observe;
 use crate::response::{Answer, Refusal, ratelimit_fields};
 
 /// The `RateLimit-Policy` and `RateLimit` values to add to a response.
-pub(crate) type Fields = Option<(HeaderValue, HeaderValue)>;
+/// Boxed: most responses carry none, and a response future holding them
+/// inline would be that much larger to move on every path.
+pub(crate) type Fields = Option<Box<(HeaderValue, HeaderValue)>>;
 
 /// The charges of one request; most requests have one or two rules, kept
 /// inline without an allocation.
@@ -212,8 +214,12 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
             .collect();
     }
     let enforced = charges.len();
-    charges.extend(dry);
-    after.sort_by_key(|d| d.dry_run);
+    if !dry.is_empty() {
+        charges.extend(dry);
+    }
+    if after.len() > 1 {
+        after.sort_by_key(|d| d.dry_run);
+    }
     Plan {
         charges,
         enforced,
@@ -290,7 +296,7 @@ pub(crate) fn decide_now<St: Store>(
     match config.store.try_charge_now(charges) {
         Some(Ok(outcome)) => {
             observe::store_latency(started);
-            if Shadowed::would_shadow(charges, enforced, &outcome) {
+            if enforced < charges.len() && Shadowed::would_shadow(charges, enforced, &outcome) {
                 // A dry-run limit would refuse. Nothing was spent (the call
                 // was refused): [`decide`] decides again without it.
                 return Now::Later(None);
@@ -586,11 +592,11 @@ fn conclude<St>(
     observe::outcome(charges, &outcome, verdict, config.log_level);
     let fields = |charges: &[Charge], outcome: &Outcome| {
         if shadowed.charges.is_empty() {
-            return ratelimit_fields(charges, outcome);
+            return ratelimit_fields(charges, outcome).map(Box::new);
         }
         let all: Charges = charges.iter().chain(&shadowed.charges).cloned().collect();
         let decisions = outcome.limits().iter().chain(&shadowed.decisions).copied();
-        ratelimit_fields(&all, &Outcome::new(decisions.collect()))
+        ratelimit_fields(&all, &Outcome::new(decisions.collect())).map(Box::new)
     };
     match verdict {
         Verdict::Admitted => {
@@ -607,7 +613,7 @@ fn conclude<St>(
         _ => {
             let mut answer = Answer::from_outcome(charges, &outcome, verdict);
             if !shadowed.charges.is_empty() {
-                answer.fields = fields(charges, &outcome).map(Box::new);
+                answer.fields = fields(charges, &outcome);
             }
             Err(answer)
         }
@@ -621,7 +627,7 @@ fn admitted(fields: Fields, refusal: Option<Answer>, wait: Option<Wait>) -> Resu
         None => Ok(Admit { fields, wait }),
         Some(mut answer) => {
             // (A request the layer refuses is never shaped: no wait.)
-            answer.fields = fields.map(Box::new);
+            answer.fields = fields;
             Err(answer)
         }
     }

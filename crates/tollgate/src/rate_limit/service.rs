@@ -11,7 +11,7 @@ use tower_service::Service;
 
 use super::ResponseFuture;
 use super::layer::Config;
-use super::pipeline::{self, Checks, Now, Plan};
+use super::pipeline::{self, Admit, Checks, Now, Plan};
 use crate::response::Protocol;
 
 /// Rate-limits requests to an inner service; made by
@@ -77,12 +77,7 @@ where
     }
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
-        // The inner service was driven to readiness in poll_ready; keep that
-        // ready instance for this request and leave a fresh clone behind.
-        let clone = self.inner.clone();
-        let inner = std::mem::replace(&mut self.inner, clone);
         let (parts, body) = req.into_parts();
-        let protocol = Protocol::of(&parts.headers);
         let Plan {
             mut charges,
             enforced,
@@ -110,9 +105,10 @@ where
                 checks,
                 place,
             ));
+            let protocol = Protocol::of(&parts.headers);
             return ResponseFuture::deciding(
                 decision,
-                inner,
+                take_ready(&mut self.inner),
                 Request::from_parts(parts, body),
                 protocol,
                 config.shape.clone(),
@@ -122,11 +118,14 @@ where
         if charges.is_empty() {
             return match refusal {
                 Some(answer) => ResponseFuture::refused(
-                    answer.into_shaped_response(protocol, self.config.shape.as_ref()),
+                    answer
+                        .into_shaped_response(Protocol::of(&parts.headers), config.shape.as_ref()),
                 ),
-                None => {
-                    ResponseFuture::calling(inner, Request::from_parts(parts, body), None, None)
-                }
+                None => ResponseFuture::calling(
+                    self.inner.call(Request::from_parts(parts, body)),
+                    None,
+                    None,
+                ),
             };
         }
         // A request that may wait is decided under the locked line, with
@@ -145,15 +144,31 @@ where
                 }
                 drop(line);
                 match result {
-                    Ok(admit) => ResponseFuture::admitted(
-                        inner,
-                        Request::from_parts(parts, body),
-                        admit,
+                    // Decided in `call`: the ready inner service takes the
+                    // request now (no clone needed).
+                    Ok(Admit { fields, wait: None }) => ResponseFuture::calling(
+                        self.inner.call(Request::from_parts(parts, body)),
+                        fields,
                         None,
                     ),
-                    Err(answer) => ResponseFuture::refused(
-                        answer.into_shaped_response(protocol, config.shape.as_ref()),
+                    // Held: the ready service stays here for the next
+                    // request, the held one gets a clone made ready when
+                    // it is released.
+                    Ok(Admit {
+                        fields,
+                        wait: Some(wait),
+                    }) => ResponseFuture::waiting(
+                        wait,
+                        self.inner.clone(),
+                        Request::from_parts(parts, body),
+                        fields,
                     ),
+                    Err(answer) => {
+                        ResponseFuture::refused(answer.into_shaped_response(
+                            Protocol::of(&parts.headers),
+                            config.shape.as_ref(),
+                        ))
+                    }
                 }
             }
             Now::Later(failed) => {
@@ -169,9 +184,10 @@ where
                     Checks::default(),
                     place,
                 ));
+                let protocol = Protocol::of(&parts.headers);
                 ResponseFuture::deciding(
                     decision,
-                    inner,
+                    take_ready(&mut self.inner),
                     Request::from_parts(parts, body),
                     protocol,
                     config.shape.clone(),
@@ -180,4 +196,11 @@ where
             }
         }
     }
+}
+
+/// The inner service made ready in `poll_ready`, for a request that calls it
+/// later (after the store's round trip), leaving a fresh clone behind.
+fn take_ready<S: Clone>(inner: &mut S) -> S {
+    let clone = inner.clone();
+    std::mem::replace(inner, clone)
 }
