@@ -78,6 +78,7 @@
 
 mod cache;
 mod leases;
+mod redact;
 mod script;
 #[cfg(feature = "testing")]
 pub mod testing;
@@ -95,6 +96,7 @@ use tollgate_core::{
 };
 
 pub use cache::CacheStats;
+pub use redact::redact_url;
 use cache::OverLimitCache;
 /// The redis-rs this store is built on, for connections you hand it
 /// ([`RedisStore::with_connection_manager`]).
@@ -209,21 +211,6 @@ fn manager_config(timeout: Duration) -> redis::aio::ConnectionManagerConfig {
         .set_number_of_retries(1)
         .set_min_delay(Duration::from_millis(20))
         .set_max_delay(Duration::from_millis(500))
-}
-
-/// `url` with any password (and user name) replaced by `***`, for
-/// messages and logs.
-pub fn redact_url(url: &str) -> String {
-    match url.split_once("://") {
-        Some((scheme, rest)) => {
-            let host_start = rest.find('/').unwrap_or(rest.len());
-            match rest[..host_start].rfind('@') {
-                Some(at) => format!("{scheme}://***{}", &rest[at..]),
-                None => url.to_owned(),
-            }
-        }
-        None => url.to_owned(),
-    }
 }
 
 fn config_error(e: impl std::error::Error + Send + Sync + 'static, what: &str) -> StoreError {
