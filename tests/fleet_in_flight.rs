@@ -495,3 +495,59 @@ async fn local_fallback_counts_the_leases_already_held() {
         StatusCode::OK
     );
 }
+
+/// Found in review: two waiters queued while another instance held both
+/// slots; when it freed both, the first waiter was admitted but the second
+/// never asked again (only the first in line polls, and an admitted waiter
+/// did not hand the turn on), and got 503 at its deadline with a slot
+/// free. Now the turn passes down the line on admission too.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slot_freed_by_another_instance_reaches_every_waiter() {
+    use tollgate::Acquired;
+    use tollgate::LeaseRequest;
+    use tower::ServiceExt;
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    // Each admitted request holds its slot for `HOLD`, longer than the
+    // wait: a slot this instance frees cannot be what admits the second.
+    const HOLD: Duration = Duration::from_millis(3000);
+    let app = held_app(&store, 2, HOLD, Some(Duration::from_secs(2)));
+    // The other instance: its own store, holding both slots.
+    let other = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    let request = LeaseRequest {
+        limit: "held".into(),
+        key: None,
+        per_key: None,
+        global: Some(2),
+        ttl: Duration::from_secs(10),
+    };
+    let mut held = Vec::new();
+    for id in 1..=2 {
+        match other.acquire(&request, id).await.unwrap() {
+            Acquired::Granted(lease) => held.push(lease),
+            refused => panic!("{refused:?}"),
+        }
+    }
+    let started = Instant::now();
+    let call = || {
+        let app = app.clone();
+        tokio::spawn(async move {
+            let status = app.oneshot(get_request()).await.unwrap().status();
+            (status, started.elapsed())
+        })
+    };
+    let w1 = call();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let w2 = call();
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    for lease in &held {
+        other.release(lease).await.unwrap();
+    }
+    let (w1, w2) = (w1.await.unwrap(), w2.await.unwrap());
+    assert_eq!(w1.0, StatusCode::OK, "{w1:?}");
+    assert_eq!(w2.0, StatusCode::OK, "{w2:?}");
+    // Admitted within a few polls of the release, not at the deadline.
+    assert!(w2.1 < HOLD + Duration::from_millis(800), "{w2:?}");
+}

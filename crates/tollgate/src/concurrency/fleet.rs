@@ -81,8 +81,9 @@ pub(crate) struct Fleet {
 }
 
 /// Requests waiting for a lease, first come first served: the first polls
-/// the store, and each one that finds no room hands the turn to the next,
-/// so within a process nobody is asked before those who came earlier.
+/// the store, and each one that has asked (admitted or not) hands the turn
+/// to the next, so within a process nobody is asked before those who came
+/// earlier, and room found by one reaches those behind it.
 #[derive(Default)]
 struct Line {
     waiting: VecDeque<InLine>,
@@ -332,22 +333,20 @@ async fn ask(fleet: &Arc<Fleet>, request: &LeaseRequest, id: u128) -> Result<Acq
     answer
 }
 
-/// Leaves the line however the wait ends; a waiter that leaves while it
-/// had the turn hands it on.
+/// Leaves the line however the wait ends, and hands the turn to the
+/// next waiter: also when leaving with a lease, since the answer that
+/// admitted this one may have found more room (another instance freed
+/// several slots), and the waiter behind, first in line now, would
+/// otherwise not ask until someone freed a slot in this process.
 struct Queued<'a> {
     fleet: &'a Fleet,
     id: u64,
-    /// Hand the turn on when leaving: not when leaving with a lease (there
-    /// is one slot fewer for those behind).
-    pass_on: bool,
 }
 
 impl Drop for Queued<'_> {
     fn drop(&mut self) {
         let mut line = self.fleet.line();
-        if self.pass_on {
-            line.pass(Some(self.id));
-        }
+        line.pass(Some(self.id));
         line.waiting.retain(|w| w.id != self.id);
     }
 }
@@ -424,16 +423,16 @@ pub(crate) async fn acquire(
             .fetch_max(line.waiting.len(), Ordering::Relaxed);
         (place, turn)
     };
-    let mut queued = Queued {
+    let _queued = Queued {
         fleet: &fleet,
         id: place,
-        pass_on: true,
     };
     let mut full = full;
     loop {
         // The first in line asks again every `poll` (a slot freed by
-        // another instance); the others when the one before them found no
-        // room, or at once when this process frees a slot.
+        // another instance); the others when the one before them has
+        // asked (found no room, or was admitted and left) or left the
+        // line, or at once when this process frees a slot.
         let first = fleet.line().waiting.front().is_some_and(|w| w.id == place);
         let wake = if first {
             (tokio::time::Instant::now() + fleet.sharing.poll).min(deadline)
@@ -446,10 +445,7 @@ pub(crate) async fn acquire(
         }
         // Bounded by the wait: an answer after it is given back.
         match tokio::time::timeout_at(deadline, ask(&fleet, &request, id)).await {
-            Ok(Ok(Acquired::Granted(lease))) => {
-                queued.pass_on = false;
-                return granted(lease);
-            }
+            Ok(Ok(Acquired::Granted(lease))) => return granted(lease),
             Ok(Ok(refused)) => {
                 full = match refused {
                     Acquired::PerKeyFull => Saturated::PerKey,
