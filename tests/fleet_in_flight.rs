@@ -551,3 +551,98 @@ async fn a_slot_freed_by_another_instance_reaches_every_waiter() {
     // Admitted within a few polls of the release, not at the deadline.
     assert!(w2.1 < HOLD + Duration::from_millis(800), "{w2:?}");
 }
+
+/// The calls of the lease script Redis has run since its stats were reset.
+fn lease_calls(redis: &RedisServer) -> u64 {
+    let stats = redis.query(&["INFO", "commandstats"]).unwrap();
+    ["evalsha", "eval"]
+        .iter()
+        .filter_map(|cmd| {
+            stats
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("cmdstat_{cmd}:calls=")))
+                .and_then(|rest| rest.split(',').next()?.parse::<u64>().ok())
+        })
+        .sum()
+}
+
+/// Found in review: with Redis stopped for seconds and long leases, each
+/// request whose acquire timed out retried its release on its own, with
+/// every attempt queued in the stalled server: 200 requests over 6 s made
+/// Redis run 1,801 calls on resuming. Now failed releases wait in one
+/// queue per layer, retried one at a time, at most
+/// `MAX_PENDING_RELEASES` (1024) of them; beyond that a lease is left to
+/// expire, and counted.
+#[tokio::test(flavor = "multi_thread")]
+async fn releases_retried_during_a_stall_are_bounded() {
+    use tower::ServiceExt;
+    const REQUESTS: u64 = 1100;
+    const MAX_PENDING: u64 = 1024;
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url())
+        .unwrap()
+        .timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let leases: Arc<dyn LeaseStore> = Arc::new(store.clone());
+    let limit = ConcurrencyLimitLayer::new("held")
+        .unwrap()
+        .global(n(100_000))
+        .shared(leases)
+        .lease_ttl(Duration::from_secs(3600))
+        .on_lease_error(OnLeaseError::FailClosed);
+    let app = Router::new()
+        .route("/", get(|| async { "done" }))
+        .route_layer(limit.clone());
+    // Warm: the script is loaded, the connection made.
+    assert_eq!(
+        app.clone().oneshot(get_request()).await.unwrap().status(),
+        StatusCode::OK
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    redis.query(&["CONFIG", "RESETSTAT"]).unwrap();
+    redis.signal("STOP");
+    let stopped = Instant::now();
+    let requests: Vec<_> = (0..REQUESTS)
+        .map(|_| tokio::spawn(app.clone().oneshot(get_request())))
+        .collect();
+    for r in requests {
+        assert_eq!(
+            r.await.unwrap().unwrap().status(),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+    }
+    tokio::time::sleep(Duration::from_secs(5).saturating_sub(stopped.elapsed())).await;
+    redis.signal("CONT");
+    // Wait for the retries to drain (the pause between them is at most 5 s).
+    let resumed = Instant::now();
+    let mut last = (u64::MAX, Instant::now());
+    loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let calls = lease_calls(&redis);
+        if calls != last.0 {
+            last = (calls, Instant::now());
+        } else if last.1.elapsed() > Duration::from_secs(6) {
+            break;
+        }
+        assert!(resumed.elapsed() < Duration::from_secs(40), "still calling");
+    }
+    let calls = last.0;
+    let abandoned = limit.stats().releases_abandoned;
+    let left: u64 = leases_left(&redis).parse().unwrap();
+    eprintln!(
+        "{REQUESTS} requests during a 5 s stall: {calls} lease calls run; \
+         {abandoned} releases given up, {left} leases left to expire"
+    );
+    // Each request's acquire, one release per queued lease, and the few
+    // retries of the one task (the old code: several per request).
+    assert!(
+        calls <= REQUESTS + MAX_PENDING + 20,
+        "{calls} calls for {REQUESTS} requests"
+    );
+    assert_eq!(abandoned, REQUESTS - MAX_PENDING);
+    // Every lease queued was released: those left are the abandoned ones.
+    assert!(left <= abandoned, "{left} left, {abandoned} abandoned");
+}

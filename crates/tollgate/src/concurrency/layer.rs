@@ -223,10 +223,11 @@ impl ConcurrencyLimitLayer {
         if let Some(fleet) = &self.config.fleet {
             // Leases held count in `limiter` too (as do requests counted
             // locally when the store fails, OnLeaseError::Local).
-            let (_held, waiting, peak, expired) = fleet.counts();
+            let (_held, waiting, peak, expired, abandoned) = fleet.counts();
             stats.waiting += waiting;
             stats.peak_waiting = stats.peak_waiting.max(peak);
             stats.leases_expired = expired;
+            stats.releases_abandoned = abandoned;
         }
         stats
     }

@@ -50,6 +50,7 @@ mod future;
 mod in_flight;
 mod layer;
 mod limiter;
+mod release;
 mod service;
 
 pub use body::PermitBody;
