@@ -336,7 +336,7 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
     // leases of 2 s, renewed every 2/3 s, so a dead instance's slots are
     // free again at most 2 s after its last renewal.
     let in_flight = match options.leases {
-        Some(leases) => in_flight.shared(leases).lease_ttl(SLOW_LEASE),
+        Some(leases) => in_flight.shared(leases)?.lease_ttl(SLOW_LEASE)?,
         None => in_flight,
     };
     let slow_route = get(slow)

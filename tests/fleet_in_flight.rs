@@ -219,7 +219,9 @@ fn streaming_app(store: &RedisStore, wait: Option<Duration>, on_error: OnLeaseEr
         .unwrap()
         .per_key(n(1), [KeyPart::ClientIp])
         .shared(leases)
+        .unwrap()
         .lease_ttl(Duration::from_millis(300))
+        .unwrap()
         .poll_every(Duration::from_millis(20))
         .on_lease_error(on_error);
     if let Some(wait) = wait {
@@ -248,7 +250,12 @@ async fn leases_are_renewed_while_the_body_streams_and_waiters_poll_across_insta
     let Some(redis) = RedisServer::start() else {
         return;
     };
-    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    // Its timeout a third of the 300 ms leases at most (the layer's rule).
+    let store = RedisStore::builder(&redis.url())
+        .unwrap()
+        .timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
     let first = serve(streaming_app(&store, None, OnLeaseError::FailClosed)).await;
     let second = serve(streaming_app(&store, None, OnLeaseError::FailClosed)).await;
     let waiting = serve(streaming_app(
@@ -286,7 +293,7 @@ async fn leases_are_renewed_while_the_body_streams_and_waiters_poll_across_insta
     assert!(waited < Duration::from_millis(1600), "{waited:?}");
 }
 
-/// Redis stopped (`SIGSTOP`) past the store's timeout: each outcome within
+/// Redis stopped (`SIGSTOP`) past the store's timeout (100 ms): each outcome within
 /// the timeout, as configured; after `SIGCONT` the limit works again, and
 /// the acquire that timed out (Redis ran it on resuming) was given back.
 #[tokio::test(flavor = "multi_thread")]
@@ -296,7 +303,7 @@ async fn a_stopped_redis_gets_the_configured_outcome_and_leaks_no_lease() {
     };
     let store = RedisStore::builder(&redis.url())
         .unwrap()
-        .timeout(Duration::from_millis(200))
+        .timeout(Duration::from_millis(100))
         .build()
         .unwrap();
     let closed = serve(streaming_app(&store, None, OnLeaseError::FailClosed)).await;
@@ -351,7 +358,9 @@ fn held_app(store: &RedisStore, global: usize, hold: Duration, wait: Option<Dura
         .unwrap()
         .global(n(global))
         .shared(leases)
+        .unwrap()
         .lease_ttl(Duration::from_secs(10))
+        .unwrap()
         .poll_every(Duration::from_millis(20))
         .on_lease_error(OnLeaseError::Local);
     if let Some(wait) = wait {
@@ -591,7 +600,9 @@ async fn releases_retried_during_a_stall_are_bounded() {
         .unwrap()
         .global(n(100_000))
         .shared(leases)
+        .unwrap()
         .lease_ttl(Duration::from_secs(3600))
+        .unwrap()
         .on_lease_error(OnLeaseError::FailClosed);
     let app = Router::new()
         .route("/", get(|| async { "done" }))
@@ -645,4 +656,54 @@ async fn releases_retried_during_a_stall_are_bounded() {
     assert_eq!(abandoned, REQUESTS - MAX_PENDING);
     // Every lease queued was released: those left are the abandoned ones.
     assert!(left <= abandoned, "{left} left, {abandoned} abandoned");
+}
+
+/// Found in review: nothing related the lease to the store's timeout; a
+/// lease of 100 ms on a store that may take 200 ms lets a renewal arrive
+/// after the lease expired, and others take the slot of a request still
+/// running. Now a lease shorter than three store timeouts is refused,
+/// whichever is set first.
+#[test]
+fn a_lease_shorter_than_three_store_timeouts_is_refused() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let _inside = runtime.enter();
+    // Never connected: the check needs only the store's timeout.
+    let store = RedisStore::builder("redis://127.0.0.1:1")
+        .unwrap()
+        .timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let leases: Arc<dyn LeaseStore> = Arc::new(store);
+    let layer = || ConcurrencyLimitLayer::new("ttl").unwrap().global(n(2));
+    let shared = layer().shared(leases.clone()).unwrap();
+    let error = shared
+        .clone()
+        .lease_ttl(Duration::from_millis(100))
+        .unwrap_err();
+    assert_eq!(
+        (error.ttl(), error.timeout()),
+        (Duration::from_millis(100), Duration::from_millis(200))
+    );
+    let text = error.to_string();
+    assert!(text.contains("lease_ttl 100ms") && text.contains("600ms"), "{text}");
+    assert!(
+        shared
+            .clone()
+            .lease_ttl(Duration::from_millis(599))
+            .is_err()
+    );
+    assert!(shared.lease_ttl(Duration::from_millis(600)).is_ok());
+    // Set before sharing: checked when shared.
+    let early = layer().lease_ttl(Duration::from_millis(100)).unwrap();
+    assert!(early.shared(leases.clone()).is_err());
+    // The default lease (10 s) fits a store timeout up to 3.33 s.
+    let slow = RedisStore::builder("redis://127.0.0.1:1")
+        .unwrap()
+        .timeout(Duration::from_secs(4))
+        .build()
+        .unwrap();
+    assert!(layer().shared(Arc::new(slow)).is_err());
 }

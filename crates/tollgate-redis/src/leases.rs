@@ -8,6 +8,7 @@
 //! script, on one node of a cluster.
 
 use std::sync::LazyLock;
+use std::time::Duration;
 
 use tollgate_core::{
     Acquired, Lease, LeaseRequest, LeaseStore, StoreError, StoreErrorKind, StoreFuture,
@@ -140,6 +141,13 @@ impl LeaseStore for RedisStore {
                 other => Err(unexpected("renew", other)),
             }
         })
+    }
+
+    /// The store's time limit per call ([`RedisStoreBuilder::timeout`]).
+    ///
+    /// [`RedisStoreBuilder::timeout`]: crate::RedisStoreBuilder::timeout
+    fn timeout(&self) -> Option<Duration> {
+        Some(self.inner.timeout)
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> StoreFuture<'a, Result<(), StoreError>> {
