@@ -80,6 +80,7 @@ mod cache;
 mod leases;
 mod redact;
 mod script;
+mod sentinel;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -97,6 +98,8 @@ use tollgate_core::{
 
 pub use cache::CacheStats;
 pub use redact::redact_url;
+pub use sentinel::DEFAULT_SENTINEL_CHECK;
+use sentinel::SentinelConn;
 use cache::OverLimitCache;
 /// The redis-rs this store is built on, for connections you hand it
 /// ([`RedisStore::with_connection_manager`]).
@@ -113,36 +116,7 @@ enum TimeSource {
 enum Conn {
     Single(ConnectionManager),
     Cluster(Box<ClusterConn>),
-    Sentinel(Box<SentinelConn>),
-}
-
-/// The master of a Sentinel-monitored group, found through its sentinels
-/// and found again after a failover.
-struct SentinelConn {
-    sentinel: tokio::sync::Mutex<redis::sentinel::SentinelClient>,
-    /// The connection to the master last found; cleared when a call fails
-    /// in a way that says the master may have moved.
-    master: tokio::sync::Mutex<Option<ConnectionManager>>,
-    config: redis::aio::ConnectionManagerConfig,
-}
-
-impl SentinelConn {
-    /// The master's connection, asking the sentinels when there is none.
-    async fn master(&self) -> redis::RedisResult<ConnectionManager> {
-        let mut master = self.master.lock().await;
-        if let Some(m) = &*master {
-            return Ok(m.clone());
-        }
-        let client = self.sentinel.lock().await.async_get_client().await?;
-        let manager = ConnectionManager::new_with_config(client, self.config.clone()).await?;
-        *master = Some(manager.clone());
-        Ok(manager)
-    }
-
-    /// Forgets the master's connection: the next call asks the sentinels.
-    async fn lost(&self) {
-        *self.master.lock().await = None;
-    }
+    Sentinel(Arc<SentinelConn>),
 }
 
 /// A cluster connection, made on first use (or given).
@@ -177,6 +151,7 @@ pub struct RedisStoreBuilder {
     time: TimeSource,
     split: bool,
     cache: Option<usize>,
+    sentinel_check: Duration,
 }
 
 enum Target {
@@ -186,8 +161,8 @@ enum Target {
     Manager(ConnectionManager),
     /// A cluster connection the application made.
     ClusterConnection(ClusterConnection),
-    /// The master of a Sentinel-monitored group.
-    Sentinel(redis::sentinel::SentinelClient),
+    /// The master of a Sentinel-monitored group, and the group's name.
+    Sentinel(redis::sentinel::SentinelClient, String),
 }
 
 impl fmt::Debug for RedisStoreBuilder {
@@ -291,6 +266,19 @@ impl RedisStoreBuilder {
         self
     }
 
+    /// How often a store on a Sentinel-monitored master
+    /// ([`RedisStore::sentinel_builder`]) asks the sentinels where the
+    /// master is (default [`DEFAULT_SENTINEL_CHECK`], 1 s); no effect on
+    /// other stores. After a failover, calls go to the new master within
+    /// about this long, even while the demoted master still accepts writes
+    /// (which it then loses). The check runs in the background, at most
+    /// one at a time, started by a call when the last is older than this:
+    /// one round trip to a sentinel per interval, none added to a call.
+    pub fn sentinel_check_every(mut self, every: Duration) -> Self {
+        self.sentinel_check = every;
+        self
+    }
+
     /// Charges keys slot by slot with compensating refunds even on a single
     /// node, as on a cluster. For tests of that path; a cluster store always
     /// does this when a request's keys span slots.
@@ -376,11 +364,13 @@ impl RedisStoreBuilder {
                 conn: OnceCell::new(),
             })),
             Target::Manager(manager) => Conn::Single(manager),
-            Target::Sentinel(client) => Conn::Sentinel(Box::new(SentinelConn {
-                sentinel: tokio::sync::Mutex::new(client),
-                master: tokio::sync::Mutex::new(None),
-                config: manager_config(self.timeout),
-            })),
+            Target::Sentinel(client, name) => Conn::Sentinel(Arc::new(SentinelConn::new(
+                client,
+                name,
+                manager_config(self.timeout),
+                self.timeout,
+                self.sentinel_check,
+            ))),
             Target::ClusterConnection(conn) => Conn::Cluster(Box::new(ClusterConn {
                 client: None,
                 conn: OnceCell::new_with(Some(conn)),
@@ -503,10 +493,13 @@ impl RedisStore {
     /// A builder for the master of the Sentinel-monitored group `master`,
     /// found through any of `sentinels` (`redis://host:port` URLs of
     /// sentinels). After a failover the store finds the new master by
-    /// itself: a call that fails because the master went away or became a
-    /// replica (`READONLY`) gets the configured store-failure outcome, and
-    /// the next call asks the sentinels again. What a failover can lose,
-    /// see the crate docs.
+    /// itself: it asks the sentinels where the master is every
+    /// [`sentinel_check_every`](RedisStoreBuilder::sentinel_check_every)
+    /// (1 s by default) in the background and switches when it moved, and
+    /// a call that fails because the master went away or became a replica
+    /// (`READONLY`) gets the configured store-failure outcome, and the
+    /// next call asks the sentinels again. What a failover can lose, see
+    /// the README.
     pub fn sentinel_builder(
         sentinels: &[&str],
         master: &str,
@@ -550,7 +543,7 @@ impl RedisStore {
         .map_err(|e| {
             StoreError::new(StoreErrorKind::Config, "invalid Redis Sentinel nodes").with_source(e)
         })?;
-        Ok(Self::builder_for(Target::Sentinel(client)))
+        Ok(Self::builder_for(Target::Sentinel(client, master.to_owned())))
     }
 
     /// The SHA-1 the store calls the script by (`EVALSHA`).
@@ -569,6 +562,7 @@ impl RedisStore {
             time: TimeSource::Server,
             split: false,
             cache: None,
+            sentinel_check: DEFAULT_SENTINEL_CHECK,
         }
     }
 
