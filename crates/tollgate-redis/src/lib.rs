@@ -140,10 +140,10 @@ pub const DEFAULT_OVER_LIMIT_CACHE: usize = 65_536;
 #[must_use]
 pub struct RedisStoreBuilder {
     target: Target,
-    /// The URL of a single server, to rebuild the client with TLS
-    /// certificates.
+    /// The URLs the target was made from (a single server's, or a
+    /// cluster's nodes), to rebuild its client with TLS certificates.
     #[cfg_attr(not(feature = "tls"), allow(dead_code))]
-    url: Option<String>,
+    urls: Vec<String>,
     #[cfg(feature = "tls")]
     tls: Option<redis::TlsCertificates>,
     prefix: String,
@@ -186,6 +186,60 @@ fn manager_config(timeout: Duration) -> redis::aio::ConnectionManagerConfig {
         .set_number_of_retries(1)
         .set_min_delay(Duration::from_millis(20))
         .set_max_delay(Duration::from_millis(500))
+}
+
+/// `target` rebuilt to use `certs` (a private CA, a client certificate)
+/// for its `rediss://` URLs `urls`: a single server's, or every cluster
+/// node's (nodes found later get the same certificates).
+#[cfg(feature = "tls")]
+fn with_certificates(
+    target: Target,
+    urls: &[String],
+    certs: redis::TlsCertificates,
+) -> Result<Target, StoreError> {
+    if let Some(url) = urls.iter().find(|u| !u.starts_with("rediss://")) {
+        return Err(StoreError::new(
+            StoreErrorKind::Config,
+            format!(
+                "TLS certificates were given for {}, which is not a rediss:// URL",
+                redact_url(url)
+            ),
+        ));
+    }
+    let pem = |bytes: &[u8]| String::from_utf8_lossy(bytes).contains("-----BEGIN CERTIFICATE-----");
+    if certs.root_cert.as_deref().is_some_and(|ca| !pem(ca)) {
+        return Err(StoreError::new(
+            StoreErrorKind::Config,
+            "the CA given for Redis TLS holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
+        ));
+    }
+    install_crypto_provider();
+    let invalid = |e: redis::RedisError| {
+        StoreError::new(
+            StoreErrorKind::Config,
+            "invalid TLS certificates or key for Redis",
+        )
+        .with_source(e)
+    };
+    match (target, urls) {
+        (Target::Single(_), [url]) => Ok(Target::Single(
+            redis::Client::build_with_tls(url.as_str(), certs).map_err(invalid)?,
+        )),
+        (Target::Cluster(_), nodes) if !nodes.is_empty() => Ok(Target::Cluster(
+            // No resends by redis-rs, as in `cluster_builder`.
+            redis::cluster::ClusterClient::builder(nodes.to_vec())
+                .retries(0)
+                .certs(certs)
+                .build()
+                .map_err(invalid)?,
+        )),
+        _ => Err(StoreError::new(
+            StoreErrorKind::Config,
+            "TLS certificates are set on RedisStore::builder and cluster_builder only (a \
+             connection you made carries its own TLS settings; Sentinel masters over TLS are \
+             not supported)",
+        )),
+    }
 }
 
 fn config_error(e: impl std::error::Error + Send + Sync + 'static, what: &str) -> StoreError {
@@ -232,8 +286,9 @@ impl RedisStoreBuilder {
     }
 
     /// Trusts `ca_pem` (a PEM certificate, or several) for a `rediss://`
-    /// server instead of the system's roots: a managed Redis with a private
-    /// CA, or your own. Feature `tls`.
+    /// server, or every node of a `rediss://` cluster
+    /// ([`RedisStore::cluster_builder`]), instead of the system's roots: a
+    /// managed Redis with a private CA, or your own. Feature `tls`.
     #[cfg(feature = "tls")]
     pub fn tls_root_certificate(mut self, ca_pem: impl Into<Vec<u8>>) -> Self {
         self.tls
@@ -246,8 +301,8 @@ impl RedisStoreBuilder {
     }
 
     /// Presents `cert_pem` with its private key `key_pem` to a `rediss://`
-    /// server that asks clients for certificates (mutual TLS). Feature
-    /// `tls`.
+    /// server (or each node of a `rediss://` cluster) that asks clients
+    /// for certificates (mutual TLS). Feature `tls`.
     #[cfg(feature = "tls")]
     pub fn tls_client_certificate(
         mut self,
@@ -309,45 +364,9 @@ impl RedisStoreBuilder {
     /// inside a tokio runtime.
     pub fn build(self) -> Result<RedisStore, StoreError> {
         #[cfg(feature = "tls")]
-        let target = match (self.tls, &self.url) {
-            (Some(_), Some(url)) if !url.starts_with("rediss://") => {
-                return Err(StoreError::new(
-                    StoreErrorKind::Config,
-                    format!(
-                        "TLS certificates were given for {}, which is not a rediss:// URL",
-                        redact_url(url)
-                    ),
-                ));
-            }
-            (Some(certs), Some(url)) => {
-                let pem = |bytes: &[u8]| {
-                    String::from_utf8_lossy(bytes).contains("-----BEGIN CERTIFICATE-----")
-                };
-                if certs.root_cert.as_deref().is_some_and(|ca| !pem(ca)) {
-                    return Err(StoreError::new(
-                        StoreErrorKind::Config,
-                        "the CA given for Redis TLS holds no PEM certificate \
-                         (-----BEGIN CERTIFICATE-----)",
-                    ));
-                }
-                install_crypto_provider();
-                Target::Single(
-                    redis::Client::build_with_tls(url.as_str(), certs).map_err(|e| {
-                        StoreError::new(
-                            StoreErrorKind::Config,
-                            "invalid TLS certificates or key for Redis",
-                        )
-                        .with_source(e)
-                    })?,
-                )
-            }
-            (Some(_), None) => {
-                return Err(StoreError::new(
-                    StoreErrorKind::Config,
-                    "TLS certificates are set on the URL's builder (RedisStore::builder) only",
-                ));
-            }
-            (None, _) => {
+        let target = match self.tls {
+            Some(certs) => with_certificates(self.target, &self.urls, certs)?,
+            None => {
                 install_crypto_provider();
                 self.target
             }
@@ -444,7 +463,7 @@ impl RedisStore {
             .with_source(e)
         })?;
         Ok(RedisStoreBuilder {
-            url: Some(url.to_owned()),
+            urls: vec![url.to_owned()],
             ..Self::builder_for(Target::Single(client))
         })
     }
@@ -462,7 +481,10 @@ impl RedisStore {
                 StoreError::new(StoreErrorKind::Config, "invalid Redis Cluster nodes")
                     .with_source(e)
             })?;
-        Ok(Self::builder_for(Target::Cluster(client)))
+        Ok(RedisStoreBuilder {
+            urls: nodes.iter().map(|n| (*n).to_owned()).collect(),
+            ..Self::builder_for(Target::Cluster(client))
+        })
     }
 
     /// A builder for a store on a connection your application already
@@ -554,7 +576,7 @@ impl RedisStore {
     fn builder_for(target: Target) -> RedisStoreBuilder {
         RedisStoreBuilder {
             target,
-            url: None,
+            urls: Vec::new(),
             #[cfg(feature = "tls")]
             tls: None,
             prefix: "tollgate".to_owned(),
