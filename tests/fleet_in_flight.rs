@@ -688,7 +688,10 @@ fn a_lease_shorter_than_three_store_timeouts_is_refused() {
         (Duration::from_millis(100), Duration::from_millis(200))
     );
     let text = error.to_string();
-    assert!(text.contains("lease_ttl 100ms") && text.contains("600ms"), "{text}");
+    assert!(
+        text.contains("lease_ttl 100ms") && text.contains("600ms"),
+        "{text}"
+    );
     assert!(
         shared
             .clone()

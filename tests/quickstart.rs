@@ -494,9 +494,15 @@ fn no_redis_password_is_printed() {
     for (args, secret) in [
         (&["--store", "redis://:s3cr/etPW@127.0.0.1:1"][..], "etPW"),
         (&["--store", "redis://:s3cr/etPW@127.0.0.1:1"], "s3cr"),
-        (&["--store", "redis+unix:///tmp/r.sock?pass=hunter2"], "hunter2"),
         (
-            &["--store", "redis+unix:///tmp/r.sock?user=ops&password=hunter2"],
+            &["--store", "redis+unix:///tmp/r.sock?pass=hunter2"],
+            "hunter2",
+        ),
+        (
+            &[
+                "--store",
+                "redis+unix:///tmp/r.sock?user=ops&password=hunter2",
+            ],
             "hunter2",
         ),
         (&["--store", "http://:secretPW@127.0.0.1:1"], "secretPW"),

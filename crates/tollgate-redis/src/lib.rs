@@ -97,14 +97,14 @@ use tollgate_core::{
 };
 
 pub use cache::CacheStats;
-pub use redact::redact_url;
-pub use sentinel::DEFAULT_SENTINEL_CHECK;
-use sentinel::SentinelConn;
 use cache::OverLimitCache;
+pub use redact::redact_url;
 /// The redis-rs this store is built on, for connections you hand it
 /// ([`RedisStore::with_connection_manager`]).
 pub use redis;
 use script::{Mode, Prepared};
+pub use sentinel::DEFAULT_SENTINEL_CHECK;
+use sentinel::SentinelConn;
 
 /// Where time comes from.
 #[derive(Clone)]
@@ -565,7 +565,10 @@ impl RedisStore {
         .map_err(|e| {
             StoreError::new(StoreErrorKind::Config, "invalid Redis Sentinel nodes").with_source(e)
         })?;
-        Ok(Self::builder_for(Target::Sentinel(client, master.to_owned())))
+        Ok(Self::builder_for(Target::Sentinel(
+            client,
+            master.to_owned(),
+        )))
     }
 
     /// The SHA-1 the store calls the script by (`EVALSHA`).

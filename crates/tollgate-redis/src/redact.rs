@@ -131,7 +131,10 @@ mod tests {
                 "redis+unix:///tmp/r.sock?PASS=***&p%61ss=***",
             ),
             ("rediss://h:1/#insecure", "rediss://h:1/#insecure"),
-            ("redis://h:1/0?protocol=resp3", "redis://h:1/0?protocol=resp3"),
+            (
+                "redis://h:1/0?protocol=resp3",
+                "redis://h:1/0?protocol=resp3",
+            ),
             // An `@` in the query hides the host too (too much is fine),
             // and the parameters after it are still redacted.
             (

@@ -146,12 +146,15 @@ impl SentinelConn {
             // Bounded: a sentinel that does not answer must not stop the
             // checks for good.
             let bound = this.timeout.saturating_mul(4).max(Duration::from_secs(1));
-            if let Err(e) = tokio::time::timeout(bound, this.check()).await.unwrap_or_else(|_| {
-                Err(redis::RedisError::from((
-                    redis::ErrorKind::Io,
-                    "no answer from the sentinels in time",
-                )))
-            }) {
+            if let Err(e) = tokio::time::timeout(bound, this.check())
+                .await
+                .unwrap_or_else(|_| {
+                    Err(redis::RedisError::from((
+                        redis::ErrorKind::Io,
+                        "no answer from the sentinels in time",
+                    )))
+                })
+            {
                 tracing::debug!(error = %e, "checking the Sentinel master's address failed");
             }
             this.checking.store(false, Ordering::Release);
@@ -194,7 +197,12 @@ impl SentinelConn {
         let conn = match &mut *watch {
             Some(conn) => conn,
             None => {
-                let client = self.sentinel.lock().await.async_get_sentinel_client().await?;
+                let client = self
+                    .sentinel
+                    .lock()
+                    .await
+                    .async_get_sentinel_client()
+                    .await?;
                 let config = redis::AsyncConnectionConfig::new()
                     .set_connection_timeout(Some(self.timeout))
                     .set_response_timeout(Some(self.timeout));

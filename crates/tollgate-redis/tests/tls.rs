@@ -261,5 +261,9 @@ async fn a_tls_cluster_with_a_private_ca() {
         .build()
         .unwrap_err();
     assert_eq!(plain.kind(), StoreErrorKind::Config);
-    assert!(chain(&plain).contains("not a rediss:// URL"), "{}", chain(&plain));
+    assert!(
+        chain(&plain).contains("not a rediss:// URL"),
+        "{}",
+        chain(&plain)
+    );
 }

@@ -116,7 +116,8 @@ mod response;
 
 pub use body::ResponseBody;
 pub use concurrency::{
-    ConcurrencyLimit, ConcurrencyLimitLayer, InvalidLease, MIN_LEASE_PER_STORE_TIMEOUT, OnLeaseError,
+    ConcurrencyLimit, ConcurrencyLimitLayer, InvalidLease, MIN_LEASE_PER_STORE_TIMEOUT,
+    OnLeaseError,
 };
 pub use identity::{
     ClientIp, ClientIpError, ClientIpResolver, CustomPart, ForwardedHeader, InvalidNetwork,

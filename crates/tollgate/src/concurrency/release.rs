@@ -133,7 +133,11 @@ async fn retry(fleet: Arc<Fleet>) {
             let next = {
                 let mut pending = fleet.releases.lock();
                 let now = tokio::time::Instant::now();
-                while pending.queue.front().is_some_and(|(_, until)| *until <= now) {
+                while pending
+                    .queue
+                    .front()
+                    .is_some_and(|(_, until)| *until <= now)
+                {
                     pending.queue.pop_front();
                 }
                 match pending.queue.pop_front() {
