@@ -137,9 +137,12 @@ fn parse_args() -> Result<Args, String> {
                     .iter()
                     .any(|scheme| v.starts_with(scheme))
                 {
+                    // Redacted: a URL with a wrong scheme still carries
+                    // its password.
                     return Err(format!(
-                        "--store {v:?}: only redis://, rediss:// and redis+unix:// URLs are \
-                         supported (the default is in-memory)"
+                        "--store {:?}: only redis://, rediss:// and redis+unix:// URLs are \
+                         supported (the default is in-memory)",
+                        tollgate::redis::redact_url(&v)
                     ));
                 }
                 args.store = Some(v);
@@ -160,7 +163,13 @@ fn parse_args() -> Result<Args, String> {
             }
             "--demo" => args.demo = true,
             "-h" | "--help" => return Err(USAGE.to_owned()),
-            other => return Err(format!("unknown argument {other:?}\n{USAGE}")),
+            // Redacted: `--store=redis://:pw@host` lands here.
+            other => {
+                return Err(format!(
+                    "unknown argument {:?}\n{USAGE}",
+                    tollgate::redis::redact_url(other)
+                ));
+            }
         }
     }
     Ok(args)
@@ -327,7 +336,7 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
     // leases of 2 s, renewed every 2/3 s, so a dead instance's slots are
     // free again at most 2 s after its last renewal.
     let in_flight = match options.leases {
-        Some(leases) => in_flight.shared(leases).lease_ttl(SLOW_LEASE),
+        Some(leases) => in_flight.shared(leases)?.lease_ttl(SLOW_LEASE)?,
         None => in_flight,
     };
     let slow_route = get(slow)

@@ -219,7 +219,9 @@ fn streaming_app(store: &RedisStore, wait: Option<Duration>, on_error: OnLeaseEr
         .unwrap()
         .per_key(n(1), [KeyPart::ClientIp])
         .shared(leases)
+        .unwrap()
         .lease_ttl(Duration::from_millis(300))
+        .unwrap()
         .poll_every(Duration::from_millis(20))
         .on_lease_error(on_error);
     if let Some(wait) = wait {
@@ -248,7 +250,12 @@ async fn leases_are_renewed_while_the_body_streams_and_waiters_poll_across_insta
     let Some(redis) = RedisServer::start() else {
         return;
     };
-    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    // Its timeout a third of the 300 ms leases at most (the layer's rule).
+    let store = RedisStore::builder(&redis.url())
+        .unwrap()
+        .timeout(Duration::from_millis(100))
+        .build()
+        .unwrap();
     let first = serve(streaming_app(&store, None, OnLeaseError::FailClosed)).await;
     let second = serve(streaming_app(&store, None, OnLeaseError::FailClosed)).await;
     let waiting = serve(streaming_app(
@@ -286,7 +293,7 @@ async fn leases_are_renewed_while_the_body_streams_and_waiters_poll_across_insta
     assert!(waited < Duration::from_millis(1600), "{waited:?}");
 }
 
-/// Redis stopped (`SIGSTOP`) past the store's timeout: each outcome within
+/// Redis stopped (`SIGSTOP`) past the store's timeout (100 ms): each outcome within
 /// the timeout, as configured; after `SIGCONT` the limit works again, and
 /// the acquire that timed out (Redis ran it on resuming) was given back.
 #[tokio::test(flavor = "multi_thread")]
@@ -296,7 +303,7 @@ async fn a_stopped_redis_gets_the_configured_outcome_and_leaks_no_lease() {
     };
     let store = RedisStore::builder(&redis.url())
         .unwrap()
-        .timeout(Duration::from_millis(200))
+        .timeout(Duration::from_millis(100))
         .build()
         .unwrap();
     let closed = serve(streaming_app(&store, None, OnLeaseError::FailClosed)).await;
@@ -351,7 +358,9 @@ fn held_app(store: &RedisStore, global: usize, hold: Duration, wait: Option<Dura
         .unwrap()
         .global(n(global))
         .shared(leases)
+        .unwrap()
         .lease_ttl(Duration::from_secs(10))
+        .unwrap()
         .poll_every(Duration::from_millis(20))
         .on_lease_error(OnLeaseError::Local);
     if let Some(wait) = wait {
@@ -494,4 +503,210 @@ async fn local_fallback_counts_the_leases_already_held() {
         app.clone().oneshot(get_request()).await.unwrap().status(),
         StatusCode::OK
     );
+}
+
+/// Found in review: two waiters queued while another instance held both
+/// slots; when it freed both, the first waiter was admitted but the second
+/// never asked again (only the first in line polls, and an admitted waiter
+/// did not hand the turn on), and got 503 at its deadline with a slot
+/// free. Now the turn passes down the line on admission too.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slot_freed_by_another_instance_reaches_every_waiter() {
+    use tollgate::Acquired;
+    use tollgate::LeaseRequest;
+    use tower::ServiceExt;
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    // Each admitted request holds its slot for `HOLD`, longer than the
+    // wait: a slot this instance frees cannot be what admits the second.
+    const HOLD: Duration = Duration::from_millis(3000);
+    let app = held_app(&store, 2, HOLD, Some(Duration::from_secs(2)));
+    // The other instance: its own store, holding both slots.
+    let other = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    let request = LeaseRequest {
+        limit: "held".into(),
+        key: None,
+        per_key: None,
+        global: Some(2),
+        ttl: Duration::from_secs(10),
+    };
+    let mut held = Vec::new();
+    for id in 1..=2 {
+        match other.acquire(&request, id).await.unwrap() {
+            Acquired::Granted(lease) => held.push(lease),
+            refused => panic!("{refused:?}"),
+        }
+    }
+    let started = Instant::now();
+    let call = || {
+        let app = app.clone();
+        tokio::spawn(async move {
+            let status = app.oneshot(get_request()).await.unwrap().status();
+            (status, started.elapsed())
+        })
+    };
+    let w1 = call();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let w2 = call();
+    tokio::time::sleep(Duration::from_millis(250)).await;
+    for lease in &held {
+        other.release(lease).await.unwrap();
+    }
+    let (w1, w2) = (w1.await.unwrap(), w2.await.unwrap());
+    assert_eq!(w1.0, StatusCode::OK, "{w1:?}");
+    assert_eq!(w2.0, StatusCode::OK, "{w2:?}");
+    // Admitted within a few polls of the release, not at the deadline.
+    assert!(w2.1 < HOLD + Duration::from_millis(800), "{w2:?}");
+}
+
+/// The calls of the lease script Redis has run since its stats were reset.
+fn lease_calls(redis: &RedisServer) -> u64 {
+    let stats = redis.query(&["INFO", "commandstats"]).unwrap();
+    ["evalsha", "eval"]
+        .iter()
+        .filter_map(|cmd| {
+            stats
+                .lines()
+                .find_map(|l| l.strip_prefix(&format!("cmdstat_{cmd}:calls=")))
+                .and_then(|rest| rest.split(',').next()?.parse::<u64>().ok())
+        })
+        .sum()
+}
+
+/// Found in review: with Redis stopped for seconds and long leases, each
+/// request whose acquire timed out retried its release on its own, with
+/// every attempt queued in the stalled server: 200 requests over 6 s made
+/// Redis run 1,801 calls on resuming. Now failed releases wait in one
+/// queue per layer, retried one at a time, at most
+/// `MAX_PENDING_RELEASES` (1024) of them; beyond that a lease is left to
+/// expire, and counted.
+#[tokio::test(flavor = "multi_thread")]
+async fn releases_retried_during_a_stall_are_bounded() {
+    use tower::ServiceExt;
+    const REQUESTS: u64 = 1100;
+    const MAX_PENDING: u64 = 1024;
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url())
+        .unwrap()
+        .timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let leases: Arc<dyn LeaseStore> = Arc::new(store.clone());
+    let limit = ConcurrencyLimitLayer::new("held")
+        .unwrap()
+        .global(n(100_000))
+        .shared(leases)
+        .unwrap()
+        .lease_ttl(Duration::from_secs(3600))
+        .unwrap()
+        .on_lease_error(OnLeaseError::FailClosed);
+    let app = Router::new()
+        .route("/", get(|| async { "done" }))
+        .route_layer(limit.clone());
+    // Warm: the script is loaded, the connection made.
+    assert_eq!(
+        app.clone().oneshot(get_request()).await.unwrap().status(),
+        StatusCode::OK
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    redis.query(&["CONFIG", "RESETSTAT"]).unwrap();
+    redis.signal("STOP");
+    let stopped = Instant::now();
+    let requests: Vec<_> = (0..REQUESTS)
+        .map(|_| tokio::spawn(app.clone().oneshot(get_request())))
+        .collect();
+    for r in requests {
+        assert_eq!(
+            r.await.unwrap().unwrap().status(),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+    }
+    tokio::time::sleep(Duration::from_secs(5).saturating_sub(stopped.elapsed())).await;
+    redis.signal("CONT");
+    // Wait for the retries to drain (the pause between them is at most 5 s).
+    let resumed = Instant::now();
+    let mut last = (u64::MAX, Instant::now());
+    loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let calls = lease_calls(&redis);
+        if calls != last.0 {
+            last = (calls, Instant::now());
+        } else if last.1.elapsed() > Duration::from_secs(6) {
+            break;
+        }
+        assert!(resumed.elapsed() < Duration::from_secs(40), "still calling");
+    }
+    let calls = last.0;
+    let abandoned = limit.stats().releases_abandoned;
+    let left: u64 = leases_left(&redis).parse().unwrap();
+    eprintln!(
+        "{REQUESTS} requests during a 5 s stall: {calls} lease calls run; \
+         {abandoned} releases given up, {left} leases left to expire"
+    );
+    // Each request's acquire, one release per queued lease, and the few
+    // retries of the one task (the old code: several per request).
+    assert!(
+        calls <= REQUESTS + MAX_PENDING + 20,
+        "{calls} calls for {REQUESTS} requests"
+    );
+    assert_eq!(abandoned, REQUESTS - MAX_PENDING);
+    // Every lease queued was released: those left are the abandoned ones.
+    assert!(left <= abandoned, "{left} left, {abandoned} abandoned");
+}
+
+/// Found in review: nothing related the lease to the store's timeout; a
+/// lease of 100 ms on a store that may take 200 ms lets a renewal arrive
+/// after the lease expired, and others take the slot of a request still
+/// running. Now a lease shorter than three store timeouts is refused,
+/// whichever is set first.
+#[test]
+fn a_lease_shorter_than_three_store_timeouts_is_refused() {
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let _inside = runtime.enter();
+    // Never connected: the check needs only the store's timeout.
+    let store = RedisStore::builder("redis://127.0.0.1:1")
+        .unwrap()
+        .timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let leases: Arc<dyn LeaseStore> = Arc::new(store);
+    let layer = || ConcurrencyLimitLayer::new("ttl").unwrap().global(n(2));
+    let shared = layer().shared(leases.clone()).unwrap();
+    let error = shared
+        .clone()
+        .lease_ttl(Duration::from_millis(100))
+        .unwrap_err();
+    assert_eq!(
+        (error.ttl(), error.timeout()),
+        (Duration::from_millis(100), Duration::from_millis(200))
+    );
+    let text = error.to_string();
+    assert!(
+        text.contains("lease_ttl 100ms") && text.contains("600ms"),
+        "{text}"
+    );
+    assert!(
+        shared
+            .clone()
+            .lease_ttl(Duration::from_millis(599))
+            .is_err()
+    );
+    assert!(shared.lease_ttl(Duration::from_millis(600)).is_ok());
+    // Set before sharing: checked when shared.
+    let early = layer().lease_ttl(Duration::from_millis(100)).unwrap();
+    assert!(early.shared(leases.clone()).is_err());
+    // The default lease (10 s) fits a store timeout up to 3.33 s.
+    let slow = RedisStore::builder("redis://127.0.0.1:1")
+        .unwrap()
+        .timeout(Duration::from_secs(4))
+        .build()
+        .unwrap();
+    assert!(layer().shared(Arc::new(slow)).is_err());
 }

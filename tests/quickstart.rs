@@ -484,3 +484,38 @@ async fn dave_on_plan_pro_has_the_pro_export_budget() {
     let export = policies.iter().find(|m| m.0 == "export").unwrap();
     assert_eq!(param(export, "q"), Some(3));
 }
+
+/// Found in review: the quickstart printed passwords: one holding `/`
+/// (the redaction took the first `/` as the host's end), credentials in a
+/// `redis+unix://` query (the banner), and any URL with a wrong scheme
+/// (echoed whole). None of them appears in anything it writes now.
+#[test]
+fn no_redis_password_is_printed() {
+    for (args, secret) in [
+        (&["--store", "redis://:s3cr/etPW@127.0.0.1:1"][..], "etPW"),
+        (&["--store", "redis://:s3cr/etPW@127.0.0.1:1"], "s3cr"),
+        (
+            &["--store", "redis+unix:///tmp/r.sock?pass=hunter2"],
+            "hunter2",
+        ),
+        (
+            &[
+                "--store",
+                "redis+unix:///tmp/r.sock?user=ops&password=hunter2",
+            ],
+            "hunter2",
+        ),
+        (&["--store", "http://:secretPW@127.0.0.1:1"], "secretPW"),
+        (&["--store", "rediss://:secretPW@127.0.0.1:1/0"], "secretPW"),
+        (&["--store=redis://:secretPW@127.0.0.1:1"], "secretPW"),
+    ] {
+        let mut all = vec!["--addr", "127.0.0.1:0"];
+        all.extend_from_slice(args);
+        let out = common::example_output("quickstart", &all, std::time::Duration::from_secs(3));
+        assert!(
+            out.contains("store") || out.contains("argument"),
+            "{args:?} said nothing about the store: {out}"
+        );
+        assert!(!out.contains(secret), "{args:?} printed {secret:?}: {out}");
+    }
+}

@@ -250,6 +250,33 @@ fn example_binary(name: &str) -> std::path::PathBuf {
     profile_dir.join("examples").join(name)
 }
 
+/// Everything the example `name` writes (stdout, then stderr) when run
+/// with `args` until it exits or `within` has passed (then it is killed).
+pub fn example_output(name: &str, args: &[&str], within: std::time::Duration) -> String {
+    let mut child = Command::new(example_binary(name))
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("start {name}: {e}"));
+    let drain = |mut pipe: Box<dyn std::io::Read + Send>| {
+        std::thread::spawn(move || {
+            let mut text = String::new();
+            let _ = std::io::Read::read_to_string(&mut pipe, &mut text);
+            text
+        })
+    };
+    let out = drain(Box::new(child.stdout.take().unwrap()));
+    let err = drain(Box::new(child.stderr.take().unwrap()));
+    let deadline = std::time::Instant::now() + within;
+    while child.try_wait().ok().flatten().is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    out.join().unwrap() + &err.join().unwrap()
+}
+
 /// Starts the quickstart on a free port with `args`, waiting for its
 /// "listening on" line.
 pub fn quickstart(args: &[&str]) -> Quickstart {

@@ -70,4 +70,13 @@ pub trait LeaseStore: Send + Sync + 'static {
 
     /// Gives `lease` back (nothing if it had expired).
     fn release<'a>(&'a self, lease: &'a Lease) -> StoreFuture<'a, Result<(), StoreError>>;
+
+    /// The longest a call may take before it fails, if the store bounds
+    /// it: a renewal can reach the store that much after it was sent, so
+    /// a lease must last several times longer (the concurrency layer
+    /// refuses shorter ones). `None` (the default): not known, not
+    /// checked.
+    fn timeout(&self) -> Option<Duration> {
+        None
+    }
 }

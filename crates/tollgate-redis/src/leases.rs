@@ -8,6 +8,7 @@
 //! script, on one node of a cluster.
 
 use std::sync::LazyLock;
+use std::time::Duration;
 
 use tollgate_core::{
     Acquired, Lease, LeaseRequest, LeaseStore, StoreError, StoreErrorKind, StoreFuture,
@@ -18,10 +19,26 @@ use crate::RedisStore;
 /// The longest lease the script is asked for, in ms.
 const MAX_TTL_MS: u64 = 1_000_000_000_000;
 
-static LEASES: LazyLock<redis::Script> =
-    LazyLock::new(|| redis::Script::new(include_str!("leases.lua")));
+/// The lease script's Lua source.
+pub(crate) const SOURCE: &str = include_str!("leases.lua");
+
+static LEASES: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(SOURCE));
 
 impl RedisStore {
+    /// The Lua source of the lease script (fleet-wide in-flight limits:
+    /// acquire, renew, release), for operators who pre-load it (`SCRIPT
+    /// LOAD`) or audit it, as [`RedisStore::script_source`] is for the
+    /// decision script. The store loads it itself when Redis answers
+    /// `NOSCRIPT`.
+    pub fn lease_script_source() -> &'static str {
+        SOURCE
+    }
+
+    /// The SHA-1 the store calls the lease script by (`EVALSHA`).
+    pub fn lease_script_sha() -> String {
+        LEASES.get_hash().to_owned()
+    }
+
     /// The Redis keys of `request`'s leases: the limit's, and its key's.
     pub fn lease_keys(&self, request: &LeaseRequest) -> Vec<String> {
         let tag = format!("{}:{{inflight/{}}}", self.inner.prefix, request.limit);
@@ -65,7 +82,7 @@ impl RedisStore {
             .arg(bounds.1);
         let eval = || {
             let mut cmd = redis::cmd("EVAL");
-            cmd.arg(include_str!("leases.lua")).arg(keys.len());
+            cmd.arg(SOURCE).arg(keys.len());
             for k in &keys {
                 cmd.arg(k);
             }
@@ -124,6 +141,13 @@ impl LeaseStore for RedisStore {
                 other => Err(unexpected("renew", other)),
             }
         })
+    }
+
+    /// The store's time limit per call ([`RedisStoreBuilder::timeout`]).
+    ///
+    /// [`RedisStoreBuilder::timeout`]: crate::RedisStoreBuilder::timeout
+    fn timeout(&self) -> Option<Duration> {
+        Some(self.inner.timeout)
     }
 
     fn release<'a>(&'a self, lease: &'a Lease) -> StoreFuture<'a, Result<(), StoreError>> {

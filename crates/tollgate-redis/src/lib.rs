@@ -78,7 +78,9 @@
 
 mod cache;
 mod leases;
+mod redact;
 mod script;
+mod sentinel;
 #[cfg(feature = "testing")]
 pub mod testing;
 
@@ -97,10 +99,13 @@ use tollgate_core::{
 
 pub use cache::CacheStats;
 use cache::OverLimitCache;
+pub use redact::redact_url;
 /// The redis-rs this store is built on, for connections you hand it
 /// ([`RedisStore::with_connection_manager`]).
 pub use redis;
 use script::{Mode, Prepared};
+pub use sentinel::DEFAULT_SENTINEL_CHECK;
+use sentinel::SentinelConn;
 
 /// Where time comes from.
 #[derive(Clone)]
@@ -112,36 +117,7 @@ enum TimeSource {
 enum Conn {
     Single(ConnectionManager),
     Cluster(Box<ClusterConn>),
-    Sentinel(Box<SentinelConn>),
-}
-
-/// The master of a Sentinel-monitored group, found through its sentinels
-/// and found again after a failover.
-struct SentinelConn {
-    sentinel: tokio::sync::Mutex<redis::sentinel::SentinelClient>,
-    /// The connection to the master last found; cleared when a call fails
-    /// in a way that says the master may have moved.
-    master: tokio::sync::Mutex<Option<ConnectionManager>>,
-    config: redis::aio::ConnectionManagerConfig,
-}
-
-impl SentinelConn {
-    /// The master's connection, asking the sentinels when there is none.
-    async fn master(&self) -> redis::RedisResult<ConnectionManager> {
-        let mut master = self.master.lock().await;
-        if let Some(m) = &*master {
-            return Ok(m.clone());
-        }
-        let client = self.sentinel.lock().await.async_get_client().await?;
-        let manager = ConnectionManager::new_with_config(client, self.config.clone()).await?;
-        *master = Some(manager.clone());
-        Ok(manager)
-    }
-
-    /// Forgets the master's connection: the next call asks the sentinels.
-    async fn lost(&self) {
-        *self.master.lock().await = None;
-    }
+    Sentinel(Arc<SentinelConn>),
 }
 
 /// A cluster connection, made on first use (or given).
@@ -165,10 +141,10 @@ pub const DEFAULT_OVER_LIMIT_CACHE: usize = 65_536;
 #[must_use]
 pub struct RedisStoreBuilder {
     target: Target,
-    /// The URL of a single server, to rebuild the client with TLS
-    /// certificates.
+    /// The URLs the target was made from (a single server's, or a
+    /// cluster's nodes), to rebuild its client with TLS certificates.
     #[cfg_attr(not(feature = "tls"), allow(dead_code))]
-    url: Option<String>,
+    urls: Vec<String>,
     #[cfg(feature = "tls")]
     tls: Option<redis::TlsCertificates>,
     prefix: String,
@@ -176,6 +152,7 @@ pub struct RedisStoreBuilder {
     time: TimeSource,
     split: bool,
     cache: Option<usize>,
+    sentinel_check: Duration,
 }
 
 enum Target {
@@ -185,8 +162,8 @@ enum Target {
     Manager(ConnectionManager),
     /// A cluster connection the application made.
     ClusterConnection(ClusterConnection),
-    /// The master of a Sentinel-monitored group.
-    Sentinel(redis::sentinel::SentinelClient),
+    /// The master of a Sentinel-monitored group, and the group's name.
+    Sentinel(redis::sentinel::SentinelClient, String),
 }
 
 impl fmt::Debug for RedisStoreBuilder {
@@ -212,18 +189,57 @@ fn manager_config(timeout: Duration) -> redis::aio::ConnectionManagerConfig {
         .set_max_delay(Duration::from_millis(500))
 }
 
-/// `url` with any password (and user name) replaced by `***`, for
-/// messages and logs.
-pub fn redact_url(url: &str) -> String {
-    match url.split_once("://") {
-        Some((scheme, rest)) => {
-            let host_start = rest.find('/').unwrap_or(rest.len());
-            match rest[..host_start].rfind('@') {
-                Some(at) => format!("{scheme}://***{}", &rest[at..]),
-                None => url.to_owned(),
-            }
-        }
-        None => url.to_owned(),
+/// `target` rebuilt to use `certs` (a private CA, a client certificate)
+/// for its `rediss://` URLs `urls`: a single server's, or every cluster
+/// node's (nodes found later get the same certificates).
+#[cfg(feature = "tls")]
+fn with_certificates(
+    target: Target,
+    urls: &[String],
+    certs: redis::TlsCertificates,
+) -> Result<Target, StoreError> {
+    if let Some(url) = urls.iter().find(|u| !u.starts_with("rediss://")) {
+        return Err(StoreError::new(
+            StoreErrorKind::Config,
+            format!(
+                "TLS certificates were given for {}, which is not a rediss:// URL",
+                redact_url(url)
+            ),
+        ));
+    }
+    let pem = |bytes: &[u8]| String::from_utf8_lossy(bytes).contains("-----BEGIN CERTIFICATE-----");
+    if certs.root_cert.as_deref().is_some_and(|ca| !pem(ca)) {
+        return Err(StoreError::new(
+            StoreErrorKind::Config,
+            "the CA given for Redis TLS holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
+        ));
+    }
+    install_crypto_provider();
+    let invalid = |e: redis::RedisError| {
+        StoreError::new(
+            StoreErrorKind::Config,
+            "invalid TLS certificates or key for Redis",
+        )
+        .with_source(e)
+    };
+    match (target, urls) {
+        (Target::Single(_), [url]) => Ok(Target::Single(
+            redis::Client::build_with_tls(url.as_str(), certs).map_err(invalid)?,
+        )),
+        (Target::Cluster(_), nodes) if !nodes.is_empty() => Ok(Target::Cluster(
+            // No resends by redis-rs, as in `cluster_builder`.
+            redis::cluster::ClusterClient::builder(nodes.to_vec())
+                .retries(0)
+                .certs(certs)
+                .build()
+                .map_err(invalid)?,
+        )),
+        _ => Err(StoreError::new(
+            StoreErrorKind::Config,
+            "TLS certificates are set on RedisStore::builder and cluster_builder only (a \
+             connection you made carries its own TLS settings; Sentinel masters over TLS are \
+             not supported)",
+        )),
     }
 }
 
@@ -271,8 +287,9 @@ impl RedisStoreBuilder {
     }
 
     /// Trusts `ca_pem` (a PEM certificate, or several) for a `rediss://`
-    /// server instead of the system's roots: a managed Redis with a private
-    /// CA, or your own. Feature `tls`.
+    /// server, or every node of a `rediss://` cluster
+    /// ([`RedisStore::cluster_builder`]), instead of the system's roots: a
+    /// managed Redis with a private CA, or your own. Feature `tls`.
     #[cfg(feature = "tls")]
     pub fn tls_root_certificate(mut self, ca_pem: impl Into<Vec<u8>>) -> Self {
         self.tls
@@ -285,8 +302,8 @@ impl RedisStoreBuilder {
     }
 
     /// Presents `cert_pem` with its private key `key_pem` to a `rediss://`
-    /// server that asks clients for certificates (mutual TLS). Feature
-    /// `tls`.
+    /// server (or each node of a `rediss://` cluster) that asks clients
+    /// for certificates (mutual TLS). Feature `tls`.
     #[cfg(feature = "tls")]
     pub fn tls_client_certificate(
         mut self,
@@ -302,6 +319,19 @@ impl RedisStoreBuilder {
             client_cert: cert_pem.into(),
             client_key: key_pem.into(),
         });
+        self
+    }
+
+    /// How often a store on a Sentinel-monitored master
+    /// ([`RedisStore::sentinel_builder`]) asks the sentinels where the
+    /// master is (default [`DEFAULT_SENTINEL_CHECK`], 1 s); no effect on
+    /// other stores. After a failover, calls go to the new master within
+    /// about this long, even while the demoted master still accepts writes
+    /// (which it then loses). The check runs in the background, at most
+    /// one at a time, started by a call when the last is older than this:
+    /// one round trip to a sentinel per interval, none added to a call.
+    pub fn sentinel_check_every(mut self, every: Duration) -> Self {
+        self.sentinel_check = every;
         self
     }
 
@@ -335,45 +365,9 @@ impl RedisStoreBuilder {
     /// inside a tokio runtime.
     pub fn build(self) -> Result<RedisStore, StoreError> {
         #[cfg(feature = "tls")]
-        let target = match (self.tls, &self.url) {
-            (Some(_), Some(url)) if !url.starts_with("rediss://") => {
-                return Err(StoreError::new(
-                    StoreErrorKind::Config,
-                    format!(
-                        "TLS certificates were given for {}, which is not a rediss:// URL",
-                        redact_url(url)
-                    ),
-                ));
-            }
-            (Some(certs), Some(url)) => {
-                let pem = |bytes: &[u8]| {
-                    String::from_utf8_lossy(bytes).contains("-----BEGIN CERTIFICATE-----")
-                };
-                if certs.root_cert.as_deref().is_some_and(|ca| !pem(ca)) {
-                    return Err(StoreError::new(
-                        StoreErrorKind::Config,
-                        "the CA given for Redis TLS holds no PEM certificate \
-                         (-----BEGIN CERTIFICATE-----)",
-                    ));
-                }
-                install_crypto_provider();
-                Target::Single(
-                    redis::Client::build_with_tls(url.as_str(), certs).map_err(|e| {
-                        StoreError::new(
-                            StoreErrorKind::Config,
-                            "invalid TLS certificates or key for Redis",
-                        )
-                        .with_source(e)
-                    })?,
-                )
-            }
-            (Some(_), None) => {
-                return Err(StoreError::new(
-                    StoreErrorKind::Config,
-                    "TLS certificates are set on the URL's builder (RedisStore::builder) only",
-                ));
-            }
-            (None, _) => {
+        let target = match self.tls {
+            Some(certs) => with_certificates(self.target, &self.urls, certs)?,
+            None => {
                 install_crypto_provider();
                 self.target
             }
@@ -390,11 +384,13 @@ impl RedisStoreBuilder {
                 conn: OnceCell::new(),
             })),
             Target::Manager(manager) => Conn::Single(manager),
-            Target::Sentinel(client) => Conn::Sentinel(Box::new(SentinelConn {
-                sentinel: tokio::sync::Mutex::new(client),
-                master: tokio::sync::Mutex::new(None),
-                config: manager_config(self.timeout),
-            })),
+            Target::Sentinel(client, name) => Conn::Sentinel(Arc::new(SentinelConn::new(
+                client,
+                name,
+                manager_config(self.timeout),
+                self.timeout,
+                self.sentinel_check,
+            ))),
             Target::ClusterConnection(conn) => Conn::Cluster(Box::new(ClusterConn {
                 client: None,
                 conn: OnceCell::new_with(Some(conn)),
@@ -468,7 +464,7 @@ impl RedisStore {
             .with_source(e)
         })?;
         Ok(RedisStoreBuilder {
-            url: Some(url.to_owned()),
+            urls: vec![url.to_owned()],
             ..Self::builder_for(Target::Single(client))
         })
     }
@@ -486,7 +482,10 @@ impl RedisStore {
                 StoreError::new(StoreErrorKind::Config, "invalid Redis Cluster nodes")
                     .with_source(e)
             })?;
-        Ok(Self::builder_for(Target::Cluster(client)))
+        Ok(RedisStoreBuilder {
+            urls: nodes.iter().map(|n| (*n).to_owned()).collect(),
+            ..Self::builder_for(Target::Cluster(client))
+        })
     }
 
     /// A builder for a store on a connection your application already
@@ -517,10 +516,13 @@ impl RedisStore {
     /// A builder for the master of the Sentinel-monitored group `master`,
     /// found through any of `sentinels` (`redis://host:port` URLs of
     /// sentinels). After a failover the store finds the new master by
-    /// itself: a call that fails because the master went away or became a
-    /// replica (`READONLY`) gets the configured store-failure outcome, and
-    /// the next call asks the sentinels again. What a failover can lose,
-    /// see the crate docs.
+    /// itself: it asks the sentinels where the master is every
+    /// [`sentinel_check_every`](RedisStoreBuilder::sentinel_check_every)
+    /// (1 s by default) in the background and switches when it moved, and
+    /// a call that fails because the master went away or became a replica
+    /// (`READONLY`) gets the configured store-failure outcome, and the
+    /// next call asks the sentinels again. What a failover can lose, see
+    /// the README.
     pub fn sentinel_builder(
         sentinels: &[&str],
         master: &str,
@@ -564,7 +566,10 @@ impl RedisStore {
         .map_err(|e| {
             StoreError::new(StoreErrorKind::Config, "invalid Redis Sentinel nodes").with_source(e)
         })?;
-        Ok(Self::builder_for(Target::Sentinel(client)))
+        Ok(Self::builder_for(Target::Sentinel(
+            client,
+            master.to_owned(),
+        )))
     }
 
     /// The SHA-1 the store calls the script by (`EVALSHA`).
@@ -575,7 +580,7 @@ impl RedisStore {
     fn builder_for(target: Target) -> RedisStoreBuilder {
         RedisStoreBuilder {
             target,
-            url: None,
+            urls: Vec::new(),
             #[cfg(feature = "tls")]
             tls: None,
             prefix: "tollgate".to_owned(),
@@ -583,6 +588,7 @@ impl RedisStore {
             time: TimeSource::Server,
             split: false,
             cache: None,
+            sentinel_check: DEFAULT_SENTINEL_CHECK,
         }
     }
 

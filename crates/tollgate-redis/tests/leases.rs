@@ -256,3 +256,35 @@ async fn never_more_than_the_limit_hold_a_key_across_connections_and_processes()
         started.elapsed()
     );
 }
+
+/// Found in review: only the decision script could be pre-loaded. The
+/// lease script's source and SHA are public too: `SCRIPT LOAD` of the
+/// source answers the SHA, and a store then runs it by that SHA without
+/// loading it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lease_script_can_be_preloaded() {
+    let Some(server) = RedisServer::start() else {
+        return;
+    };
+    let sha = server
+        .query(&["SCRIPT", "LOAD", RedisStore::lease_script_source()])
+        .unwrap();
+    assert_eq!(sha, RedisStore::lease_script_sha());
+    assert_ne!(sha, RedisStore::script_sha());
+    let store = RedisStore::builder(&server.url()).unwrap().build().unwrap();
+    let r = request("preload", Some("a"), 1, 1, Duration::from_secs(30));
+    let lease = granted(&store, &r, 1).await;
+    assert!(store.renew(&lease).await.unwrap());
+    store.release(&lease).await.unwrap();
+    let stats = server.query(&["INFO", "commandstats"]).unwrap();
+    let calls = |cmd: &str| {
+        stats
+            .lines()
+            .find_map(|l| l.strip_prefix(&format!("cmdstat_{cmd}:calls=")))
+            .and_then(|rest| rest.split(',').next()?.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    assert_eq!(calls("evalsha"), 3, "{stats}");
+    // Only the test's own SCRIPT LOAD: the store found it loaded.
+    assert_eq!(calls("script|load"), 1, "{stats}");
+}

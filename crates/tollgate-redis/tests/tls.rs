@@ -169,3 +169,101 @@ fn bad_tls_configuration_is_refused_at_build_with_a_reason() {
     );
     assert_eq!(tollgate_redis::redact_url("redis://h:1"), "redis://h:1");
 }
+
+/// Found in review: a cluster over TLS could not trust a private CA
+/// (`tls_root_certificate` on `cluster_builder` was a configuration
+/// error). Now the certificates apply to every node, also those found
+/// through the cluster's slot map: a three-node cluster with TLS on its
+/// client ports and its bus (`tls-cluster yes`), charged across slots
+/// through `rediss://` seeds only; with another CA, nothing is reached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls_cluster_with_a_private_ca() {
+    use tollgate_redis::testing::RedisCluster;
+    let Some(certs) = TestCertificates::generate() else {
+        return;
+    };
+    let tls_ports: Vec<u16> = (0..3).map(|_| free_loopback_port()).collect();
+    let Some(cluster) = RedisCluster::start_with(|i| {
+        let mut args = certs.server_args(tls_ports[i], "server.pem");
+        args.extend(["--tls-cluster".to_owned(), "yes".to_owned()]);
+        args
+    }) else {
+        return;
+    };
+    // One seed: the other nodes are found through it, over TLS.
+    let seed = format!("rediss://127.0.0.1:{}", tls_ports[0]);
+    let store = RedisStore::cluster_builder(&[&seed])
+        .unwrap()
+        .tls_root_certificate(certs.read("ca.pem"))
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    // Keys on every node: each charged twice of two, then refused.
+    let keys: Vec<Charge> = (0..12).map(|i| charge(&format!("node-{i}"))).collect();
+    let slots: std::collections::HashSet<u16> = keys
+        .iter()
+        .map(|c| tollgate_redis::testing::slot(&store.redis_key(c)) / 5462)
+        .collect();
+    assert_eq!(slots.len(), 3, "the keys span the three nodes");
+    for c in &keys {
+        for admitted in [true, true, false] {
+            let outcome = store.charge(std::slice::from_ref(c)).await.unwrap();
+            assert_eq!(outcome.is_admitted(), admitted, "{:?}", c.key());
+        }
+    }
+    // One call spanning slots, charged slot by slot.
+    let fresh: Vec<Charge> = (0..3).map(|i| charge(&format!("span-{i}"))).collect();
+    assert!(store.charge(&fresh).await.unwrap().is_admitted());
+    // The state is on the nodes, seen through their plain ports.
+    let stored = keys
+        .iter()
+        .filter(|c| {
+            cluster.nodes().iter().any(|n| {
+                n.query(&["EXISTS", &store.redis_key(c)])
+                    .is_ok_and(|r| r.trim() == "1")
+            })
+        })
+        .count();
+    assert_eq!(stored, keys.len());
+    // A client certificate and key are accepted with the cluster builder
+    // too (the servers do not ask for one).
+    let mutual = RedisStore::cluster_builder(&[&seed])
+        .unwrap()
+        .tls_root_certificate(certs.read("ca.pem"))
+        .tls_client_certificate(certs.read("server.pem"), certs.read("server.key"))
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let c = charge("mutual");
+    assert!(
+        mutual
+            .charge(std::slice::from_ref(&c))
+            .await
+            .unwrap()
+            .is_admitted()
+    );
+    // Another CA: the handshake fails, nothing is reached.
+    let wrong = RedisStore::cluster_builder(&[&seed])
+        .unwrap()
+        .tls_root_certificate(certs.read("other-ca.pem"))
+        .timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let e = wrong
+        .charge(std::slice::from_ref(&charge("wrong-ca")))
+        .await
+        .unwrap_err();
+    assert_ne!(e.kind(), StoreErrorKind::Config, "{}", chain(&e));
+    // Certificates for plain nodes are refused when built.
+    let plain = RedisStore::cluster_builder(&["redis://127.0.0.1:1"])
+        .unwrap()
+        .tls_root_certificate(certs.read("ca.pem"))
+        .build()
+        .unwrap_err();
+    assert_eq!(plain.kind(), StoreErrorKind::Config);
+    assert!(
+        chain(&plain).contains("not a rediss:// URL"),
+        "{}",
+        chain(&plain)
+    );
+}

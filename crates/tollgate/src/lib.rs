@@ -115,7 +115,10 @@ pub mod rate_limit;
 mod response;
 
 pub use body::ResponseBody;
-pub use concurrency::{ConcurrencyLimit, ConcurrencyLimitLayer, OnLeaseError};
+pub use concurrency::{
+    ConcurrencyLimit, ConcurrencyLimitLayer, InvalidLease, MIN_LEASE_PER_STORE_TIMEOUT,
+    OnLeaseError,
+};
 pub use identity::{
     ClientIp, ClientIpError, ClientIpResolver, CustomPart, ForwardedHeader, InvalidNetwork,
     InvalidPrefix, KeyPart, MissingPrincipal, Operation, PeerAddr, Principal,

@@ -19,6 +19,7 @@ use tokio::sync::Notify;
 use tollgate_core::{Acquired, Lease, LeaseRequest, LeaseStore, StoreError, StoreErrorKind};
 
 use super::limiter::{Limiter, Permit, Saturated};
+use super::release::{Releases, give_back};
 use crate::observe::Throttle;
 
 /// What a fleet-wide concurrency limit does when its lease store fails or
@@ -78,13 +79,16 @@ pub(crate) struct Fleet {
     line: Mutex<Line>,
     peak_waiting: AtomicUsize,
     expired: AtomicU64,
+    /// Releases that failed, to be tried again.
+    pub(crate) releases: Releases,
 }
 
 /// Requests waiting for a lease, first come first served: the first polls
-/// the store, and each one that finds no room hands the turn to the next,
-/// so within a process nobody is asked before those who came earlier.
+/// the store, and each one that has asked (admitted or not) hands the turn
+/// to the next, so within a process nobody is asked before those who came
+/// earlier, and room found by one reaches those behind it.
 #[derive(Default)]
-struct Line {
+pub(crate) struct Line {
     waiting: VecDeque<InLine>,
     next: u64,
 }
@@ -109,7 +113,7 @@ impl Line {
 
     /// Hands the turn to the first waiter after `id` (or to the first of
     /// all, without `id`).
-    fn pass(&self, after: Option<u64>) {
+    pub(crate) fn pass(&self, after: Option<u64>) {
         let next = match after {
             None => self.waiting.front(),
             Some(id) => self.waiting.iter().skip_while(|w| w.id != id).nth(1),
@@ -130,6 +134,7 @@ impl Fleet {
             line: Mutex::new(Line::default()),
             peak_waiting: AtomicUsize::new(0),
             expired: AtomicU64::new(0),
+            releases: Releases::default(),
         }
     }
 
@@ -137,18 +142,20 @@ impl Fleet {
         (u128::from(self.seed) << 64) | u128::from(self.next.fetch_add(1, Ordering::Relaxed))
     }
 
-    fn line(&self) -> std::sync::MutexGuard<'_, Line> {
+    pub(crate) fn line(&self) -> std::sync::MutexGuard<'_, Line> {
         self.line.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
     /// Leases held by this process, requests of it waiting, the most ever
-    /// waiting, and leases that expired while their request still ran.
-    pub(crate) fn counts(&self) -> (usize, usize, usize, u64) {
+    /// waiting, leases that expired while their request still ran, and
+    /// leases left to expire because too many releases were pending.
+    pub(crate) fn counts(&self) -> (usize, usize, usize, u64, u64) {
         (
             self.held.load(Ordering::Relaxed),
             self.line().waiting.len(),
             self.peak_waiting.load(Ordering::Relaxed),
             self.expired.load(Ordering::Relaxed),
+            self.releases.abandoned(),
         )
     }
 }
@@ -203,52 +210,7 @@ impl Drop for FleetPermit {
             renewal.abort();
         }
         self.fleet.held.fetch_sub(1, Ordering::Relaxed);
-        give_back(&self.fleet, self.lease.clone());
-    }
-}
-
-/// Releases `lease` on a spawned task (a drop cannot wait), trying again
-/// with a growing pause while the lease would still be in force (a
-/// release lost to a failover or a stalled server would otherwise hold
-/// the slot for a whole lease), then hands the turn to the first request
-/// of this process waiting for a slot. Without a runtime the lease expires
-/// by itself, one time to live after its last renewal.
-fn give_back(fleet: &Arc<Fleet>, lease: Lease) {
-    let fleet = fleet.clone();
-    match tokio::runtime::Handle::try_current() {
-        Ok(runtime) => {
-            runtime.spawn(async move {
-                let started = tokio::time::Instant::now();
-                let mut pause = Duration::from_millis(50);
-                loop {
-                    match fleet.sharing.store.release(&lease).await {
-                        Ok(()) => break,
-                        Err(error) if started.elapsed() + pause < lease.request.ttl => {
-                            let _ = error;
-                            tokio::time::sleep(pause).await;
-                            pause = (pause * 2).min(Duration::from_secs(2));
-                        }
-                        Err(error) => {
-                            static THROTTLE: Throttle = Throttle::new();
-                            if let Some(suppressed) = THROTTLE.admit() {
-                                tracing::warn!(
-                                    error = %crate::observe::chain(&error),
-                                    limit = &*lease.request.limit,
-                                    suppressed,
-                                    "could not release an in-flight lease; it expires by itself"
-                                );
-                            }
-                            break;
-                        }
-                    }
-                }
-                fleet.line().pass(None);
-            });
-        }
-        Err(_) => tracing::warn!(
-            limit = &*lease.request.limit,
-            "no tokio runtime to release an in-flight lease; it expires by itself"
-        ),
+        give_back(&self.fleet, self.lease.clone(), false);
     }
 }
 
@@ -302,6 +264,9 @@ struct Sent<'a> {
     request: &'a LeaseRequest,
     id: u128,
     armed: bool,
+    /// The answer was lost: the store is failing now, so the release is
+    /// queued for the retrying task rather than sent at once.
+    failing: bool,
 }
 
 impl Drop for Sent<'_> {
@@ -313,6 +278,7 @@ impl Drop for Sent<'_> {
                     request: self.request.clone(),
                     id: self.id,
                 },
+                self.failing,
             );
         }
     }
@@ -326,28 +292,28 @@ async fn ask(fleet: &Arc<Fleet>, request: &LeaseRequest, id: u128) -> Result<Acq
         request,
         id,
         armed: true,
+        failing: false,
     };
     let answer = fleet.sharing.store.acquire(request, id).await;
     sent.armed = matches!(&answer, Err(e) if e.kind() == StoreErrorKind::Uncertain);
+    sent.failing = sent.armed;
     answer
 }
 
-/// Leaves the line however the wait ends; a waiter that leaves while it
-/// had the turn hands it on.
+/// Leaves the line however the wait ends, and hands the turn to the
+/// next waiter: also when leaving with a lease, since the answer that
+/// admitted this one may have found more room (another instance freed
+/// several slots), and the waiter behind, first in line now, would
+/// otherwise not ask until someone freed a slot in this process.
 struct Queued<'a> {
     fleet: &'a Fleet,
     id: u64,
-    /// Hand the turn on when leaving: not when leaving with a lease (there
-    /// is one slot fewer for those behind).
-    pass_on: bool,
 }
 
 impl Drop for Queued<'_> {
     fn drop(&mut self) {
         let mut line = self.fleet.line();
-        if self.pass_on {
-            line.pass(Some(self.id));
-        }
+        line.pass(Some(self.id));
         line.waiting.retain(|w| w.id != self.id);
     }
 }
@@ -424,16 +390,16 @@ pub(crate) async fn acquire(
             .fetch_max(line.waiting.len(), Ordering::Relaxed);
         (place, turn)
     };
-    let mut queued = Queued {
+    let _queued = Queued {
         fleet: &fleet,
         id: place,
-        pass_on: true,
     };
     let mut full = full;
     loop {
         // The first in line asks again every `poll` (a slot freed by
-        // another instance); the others when the one before them found no
-        // room, or at once when this process frees a slot.
+        // another instance); the others when the one before them has
+        // asked (found no room, or was admitted and left) or left the
+        // line, or at once when this process frees a slot.
         let first = fleet.line().waiting.front().is_some_and(|w| w.id == place);
         let wake = if first {
             (tokio::time::Instant::now() + fleet.sharing.poll).min(deadline)
@@ -446,10 +412,7 @@ pub(crate) async fn acquire(
         }
         // Bounded by the wait: an answer after it is given back.
         match tokio::time::timeout_at(deadline, ask(&fleet, &request, id)).await {
-            Ok(Ok(Acquired::Granted(lease))) => {
-                queued.pass_on = false;
-                return granted(lease);
-            }
+            Ok(Ok(Acquired::Granted(lease))) => return granted(lease),
             Ok(Ok(refused)) => {
                 full = match refused {
                     Acquired::PerKeyFull => Saturated::PerKey,

@@ -47,6 +47,53 @@ impl Default for LeaseOptions {
     }
 }
 
+/// A shared limit's lease must last at least this many times its lease
+/// store's timeout ([`LeaseStore::timeout`]): renewals go every third of
+/// the lease, and one may reach the store a timeout after it was sent, so
+/// a lease at least three timeouts long is renewed in time even when one
+/// renewal times out and the next takes the whole timeout to arrive.
+pub const MIN_LEASE_PER_STORE_TIMEOUT: u32 = 3;
+
+/// A shared limit's lease too short for its store's timeout: a renewal
+/// could arrive after the lease expired, and others take the slot of a
+/// request still running (more than the limit in flight, with no process
+/// paused). Refused by [`ConcurrencyLimitLayer::shared`] and
+/// [`ConcurrencyLimitLayer::lease_ttl`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error(
+    "lease_ttl {ttl:?} is shorter than {MIN_LEASE_PER_STORE_TIMEOUT} times the lease \
+     store's timeout ({timeout:?}): a renewal could arrive after the lease expired; make \
+     lease_ttl at least {:?} or the store's timeout shorter",
+    *timeout * MIN_LEASE_PER_STORE_TIMEOUT
+)]
+pub struct InvalidLease {
+    ttl: Duration,
+    timeout: Duration,
+}
+
+impl InvalidLease {
+    /// The lease refused.
+    pub fn ttl(&self) -> Duration {
+        self.ttl
+    }
+
+    /// The lease store's timeout.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+}
+
+/// Refuses a lease of `ttl` shorter than [`MIN_LEASE_PER_STORE_TIMEOUT`]
+/// times `store`'s timeout, if it tells one.
+fn check_lease(ttl: Duration, store: &dyn LeaseStore) -> Result<(), InvalidLease> {
+    match store.timeout() {
+        Some(timeout) if ttl < timeout.saturating_mul(MIN_LEASE_PER_STORE_TIMEOUT) => {
+            Err(InvalidLease { ttl, timeout })
+        }
+        _ => Ok(()),
+    }
+}
+
 /// Bounds the requests in flight: globally, per key, or both.
 ///
 /// A request is in flight from admission until its response body has ended,
@@ -149,17 +196,36 @@ impl ConcurrencyLimitLayer {
     ///
     /// Every decision is one atomic script on the store's clock; the
     /// limit's leases share one cluster hash slot.
-    pub fn shared(self, store: Arc<dyn LeaseStore>) -> Self {
-        self.edit(|c, _| c.lease_store = Some(store))
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidLease`] when the lease ([`lease_ttl`](Self::lease_ttl), 10 s
+    /// by default) is shorter than [`MIN_LEASE_PER_STORE_TIMEOUT`] times
+    /// the store's [timeout](LeaseStore::timeout).
+    pub fn shared(self, store: Arc<dyn LeaseStore>) -> Result<Self, InvalidLease> {
+        check_lease(self.config.lease.ttl, &*store)?;
+        Ok(self.edit(|c, _| c.lease_store = Some(store)))
     }
 
     /// How long a shared limit's lease lasts unless renewed (default 10 s;
-    /// from 100 ms to 24 h, anything outside is the nearest of those). Shorter frees the slots
-    /// of a dead instance sooner and costs more renewals (one store round
-    /// trip per request in flight every third of it); a process paused
-    /// for longer loses its leases. No effect unless [`shared`](Self::shared).
-    pub fn lease_ttl(self, ttl: Duration) -> Self {
-        self.edit(|c, _| c.lease.ttl = ttl.clamp(MIN_LEASE, MAX_LEASE))
+    /// from 100 ms to 24 h, anything outside is the nearest of those).
+    /// Shorter frees the slots of a dead instance sooner and costs more
+    /// renewals (one store round trip per request in flight every third of
+    /// it); a process paused for longer loses its leases. No effect unless
+    /// [`shared`](Self::shared).
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidLease`] when the limit is shared already and `ttl` is
+    /// shorter than [`MIN_LEASE_PER_STORE_TIMEOUT`] times the store's
+    /// [timeout](LeaseStore::timeout) (set before [`shared`](Self::shared),
+    /// it is checked there).
+    pub fn lease_ttl(self, ttl: Duration) -> Result<Self, InvalidLease> {
+        let ttl = ttl.clamp(MIN_LEASE, MAX_LEASE);
+        if let Some(store) = &self.config.lease_store {
+            check_lease(ttl, &**store)?;
+        }
+        Ok(self.edit(|c, _| c.lease.ttl = ttl))
     }
 
     /// How often a shared limit's waiting request tries again (default
@@ -223,10 +289,11 @@ impl ConcurrencyLimitLayer {
         if let Some(fleet) = &self.config.fleet {
             // Leases held count in `limiter` too (as do requests counted
             // locally when the store fails, OnLeaseError::Local).
-            let (_held, waiting, peak, expired) = fleet.counts();
+            let (_held, waiting, peak, expired, abandoned) = fleet.counts();
             stats.waiting += waiting;
             stats.peak_waiting = stats.peak_waiting.max(peak);
             stats.leases_expired = expired;
+            stats.releases_abandoned = abandoned;
         }
         stats
     }

@@ -93,6 +93,10 @@ pub struct ConcurrencyStats {
     /// (the process was paused, or the store unreachable, for longer than
     /// the lease).
     pub leases_expired: u64,
+    /// Shared limits: leases whose release was given up because too many
+    /// releases were waiting to be retried while the store failed; each
+    /// holds its slot until its time to live runs out.
+    pub releases_abandoned: u64,
 }
 
 /// What a limiter bounds.
@@ -318,6 +322,7 @@ impl Limiter {
             refused_per_key: self.refused_per_key.load(Ordering::Relaxed),
             refused_global: self.refused_global.load(Ordering::Relaxed),
             leases_expired: 0,
+            releases_abandoned: 0,
         }
     }
 }

@@ -50,12 +50,13 @@ mod future;
 mod in_flight;
 mod layer;
 mod limiter;
+mod release;
 mod service;
 
 pub use body::PermitBody;
 pub use fleet::OnLeaseError;
 pub use future::ResponseFuture;
 pub use in_flight::InFlight;
-pub use layer::ConcurrencyLimitLayer;
+pub use layer::{ConcurrencyLimitLayer, InvalidLease, MIN_LEASE_PER_STORE_TIMEOUT};
 pub use limiter::ConcurrencyStats;
 pub use service::ConcurrencyLimit;
