@@ -14,8 +14,8 @@ use axum::routing::get;
 use common::{ip, logs, send, serve};
 use http::StatusCode;
 use tollgate::{
-    ConcurrencyLimitLayer, KeyPart, MemoryStore, Policy, Principal, Rate, RateLimitLayer,
-    RedisStore, Rule,
+    ConcurrencyLimitLayer, KeyPart, MemoryStore, OnStoreError, Policy, Principal, Rate,
+    RateLimitLayer, RedisStore, Rule,
 };
 use tracing::Level;
 
@@ -127,7 +127,10 @@ async fn repeated_errors_are_logged_at_a_bounded_rate() {
         let r = send(addr, ip(&format!("127.0.82.{i}")), "GET", "/", &[], b"").await;
         assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
     }
-    assert_eq!(logs::count(Level::WARN, "store failed"), 1);
+    assert_eq!(
+        logs::count_all(Level::WARN, &["store failed", "outcome=\"fail_closed\""]),
+        1
+    );
 
     // No peer address: the app is served without connect info.
     let layer = RateLimitLayer::new(MemoryStore::new()).rule(Rule::per_client_ip(
@@ -150,4 +153,54 @@ async fn repeated_errors_are_logged_at_a_bounded_rate() {
         logs::count(Level::ERROR, "into_make_service_with_connect_info"),
         1
     );
+}
+
+/// Each kind of store failure has its own bounded rate: a fallback taken
+/// is not hidden behind admissions made unchecked (nor behind an outage's
+/// refusals), even when they alternate.
+#[tokio::test(flavor = "multi_thread")]
+async fn each_kind_of_store_failure_is_logged() {
+    logs::capture();
+    let down = || {
+        RedisStore::builder("redis://127.0.0.1:1")
+            .unwrap()
+            .build()
+            .unwrap()
+    };
+    let layer = |name: &str, on_error: OnStoreError| {
+        RateLimitLayer::new(down())
+            .on_store_error(on_error)
+            .rule(Rule::per_client_ip(
+                Policy::token_bucket(name, 5, Rate::per_second(1)).unwrap(),
+            ))
+    };
+    let open = serve(
+        Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(layer("down-open", OnStoreError::FailOpen)),
+    )
+    .await;
+    let fallback = serve(
+        Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(layer(
+                "down-fallback",
+                OnStoreError::Fallback(std::sync::Arc::new(MemoryStore::new())),
+            )),
+    )
+    .await;
+    for i in 0..10u8 {
+        let from = ip(&format!("127.0.86.{i}"));
+        assert_eq!(
+            send(open, from, "GET", "/", &[], b"").await.status,
+            StatusCode::OK
+        );
+        assert_eq!(
+            send(fallback, from, "GET", "/", &[], b"").await.status,
+            StatusCode::OK
+        );
+    }
+    let warned = |outcome: &str| logs::count_all(Level::WARN, &["store failed", outcome]);
+    assert_eq!(warned("outcome=\"fail_open\""), 1);
+    assert_eq!(warned("outcome=\"fallback\""), 1);
 }

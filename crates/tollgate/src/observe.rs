@@ -292,6 +292,23 @@ pub(crate) fn key_refused(error: &crate::identity::KeyError, policy: &str, level
     }
 }
 
+/// A shared in-flight lease of `limit` found expired while its request
+/// still ran: logged once and then at most once per ten seconds (a pause
+/// or an outage expires every lease at once).
+pub(crate) fn lease_expired(limit: &str) {
+    static THROTTLE: Throttle = Throttle::new();
+    if let Some(suppressed) = THROTTLE.admit() {
+        tracing::warn!(
+            limit,
+            suppressed,
+            "an in-flight lease expired while its request was still running \
+             (this process was paused, or the store unreachable, for longer \
+             than the lease): the limit may be exceeded until it ends \
+             ({suppressed} more not logged since the last)"
+        );
+    }
+}
+
 /// An error with its sources, `: `-separated (what failed, then why: a
 /// TLS certificate not trusted, `NOAUTH`, ...).
 pub(crate) fn chain(error: &(dyn std::error::Error + 'static)) -> String {
@@ -310,16 +327,39 @@ pub(crate) fn chain(error: &(dyn std::error::Error + 'static)) -> String {
 
 /// A store failure: logged the first time and then at most once per ten
 /// seconds with the count left out (an outage fails every request), and
-/// always counted in the metric.
+/// always counted in the metric. Each kind of failure and outcome applied
+/// has its own throttle: a charge lost after the response, or a fallback
+/// taken, is not hidden behind the refusals of an outage.
 pub(crate) fn store_error(error: &StoreError, applied: &'static str) {
-    static THROTTLE: Throttle = Throttle::new();
-    if let Some(suppressed) = THROTTLE.admit() {
+    use tollgate_core::StoreErrorKind as K;
+    const OUTCOMES: usize = 6;
+    const KINDS: usize = 7;
+    static THROTTLES: [[Throttle; KINDS]; OUTCOMES] =
+        [const { [const { Throttle::new() }; KINDS] }; OUTCOMES];
+    let outcome = match applied {
+        "fail_closed" => 0,
+        "fail_open" => 1,
+        "fallback" => 2,
+        "late_charge_lost" => 3,
+        "local" => 4,
+        _ => 5,
+    };
+    let kind = match error.kind() {
+        K::Unavailable => 0,
+        K::Uncertain => 1,
+        K::CapacityExhausted => 2,
+        K::Protocol => 3,
+        K::Unsupported => 4,
+        K::Config => 5,
+        _ => 6,
+    };
+    if let Some(suppressed) = THROTTLES[outcome][kind].admit() {
         tracing::warn!(
             error = %chain(error),
             kind = ?error.kind(),
             outcome = applied,
             suppressed,
-            "store failed ({suppressed} more store failures not logged since the last)"
+            "store failed ({suppressed} more of this kind and outcome not logged since the last)"
         );
     }
     #[cfg(feature = "metrics")]
