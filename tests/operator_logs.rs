@@ -85,6 +85,7 @@ async fn refusals_are_logged_at_the_chosen_level_without_the_key() {
     tokio::time::sleep(std::time::Duration::from_millis(150)).await;
     let r = send(addr, third, "GET", "/slow", &[], b"").await;
     assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert!(r.body.contains("at most 1 request of yours"), "{}", r.body);
     assert_eq!(slow.await.unwrap().status, StatusCode::OK);
 
     let warn = |needle: &str| logs::count(Level::WARN, needle);
@@ -150,7 +151,79 @@ async fn repeated_errors_are_logged_at_a_bounded_rate() {
         }
     }
     assert_eq!(
-        logs::count(Level::ERROR, "into_make_service_with_connect_info"),
+        logs::count_all(
+            Level::ERROR,
+            &["into_make_service_with_connect_info", "policy=\"no-peer\""]
+        ),
+        1
+    );
+}
+
+/// Serves `app` without connect info: requests carry no peer address.
+async fn serve_without_peer(app: Router) -> SocketAddr {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    addr
+}
+
+/// The in-flight limit logs the refusals it makes on its own account, as
+/// the rate limiter does: a `401` at the level it was given, naming the
+/// layer; a server without peer addresses as an error that says what to
+/// fix, once, then at a bounded rate (not hidden behind the rate
+/// limiter's own report of the same mistake).
+#[tokio::test(flavor = "multi_thread")]
+async fn the_in_flight_limit_logs_its_own_refusals() {
+    logs::capture();
+    let by_account = ConcurrencyLimitLayer::new("slots-by-account")
+        .unwrap()
+        .per_key(NonZeroUsize::new(1).unwrap(), [KeyPart::Account])
+        .log_refusals(Level::WARN);
+    let addr = serve(with_principal(
+        Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(by_account),
+    ))
+    .await;
+    let r = send(addr, ip("127.0.84.1"), "GET", "/", &[], b"").await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(
+        logs::count_all(
+            Level::WARN,
+            &[
+                "refused: the rule needs a principal",
+                "layer=\"slots-by-account\""
+            ]
+        ),
+        1
+    );
+
+    let by_ip = ConcurrencyLimitLayer::new("slots-no-peer")
+        .unwrap()
+        .per_key(NonZeroUsize::new(1).unwrap(), [KeyPart::ClientIp])
+        .log_refusals(Level::WARN);
+    let bare = serve_without_peer(
+        Router::new()
+            .route("/", get(|| async { "ok" }))
+            .layer(by_ip),
+    )
+    .await;
+    for _ in 0..3 {
+        let r = send(bare, ip("127.0.0.1"), "GET", "/", &[], b"").await;
+        assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR);
+        for internal in ["peer", "connect_info", "PeerAddr", "SocketAddr"] {
+            assert!(!r.body.contains(internal), "{internal:?} in {}", r.body);
+        }
+    }
+    assert_eq!(
+        logs::count_all(
+            Level::ERROR,
+            &[
+                "into_make_service_with_connect_info",
+                "tollgate::PeerAddr",
+                "layer=\"slots-no-peer\""
+            ]
+        ),
         1
     );
 }

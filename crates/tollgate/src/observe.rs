@@ -250,33 +250,55 @@ pub(crate) fn late_charge(charge: &Charge, result: Result<Outcome, StoreError>) 
     }
 }
 
+/// What refused a request on its own account: a rule's policy of a
+/// `RateLimitLayer`, or a `ConcurrencyLimitLayer`; logged as `policy=` or
+/// `layer=` (the field each layer's refusals already carry).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Refuser<'a> {
+    Policy(&'a str),
+    InFlight(&'a str),
+}
+
 /// A request refused because its key could not be made: no principal (a
 /// `401`, logged at the layer's level), an unusable client address (`400`,
 /// same), or no peer address at all — the server's own misconfiguration,
-/// logged as an error once and then at most once per ten seconds.
-pub(crate) fn key_refused(error: &crate::identity::KeyError, policy: &str, level: Level) {
+/// logged as an error once and then at most once per ten seconds, for each
+/// kind of layer (one's error does not hide the other's). A key that
+/// could not be made has no fingerprint.
+pub(crate) fn key_refused(error: &crate::identity::KeyError, by: Refuser<'_>, level: Level) {
     use crate::identity::{ClientIpError, KeyError};
+    // One event, with the field the refusing layer's events carry.
+    macro_rules! refused {
+        ($at:expr, $($rest:tt)+) => {
+            match by {
+                Refuser::Policy(policy) => event_at!($at, policy, $($rest)+),
+                Refuser::InFlight(layer) => event_at!($at, layer, $($rest)+),
+            }
+        };
+    }
     match error {
         KeyError::NoPrincipal => {
-            event_at!(
+            refused!(
                 level,
-                policy,
                 "refused: the rule needs a principal and there is none"
             );
         }
         KeyError::MissingPart(part) => {
-            event_at!(
+            refused!(
                 level,
-                policy,
                 part = &**part,
                 "refused: the request lacks a key part"
             );
         }
         KeyError::ClientIp(ClientIpError::MissingPeer) => {
-            static THROTTLE: Throttle = Throttle::new();
-            if let Some(suppressed) = THROTTLE.admit() {
-                tracing::error!(
-                    policy,
+            static THROTTLES: [Throttle; 2] = [const { Throttle::new() }; 2];
+            let throttle = match by {
+                Refuser::Policy(_) => &THROTTLES[0],
+                Refuser::InFlight(_) => &THROTTLES[1],
+            };
+            if let Some(suppressed) = throttle.admit() {
+                refused!(
+                    Level::ERROR,
                     suppressed,
                     "tollgate cannot key by client address: the request carries no peer \
                      address. Serve the app with \
@@ -287,7 +309,7 @@ pub(crate) fn key_refused(error: &crate::identity::KeyError, policy: &str, level
             }
         }
         KeyError::ClientIp(e) => {
-            event_at!(level, policy, error = %e, "refused: unusable client address");
+            refused!(level, error = %e, "refused: unusable client address");
         }
     }
 }

@@ -103,7 +103,8 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
             Ok(None) => continue,
             Err(error) => {
                 if refusal.is_none() {
-                    observe::key_refused(&error, policy.name(), config.log_level);
+                    let by = observe::Refuser::Policy(policy.name());
+                    observe::key_refused(&error, by, config.log_level);
                 }
                 refusal.get_or_insert_with(|| {
                     let mut answer = Answer::for_key(error, policy.name());
