@@ -14,8 +14,8 @@ use axum::routing::get;
 use common::{ip, logs, send, serve};
 use http::StatusCode;
 use tollgate::{
-    ConcurrencyLimitLayer, KeyPart, MemoryStore, OnStoreError, Policy, Principal, Rate,
-    RateLimitLayer, RedisStore, Rule,
+    ConcurrencyLimitLayer, Cost, CostError, KeyPart, MemoryStore, OnStoreError, Policy, Principal,
+    Rate, RateLimitLayer, RedisStore, Rule, Unit,
 };
 use tracing::Level;
 
@@ -226,6 +226,95 @@ async fn the_in_flight_limit_logs_its_own_refusals() {
         ),
         1
     );
+}
+
+/// Requests the layer refuses because of their cost are logged like a
+/// `429`: at the chosen level, with the policy, the key's shape and its
+/// fingerprint: a cost that can never fit (`413`), no `Content-Length`
+/// (`411`), a computed cost that failed (`400`).
+#[tokio::test(flavor = "multi_thread")]
+async fn cost_refusals_are_logged_at_the_chosen_level_with_the_key() {
+    logs::capture();
+    let rows = |parts: &http::request::Parts| {
+        parts
+            .headers
+            .get("x-rows")
+            .and_then(|v| v.to_str().ok()?.parse().ok())
+            .ok_or_else(|| CostError("x-rows is not a count of rows".into()))
+    };
+    let layer = RateLimitLayer::new(MemoryStore::new())
+        .log_refusals(Level::INFO)
+        .rule(
+            Rule::per_client_ip(Policy::token_bucket("uploads", 4, Rate::per_hour(1)).unwrap())
+                .with_cost(Cost::content_kib())
+                .on_route("/upload"),
+        )
+        .rule(
+            Rule::per_client_ip(Policy::token_bucket("rows", 10, Rate::per_hour(1)).unwrap())
+                .with_cost(Cost::computed(Unit::Other("rows".into()), rows))
+                .on_route("/rows"),
+        );
+    let app = Router::new()
+        .route("/upload", get(|| async { "ok" }).post(|| async { "ok" }))
+        .route("/rows", get(|| async { "ok" }))
+        .layer(layer);
+    let addr = serve(app).await;
+    let from = ip("127.0.85.3");
+    let big = vec![b'x'; 10 * 1024];
+    let r = send(addr, from, "POST", "/upload", &[], &big).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    let r = send(addr, from, "GET", "/upload", &[], b"").await;
+    assert_eq!(r.status, StatusCode::LENGTH_REQUIRED);
+    let r = send(addr, from, "GET", "/rows", &[("x-rows", "many")], b"").await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+
+    let info = |needles: &[&str]| logs::count_all(Level::INFO, needles);
+    let keyed = ["key=ip", "key_fingerprint="];
+    assert_eq!(
+        info(
+            &[
+                &[
+                    "refused: cost can never fit",
+                    "policy=\"uploads\"",
+                    "cost=10"
+                ][..],
+                &keyed
+            ]
+            .concat()
+        ),
+        1
+    );
+    assert_eq!(
+        info(
+            &[
+                &[
+                    "refused: the request's cost cannot be computed",
+                    "policy=\"uploads\"",
+                    "send Content-Length"
+                ][..],
+                &keyed
+            ]
+            .concat()
+        ),
+        1
+    );
+    assert_eq!(
+        info(
+            &[
+                &[
+                    "refused: the request's cost cannot be computed",
+                    "policy=\"rows\"",
+                    "x-rows is not a count"
+                ][..],
+                &keyed
+            ]
+            .concat()
+        ),
+        1
+    );
+    for text in logs::texts() {
+        assert!(!text.contains("127.0.85"), "the address in the log: {text}");
+    }
 }
 
 /// Each kind of store failure has its own bounded rate: a fallback taken

@@ -181,8 +181,6 @@ pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome, verdict: Verdict, l
     }
 }
 
-/// A cost that can never fit `policy`; the layer refuses it without asking
-/// the store.
 /// A request held by shaping rules for `delay` before it goes on.
 pub(crate) fn shaped(charges: &[Charge], delay: std::time::Duration) {
     for charge in charges.iter().filter(|c| c.max_delay().is_some()) {
@@ -197,9 +195,43 @@ pub(crate) fn shaped(charges: &[Charge], delay: std::time::Duration) {
     }
 }
 
-pub(crate) fn never_fits(policy: &tollgate_core::Policy, cost: u64) {
-    tracing::debug!(policy = policy.name(), cost, "cost can never fit");
+/// A cost that can never fit `policy`; the layer refuses it without asking
+/// the store. Always counted; logged like a `429` (at `level`, with the
+/// key's shape and fingerprint) when it is the refusal the request gets
+/// (`answered`: the first of the layer's own, in rule order).
+pub(crate) fn never_fits(
+    policy: &tollgate_core::Policy,
+    key: &Key,
+    cost: u64,
+    level: Level,
+    answered: bool,
+) {
+    if answered {
+        event_at!(
+            level,
+            policy = policy.name(),
+            key = %key_shape(key),
+            key_fingerprint = %fingerprint(key),
+            cost,
+            "refused: cost can never fit"
+        );
+    }
     count("tollgate_never_fits_total", policy.name(), 1);
+}
+
+/// A request whose cost under `policy` could not be computed: no
+/// `Content-Length` for a content cost (`411`), or an invalid one, or a
+/// computed cost that failed (`400`), with `reason` (the text the client is
+/// answered). Logged at `level` with the key's shape and fingerprint.
+pub(crate) fn cost_refused(policy: &str, key: &Key, reason: &str, level: Level) {
+    event_at!(
+        level,
+        policy,
+        key = %key_shape(key),
+        key_fingerprint = %fingerprint(key),
+        reason,
+        "refused: the request's cost cannot be computed"
+    );
 }
 
 /// A request `policy` did not charge because an exemption matched it.

@@ -120,18 +120,20 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
             Ok(cost) => cost,
             Err(CostRefusal::LengthRequired) => {
                 refusal.get_or_insert_with(|| {
-                    Answer::new(
-                        Refusal::LengthRequired,
-                        format!(
-                            "policy {:?} charges by content length; send Content-Length",
-                            policy.name()
-                        ),
-                    )
+                    let why = format!(
+                        "policy {:?} charges by content length; send Content-Length",
+                        policy.name()
+                    );
+                    observe::cost_refused(policy.name(), &key, &why, config.log_level);
+                    Answer::new(Refusal::LengthRequired, why)
                 });
                 continue;
             }
             Err(CostRefusal::Invalid(why)) => {
-                refusal.get_or_insert_with(|| Answer::new(Refusal::BadRequest, why));
+                refusal.get_or_insert_with(|| {
+                    observe::cost_refused(policy.name(), &key, &why, config.log_level);
+                    Answer::new(Refusal::BadRequest, why)
+                });
                 continue;
             }
         };
@@ -141,7 +143,8 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
         }
         if cost > policy.capacity() {
             // Waiting cannot help: this rule is not charged, the others are.
-            observe::never_fits(policy, cost);
+            let answered = refusal.is_none();
+            observe::never_fits(policy, &key, cost, config.log_level, answered);
             refusal.get_or_insert_with(|| {
                 Answer::never_fits(policy, cost, rule.cost.never_fits_status())
             });
