@@ -317,6 +317,80 @@ async fn cost_refusals_are_logged_at_the_chosen_level_with_the_key() {
     }
 }
 
+/// The fingerprints of the events at `level` that carry every one of
+/// `needles`.
+fn fingerprints(level: Level, needles: &[&str]) -> Vec<String> {
+    logs::texts_at(level)
+        .iter()
+        .filter(|text| needles.iter().all(|n| text.contains(n)))
+        .filter_map(|text| {
+            let at = text.find("key_fingerprint=")? + "key_fingerprint=".len();
+            Some(text.get(at..at + 16)?.to_owned())
+        })
+        .collect()
+}
+
+/// A fingerprint is of the key, and a key names the client, not the policy:
+/// one address has one fingerprint in a rule keyed by address and in the
+/// in-flight limit keyed by address; a key of other parts (the account) has
+/// its own.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_address_has_one_fingerprint_in_every_layer() {
+    logs::capture();
+    let layer = RateLimitLayer::new(MemoryStore::new())
+        .log_refusals(Level::WARN)
+        .rule(
+            Rule::per_client_ip(Policy::token_bucket("fp-ip", 1, Rate::per_hour(1)).unwrap())
+                .on_route("/"),
+        )
+        .rule(
+            Rule::per_account(Policy::token_bucket("fp-account", 1, Rate::per_hour(1)).unwrap())
+                .on_route("/account"),
+        );
+    let in_flight = ConcurrencyLimitLayer::new("fp-slots")
+        .unwrap()
+        .per_key(NonZeroUsize::new(1).unwrap(), [KeyPart::ClientIp])
+        .log_refusals(Level::WARN);
+    let app = Router::new()
+        .route("/", get(|| async { "ok" }))
+        .route("/account", get(|| async { "ok" }))
+        .route(
+            "/slow",
+            get(|| async {
+                tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+                "done"
+            })
+            .route_layer(in_flight),
+        )
+        .layer(layer);
+    let addr = serve(with_principal(app)).await;
+    let from = ip("127.0.87.1");
+    let auth = [("authorization", "Bearer x")];
+    for (path, headers) in [("/", &[][..]), ("/account", &auth[..])] {
+        assert_eq!(
+            send(addr, from, "GET", path, headers, b"").await.status,
+            StatusCode::OK
+        );
+        assert_eq!(
+            send(addr, from, "GET", path, headers, b"").await.status,
+            StatusCode::TOO_MANY_REQUESTS
+        );
+    }
+    let slow = tokio::spawn(async move { send(addr, from, "GET", "/slow", &[], b"").await });
+    tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+    let r = send(addr, from, "GET", "/slow", &[], b"").await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(slow.await.unwrap().status, StatusCode::OK);
+
+    let by_rule = fingerprints(Level::WARN, &["policy=\"fp-ip\"", "key=ip "]);
+    let in_flight = fingerprints(Level::WARN, &["layer=\"fp-slots\"", "key=ip "]);
+    let account = fingerprints(Level::WARN, &["policy=\"fp-account\"", "key=t,a "]);
+    assert_eq!(by_rule.len(), 1, "{by_rule:?}");
+    assert_eq!(in_flight, by_rule);
+    assert_eq!(account.len(), 1, "{account:?}");
+    assert_ne!(account, by_rule);
+}
+
 /// Each kind of store failure has its own bounded rate: a fallback taken
 /// is not hidden behind admissions made unchecked (nor behind an outage's
 /// refusals), even when they alternate.

@@ -73,3 +73,14 @@ pub fn count_all(level: Level, needles: &[&str]) -> usize {
         .filter(|(l, text)| *l == level && needles.iter().all(|n| text.contains(n)))
         .count()
 }
+
+/// The text of every captured event at `level`.
+pub fn texts_at(level: Level) -> Vec<String> {
+    EVENTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+        .filter(|(l, _)| *l == level)
+        .map(|(_, text)| text.clone())
+        .collect()
+}

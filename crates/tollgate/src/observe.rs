@@ -87,8 +87,12 @@ pub(crate) fn fingerprint_text(text: &[u8]) -> String {
 /// The names of a key's parts, without their values (`ip`, `t,a,op`):
 /// which rule keyed it, readable and revealing nothing of the client.
 pub(crate) fn key_shape(key: &Key) -> String {
-    key.text()
-        .split(':')
+    key_shape_text(&key.text())
+}
+
+/// The shape of a key's text ([`key_shape`]).
+pub(crate) fn key_shape_text(text: &str) -> String {
+    text.split(':')
         .map(|part| part.split_once('=').map_or(part, |(name, _)| name))
         .collect::<Vec<_>>()
         .join(",")
