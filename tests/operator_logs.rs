@@ -440,3 +440,40 @@ async fn each_kind_of_store_failure_is_logged() {
     assert_eq!(warned("outcome=\"fail_open\""), 1);
     assert_eq!(warned("outcome=\"fallback\""), 1);
 }
+
+/// Log messages read as prose: a string continued over source lines
+/// without `\` carried the indentation into the log as runs of spaces (the
+/// report of a rule whose route the matched one only ends with).
+#[tokio::test(flavor = "multi_thread")]
+async fn messages_carry_no_source_indentation() {
+    logs::capture();
+    let layer = RateLimitLayer::new(MemoryStore::new()).rule(
+        Rule::per_client_ip(Policy::token_bucket("ends-with", 5, Rate::per_hour(1)).unwrap())
+            .on_route("/things/{id}"),
+    );
+    let app = serve(
+        Router::new()
+            .route("/things/{id}", get(|| async { "thing" }))
+            .nest(
+                "/v1",
+                Router::new().route("/things/{id}", get(|| async { "v1 thing" })),
+            )
+            .layer(layer),
+    )
+    .await;
+    let r = send(app, ip("127.0.88.1"), "GET", "/v1/things/1", &[], b"").await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(
+        logs::count_all(
+            Level::ERROR,
+            &[
+                "policy=\"ends-with\"",
+                "matched \"/v1/things/{id}\", which only ends with it"
+            ]
+        ),
+        1
+    );
+    for text in logs::texts() {
+        assert!(!text.contains("  "), "a run of spaces in: {text}");
+    }
+}

@@ -632,7 +632,10 @@ impl Rule {
                 policy = self.policy.name(),
                 route,
                 matched,
-                "tollgate rule {:?} names route {route:?}; the router matched {matched:?},                  which only ends with it, and the rule does not apply there. If the rule is                  meant for it (the route is nested under a prefix), write the full path,                  .on_route({matched:?})",
+                "tollgate rule {:?} names route {route:?}; the router matched {matched:?}, \
+                 which only ends with it, and the rule does not apply there. If the rule is \
+                 meant for it (the route is nested under a prefix), write the full path, \
+                 .on_route({matched:?})",
                 self.policy.name()
             );
         }
