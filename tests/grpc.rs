@@ -102,6 +102,20 @@ async fn a_store_failure_is_unavailable() {
         "{}",
         status.message()
     );
+    // The operator sees why on the example's stderr.
+    let mut logged = false;
+    for _ in 0..50 {
+        logged = server.log.lock().unwrap().contains("store failed");
+        if logged {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        logged,
+        "no store failure in the log: {}",
+        server.log.lock().unwrap()
+    );
 }
 
 /// A server-streaming `Watch` holds the account's one in-flight slot until

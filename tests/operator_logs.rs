@@ -11,7 +11,7 @@ use std::num::NonZeroUsize;
 
 use axum::Router;
 use axum::routing::get;
-use common::{ip, logs, send, serve};
+use common::{ip, logs, quickstart, send, serve};
 use http::StatusCode;
 use tollgate::{
     ConcurrencyLimitLayer, Cost, CostError, KeyPart, MemoryStore, OnStoreError, Policy, Principal,
@@ -476,4 +476,41 @@ async fn messages_carry_no_source_indentation() {
     for text in logs::texts() {
         assert!(!text.contains("  "), "a run of spaces in: {text}");
     }
+}
+
+/// The quickstart shows refusals when asked to (`--log-refusals LEVEL`), as
+/// an operator would see them, and by default does not.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_quickstart_logs_refusals_when_asked() {
+    let quiet = quickstart(&[]);
+    let loud = quickstart(&["--log-refusals", "warn"]);
+    for q in [&quiet, &loud] {
+        let mut last = StatusCode::OK;
+        for _ in 0..6 {
+            last = send(q.addr, ip("127.0.0.1"), "GET", "/", &[], b"")
+                .await
+                .status;
+        }
+        assert_eq!(last, StatusCode::TOO_MANY_REQUESTS);
+    }
+    let refused = |log: &str| {
+        log.lines()
+            .filter(|l| l.contains("refused: rate limited"))
+            .map(str::to_owned)
+            .collect::<Vec<_>>()
+    };
+    let mut lines = Vec::new();
+    for _ in 0..50 {
+        lines = refused(&loud.log.lock().unwrap());
+        if !lines.is_empty() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    }
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    for needle in ["WARN", "policy=\"per-ip\"", "key=ip", "key_fingerprint="] {
+        assert!(lines[0].contains(needle), "{needle:?} not in {}", lines[0]);
+    }
+    assert!(!lines[0].contains("127.0.0.1"), "{}", lines[0]);
+    assert!(refused(&quiet.log.lock().unwrap()).is_empty());
 }
