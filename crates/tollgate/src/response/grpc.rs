@@ -11,22 +11,23 @@ use http::header::CONTENT_TYPE;
 use http::{HeaderMap, HeaderValue};
 
 /// How a refusal is encoded: as HTTP, or for gRPC and gRPC-Web callers as a
-/// trailers-only response with `grpc-status`, in the caller's own content
-/// type.
+/// trailers-only response with `grpc-status`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Protocol {
     Http,
-    /// `application/grpc`, alone or followed by `+` or `;`.
-    Grpc(Subtype),
+    /// `application/grpc`, alone or followed by `+` or `;`. Answered
+    /// `application/grpc` whatever the format: a trailers-only answer
+    /// carries no message to encode, and every gRPC client accepts it.
+    Grpc,
     /// `application/grpc-web` and `application/grpc-web+...`.
     GrpcWeb(Subtype),
     /// `application/grpc-web-text` and `application/grpc-web-text+...`.
     GrpcWebText(Subtype),
 }
 
-/// The message format a gRPC caller named after `+` (`proto`, `json`,
+/// The message format a gRPC-Web caller named after `+` (`proto`, `json`,
 /// `thrift`), lowercased, so that its refusal is answered in its own
-/// content type. Kept inline, so that a [`Protocol`] stays `Copy` and
+/// content type (a gRPC-Web client may check it). Kept inline, so that a [`Protocol`] stays `Copy` and
 /// recognising a caller allocates nothing.
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Subtype {
@@ -39,7 +40,7 @@ impl Subtype {
     /// are short (`flatbuffers` is 11).
     const MAX: usize = 15;
 
-    /// No `+format`: `application/grpc-web` itself.
+    /// No `+format` (answered `+proto`, gRPC-Web's default format).
     pub(crate) const NONE: Subtype = Subtype {
         len: 0,
         bytes: [0; Subtype::MAX],
@@ -90,51 +91,49 @@ impl Protocol {
             .unwrap_or(ct.len());
         let media = &ct[..end];
         // `Some(format)` when `media` is the family `name`, alone or with a
-        // `+format`; a format that cannot be repeated is answered with the
-        // family's default.
-        let family = |name: &[u8], default: Subtype| {
+        // `+format`; a format that cannot be repeated is answered as none.
+        let family = |name: &[u8]| {
             if media.len() < name.len() || !media[..name.len()].eq_ignore_ascii_case(name) {
                 return None;
             }
             match media.get(name.len()) {
                 None => Some(Subtype::NONE),
-                Some(b'+') => Some(Subtype::of(&media[name.len() + 1..]).unwrap_or(default)),
+                Some(b'+') => Some(Subtype::of(&media[name.len() + 1..]).unwrap_or(Subtype::NONE)),
                 Some(_) => None,
             }
         };
-        let proto = Subtype::of(b"proto").unwrap_or(Subtype::NONE);
-        if let Some(format) = family(b"application/grpc-web-text", proto) {
+        if let Some(format) = family(b"application/grpc-web-text") {
             Protocol::GrpcWebText(format)
-        } else if let Some(format) = family(b"application/grpc-web", proto) {
+        } else if let Some(format) = family(b"application/grpc-web") {
             Protocol::GrpcWeb(format)
-        } else if let Some(format) = family(b"application/grpc", Subtype::NONE) {
-            Protocol::Grpc(format)
+        } else if family(b"application/grpc").is_some() {
+            Protocol::Grpc
         } else {
             Protocol::Http
         }
     }
 
-    /// The content type of a refusal to this caller: the caller's own
-    /// (lowercased, without parameters).
+    /// The content type of a refusal to this caller: for gRPC-Web the
+    /// caller's own format (lowercased, without parameters), `+proto` when
+    /// it named none or one that cannot be repeated.
     pub(super) fn content_type(self) -> HeaderValue {
         let (family, format) = match self {
             Protocol::Http => return HeaderValue::from_static("application/problem+json"),
-            Protocol::Grpc(f) if f == Subtype::NONE => {
-                return HeaderValue::from_static("application/grpc");
-            }
-            Protocol::Grpc(f) => ("application/grpc", f),
-            Protocol::GrpcWeb(f) => ("application/grpc-web", f),
-            Protocol::GrpcWebText(f) => ("application/grpc-web-text", f),
+            Protocol::Grpc => return HeaderValue::from_static("application/grpc"),
+            Protocol::GrpcWeb(f) => ("application/grpc-web+", f),
+            Protocol::GrpcWebText(f) => ("application/grpc-web-text+", f),
         };
-        let mut ct = Vec::with_capacity(family.len() + 1 + usize::from(format.len));
+        let format = if format == Subtype::NONE {
+            b"proto".as_slice()
+        } else {
+            format.as_bytes()
+        };
+        let mut ct = Vec::with_capacity(family.len() + format.len());
         ct.extend_from_slice(family.as_bytes());
-        if format != Subtype::NONE {
-            ct.push(b'+');
-            ct.extend_from_slice(format.as_bytes());
-        }
+        ct.extend_from_slice(format);
         // Only visible ASCII went in (`Subtype::of`), so this cannot fail;
         // the fallback keeps a refusal from ever panicking.
-        HeaderValue::from_bytes(&ct).unwrap_or(HeaderValue::from_static("application/grpc"))
+        HeaderValue::from_bytes(&ct).unwrap_or(HeaderValue::from_static("application/grpc-web"))
     }
 }
 
@@ -194,7 +193,7 @@ mod tests {
             "application/grpc;charset=utf-8",
             "Application/GRPC+json",
         ] {
-            assert!(matches!(of(ct), Protocol::Grpc(_)), "{ct}");
+            assert_eq!(of(ct), Protocol::Grpc, "{ct}");
         }
         for ct in ["application/grpc-web", "application/grpc-web+proto"] {
             assert!(matches!(of(ct), Protocol::GrpcWeb(_)), "{ct}");
@@ -217,26 +216,27 @@ mod tests {
         assert_eq!(Protocol::of(&HeaderMap::new()), Protocol::Http);
     }
 
-    /// A gRPC or gRPC-Web caller is answered in its own content type
-    /// (lowercased, without parameters); a format that cannot be repeated
-    /// safely gets the family's default.
+    /// A gRPC-Web caller is answered in its own content type (lowercased,
+    /// without parameters); one that named no format, or one that cannot be
+    /// repeated safely, gets gRPC-Web's default, `+proto`. A gRPC caller
+    /// gets `application/grpc`.
     #[test]
-    fn a_caller_is_answered_in_its_own_content_type() {
+    fn a_grpc_web_caller_is_answered_in_its_own_content_type() {
         for (asked, answered) in [
             (
                 "application/grpc-web-text+thrift",
                 "application/grpc-web-text+thrift",
             ),
             ("application/grpc-web+json", "application/grpc-web+json"),
-            ("application/grpc-web", "application/grpc-web"),
-            ("application/grpc-web-text", "application/grpc-web-text"),
+            ("application/grpc-web", "application/grpc-web+proto"),
             (
-                "Application/GRPC-Web+Proto; charset=x",
-                "application/grpc-web+proto",
+                "application/grpc-web-text",
+                "application/grpc-web-text+proto",
             ),
-            ("application/grpc+thrift", "application/grpc+thrift"),
-            ("application/grpc", "application/grpc"),
-            ("application/grpc;charset=utf-8", "application/grpc"),
+            (
+                "Application/GRPC-Web+Thrift; charset=x",
+                "application/grpc-web+thrift",
+            ),
             // Empty, too long or with characters outside a format name.
             ("application/grpc-web+", "application/grpc-web+proto"),
             (
@@ -244,7 +244,8 @@ mod tests {
                 "application/grpc-web-text+proto",
             ),
             ("application/grpc-web+a\"b", "application/grpc-web+proto"),
-            ("application/grpc+a/b", "application/grpc"),
+            ("application/grpc+thrift", "application/grpc"),
+            ("application/grpc;charset=utf-8", "application/grpc"),
             ("text/plain", "application/problem+json"),
         ] {
             assert_eq!(of(asked).content_type(), answered, "{asked}");

@@ -286,8 +286,7 @@ mod tests {
 
     #[test]
     fn a_grpc_refusal_is_trailers_only_with_its_code() {
-        let r = Answer::new(Refusal::Unauthenticated, "who are you")
-            .into_response(Protocol::Grpc(grpc::Subtype::NONE));
+        let r = Answer::new(Refusal::Unauthenticated, "who are you").into_response(Protocol::Grpc);
         assert_eq!(r.status(), StatusCode::OK);
         assert_eq!(r.headers()["grpc-status"], "16");
         assert_eq!(r.headers()["grpc-message"], "who are you");
@@ -318,7 +317,7 @@ mod tests {
             retry_after: Some(Duration::from_micros(38_200)),
             ..Answer::new(Refusal::RateLimited, "rate limit of policy per-ip exceeded")
         };
-        let r = limited().into_response(Protocol::Grpc(grpc::Subtype::NONE));
+        let r = limited().into_response(Protocol::Grpc);
         assert_eq!(r.headers()["grpc-retry-pushback-ms"], "39");
         assert_eq!(
             r.headers()["grpc-message"],
