@@ -21,8 +21,9 @@
 //!   `ratelimit-policy` / `ratelimit` fields as metadata, `UNAVAILABLE` when
 //!   `--store` is unreachable (fail closed).
 //!
-//! With `--serve` it prints `listening on http://ADDR` and serves until
-//! killed; without it, it serves on a free port, runs the client below and
+//! tollgate's log (warnings and errors, e.g. the store unreachable) goes to
+//! stderr. With `--serve` it prints `listening on http://ADDR` and serves
+//! until killed; without it, it serves on a free port, runs the client below and
 //! exits 0 when every answer was as the contract says.
 
 use std::net::SocketAddr;
@@ -180,6 +181,12 @@ async fn client(addr: SocketAddr) -> Result<bool, Box<dyn std::error::Error>> {
 
 #[tokio::main]
 async fn main() -> ExitCode {
+    // tollgate's log on stderr: what an operator sees, e.g. the store
+    // unreachable (once, then at most every ten seconds with a count).
+    tracing_subscriber::fmt()
+        .with_max_level(tracing::Level::INFO)
+        .with_writer(std::io::stderr)
+        .init();
     let mut args = std::env::args().skip(1);
     let (mut serve, mut store_url) = (None, None);
     while let Some(a) = args.next() {

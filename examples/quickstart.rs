@@ -7,6 +7,7 @@
 //! cargo run --example quickstart -- --addr 127.0.0.1:8080 --trust-proxy 10.0.0.0/8
 //! cargo run --example quickstart -- --store redis://127.0.0.1:6379  # share budgets via Redis
 //! cargo run --example quickstart -- --store rediss://127.0.0.1:6380 --redis-ca ca.pem  # over TLS
+//! cargo run --example quickstart -- --log-refusals warn  # every refusal on stderr
 //! ```
 //!
 //! It speaks HTTP/1.1 and HTTP/2 (cleartext, prior knowledge) on the same
@@ -38,7 +39,11 @@
 //!
 //! Flags: `--exempt CIDR` (repeatable) lets clients in those networks skip
 //! the per-address rule; `--dry-run` makes every rule dry-run (nothing is
-//! refused for lack of budget; would-be refusals are logged).
+//! refused for lack of budget; would-be refusals are logged);
+//! `--log-refusals LEVEL` (`error`, `warn`, `info`, `debug`, `trace`; off by
+//! default) logs every refusal of both layers on stderr at that level, as
+//! an operator would see it: policy, key shape, key fingerprint, never the
+//! key.
 //!
 //! Demo authentication (a stand-in for real authentication, not a pattern to
 //! copy): `Authorization: Bearer KEY` with `alice-key-1` or `alice-key-2` is
@@ -70,17 +75,22 @@ use tollgate::{
     LeaseStore, MemoryStore, Policy, Principal, Rate, RateLimitLayer, RedisStore, Rule,
 };
 use tower_http::timeout::TimeoutLayer;
+use tracing_subscriber::layer::SubscriberExt as _;
+use tracing_subscriber::util::SubscriberInitExt as _;
 
 /// How long `/slow`'s shared in-flight leases last unless renewed.
 const SLOW_LEASE: Duration = Duration::from_secs(2);
 
-const USAGE: &str = "usage: quickstart [--addr HOST:PORT] [--trust-proxy CIDR]... [--exempt CIDR]... [--dry-run] [--store redis://HOST:PORT|rediss://HOST:PORT] [--redis-ca FILE] [--redis-cert FILE --redis-key FILE] [--demo]";
+const USAGE: &str = "usage: quickstart [--addr HOST:PORT] [--trust-proxy CIDR]... [--exempt CIDR]... [--dry-run] [--log-refusals LEVEL] [--store redis://HOST:PORT|rediss://HOST:PORT] [--redis-ca FILE] [--redis-cert FILE --redis-key FILE] [--demo]";
 
 struct Args {
     addr: SocketAddr,
     trusted: Vec<ipnet::IpNet>,
     exempt: Vec<ipnet::IpNet>,
     dry_run: bool,
+    /// The level refusals are logged at; `None`: the layers' default
+    /// (`DEBUG`), below what the quickstart shows.
+    log_refusals: Option<tracing::Level>,
     store: Option<String>,
     /// A CA to trust for a `rediss://` store.
     redis_ca: Option<Vec<u8>>,
@@ -95,6 +105,7 @@ struct Options {
     trusted: Vec<ipnet::IpNet>,
     exempt: Vec<ipnet::IpNet>,
     dry_run: bool,
+    log_refusals: Option<tracing::Level>,
     /// With `--store`: where `/slow`'s in-flight leases are shared.
     leases: Option<Arc<dyn LeaseStore>>,
 }
@@ -113,6 +124,7 @@ fn parse_args() -> Result<Args, String> {
         trusted: Vec::new(),
         exempt: Vec::new(),
         dry_run: false,
+        log_refusals: None,
         store: None,
         redis_ca: None,
         redis_cert: None,
@@ -129,6 +141,15 @@ fn parse_args() -> Result<Args, String> {
             "--trust-proxy" => args.trusted.push(cidr("--trust-proxy", it.next())?),
             "--exempt" => args.exempt.push(cidr("--exempt", it.next())?),
             "--dry-run" => args.dry_run = true,
+            "--log-refusals" => {
+                let v = it
+                    .next()
+                    .ok_or("--log-refusals needs a level: error, warn, info, debug or trace")?;
+                let level = v.parse::<tracing::Level>().map_err(|_| {
+                    format!("--log-refusals {v:?}: not one of error, warn, info, debug, trace")
+                })?;
+                args.log_refusals = Some(level);
+            }
             "--store" => {
                 let v = it
                     .next()
@@ -324,6 +345,11 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
                 .with_cost(Cost::content_kib()),
         )?;
 
+    let limits = match options.log_refusals {
+        Some(level) => limits.log_refusals(level),
+        None => limits,
+    };
+
     // Slow work: per account at most 2 in flight, 8 in all, each bounded by a
     // timeout inside the limit so a stuck request cannot hold its slot.
     let in_flight = ConcurrencyLimitLayer::new("slow")?
@@ -337,6 +363,10 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
     // free again at most 2 s after its last renewal.
     let in_flight = match options.leases {
         Some(leases) => in_flight.shared(leases)?.lease_ttl(SLOW_LEASE)?,
+        None => in_flight,
+    };
+    let in_flight = match options.log_refusals {
+        Some(level) => in_flight.log_refusals(level),
         None => in_flight,
     };
     let slow_route = get(slow)
@@ -363,11 +393,6 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
 
 #[tokio::main]
 async fn main() -> ExitCode {
-    // tollgate's log: warnings, errors, and in --dry-run the would-be refusals.
-    tracing_subscriber::fmt()
-        .with_max_level(tracing::Level::INFO)
-        .with_writer(std::io::stderr)
-        .init();
     let args = match parse_args() {
         Ok(a) => a,
         Err(e) => {
@@ -375,6 +400,22 @@ async fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
+    // tollgate's log on stderr: warnings, errors, in --dry-run the would-be
+    // refusals, and with --log-refusals every refusal, shown even at DEBUG
+    // or TRACE (for tollgate only: the server's own crates stay at INFO).
+    let shown = match args.log_refusals {
+        Some(level) if level > tracing::Level::INFO => level,
+        _ => tracing::Level::INFO,
+    };
+    let only = tracing_subscriber::filter::Targets::new()
+        .with_default(tracing::Level::INFO)
+        .with_target("tollgate", shown);
+    tracing_subscriber::fmt()
+        .with_max_level(shown)
+        .with_writer(std::io::stderr)
+        .finish()
+        .with(only)
+        .init();
     let (store, leases): (Arc<dyn DynStore>, Option<Arc<dyn LeaseStore>>) = match &args.store {
         None => (Arc::new(MemoryStore::new()), None),
         Some(url) => match RedisStore::builder(url).and_then(|b| {
@@ -409,6 +450,7 @@ async fn main() -> ExitCode {
         trusted: args.trusted,
         exempt: args.exempt,
         dry_run: args.dry_run,
+        log_refusals: args.log_refusals,
         leases,
     };
     let app = match app(options, store) {

@@ -60,6 +60,14 @@ async fn a_tonic_client_reads_every_refusal_as_its_grpc_code() {
         .parse()
         .unwrap();
     assert!((1..=1000).contains(&pushback), "{pushback}");
+    // The message says the same wait as the pushback, in its unit.
+    assert!(
+        status
+            .message()
+            .ends_with(&format!("; retry after {pushback} ms")),
+        "{} (pushback {pushback})",
+        status.message()
+    );
     assert!(
         meta(&status, "ratelimit")
             .unwrap()
@@ -93,6 +101,20 @@ async fn a_store_failure_is_unavailable() {
         status.message().contains("unavailable"),
         "{}",
         status.message()
+    );
+    // The operator sees why on the example's stderr.
+    let mut logged = false;
+    for _ in 0..50 {
+        logged = server.log.lock().unwrap().contains("store failed");
+        if logged {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert!(
+        logged,
+        "no store failure in the log: {}",
+        server.log.lock().unwrap()
     );
 }
 
@@ -153,6 +175,26 @@ async fn grpc_web_callers_get_the_grpc_web_form() {
     assert_eq!(r.header("content-type"), Some("application/grpc-web+proto"));
     assert_eq!(r.header("grpc-status"), Some("16"));
     assert!(r.body.is_empty());
+    // Each caller is answered in its own content type, its message format
+    // included.
+    let r = send(
+        server.addr,
+        ip("127.0.0.1"),
+        "POST",
+        "/grpc.health.v1.Health/Check",
+        &[
+            ("content-type", "application/grpc-web-text+thrift"),
+            ("x-grpc-web", "1"),
+        ],
+        b"AAAAAAA=",
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(
+        r.header("content-type"),
+        Some("application/grpc-web-text+thrift")
+    );
+    assert_eq!(r.header("grpc-status"), Some("16"));
 }
 
 /// The quickstart serves HTTP/2 (prior knowledge) and HTTP/1.1 on one port,

@@ -62,3 +62,25 @@ pub fn texts() -> Vec<String> {
         .map(|(_, text)| text.clone())
         .collect()
 }
+
+/// Captured events at `level` whose text contains every one of `needles`
+/// (one event carrying them all, not several between them).
+pub fn count_all(level: Level, needles: &[&str]) -> usize {
+    EVENTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+        .filter(|(l, text)| *l == level && needles.iter().all(|n| text.contains(n)))
+        .count()
+}
+
+/// The text of every captured event at `level`.
+pub fn texts_at(level: Level) -> Vec<String> {
+    EVENTS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .iter()
+        .filter(|(l, _)| *l == level)
+        .map(|(_, text)| text.clone())
+        .collect()
+}

@@ -87,8 +87,12 @@ pub(crate) fn fingerprint_text(text: &[u8]) -> String {
 /// The names of a key's parts, without their values (`ip`, `t,a,op`):
 /// which rule keyed it, readable and revealing nothing of the client.
 pub(crate) fn key_shape(key: &Key) -> String {
-    key.text()
-        .split(':')
+    key_shape_text(&key.text())
+}
+
+/// The shape of a key's text ([`key_shape`]).
+pub(crate) fn key_shape_text(text: &str) -> String {
+    text.split(':')
         .map(|part| part.split_once('=').map_or(part, |(name, _)| name))
         .collect::<Vec<_>>()
         .join(",")
@@ -181,8 +185,6 @@ pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome, verdict: Verdict, l
     }
 }
 
-/// A cost that can never fit `policy`; the layer refuses it without asking
-/// the store.
 /// A request held by shaping rules for `delay` before it goes on.
 pub(crate) fn shaped(charges: &[Charge], delay: std::time::Duration) {
     for charge in charges.iter().filter(|c| c.max_delay().is_some()) {
@@ -197,9 +199,43 @@ pub(crate) fn shaped(charges: &[Charge], delay: std::time::Duration) {
     }
 }
 
-pub(crate) fn never_fits(policy: &tollgate_core::Policy, cost: u64) {
-    tracing::debug!(policy = policy.name(), cost, "cost can never fit");
+/// A cost that can never fit `policy`; the layer refuses it without asking
+/// the store. Always counted; logged like a `429` (at `level`, with the
+/// key's shape and fingerprint) when it is the refusal the request gets
+/// (`answered`: the first of the layer's own, in rule order).
+pub(crate) fn never_fits(
+    policy: &tollgate_core::Policy,
+    key: &Key,
+    cost: u64,
+    level: Level,
+    answered: bool,
+) {
+    if answered {
+        event_at!(
+            level,
+            policy = policy.name(),
+            key = %key_shape(key),
+            key_fingerprint = %fingerprint(key),
+            cost,
+            "refused: cost can never fit"
+        );
+    }
     count("tollgate_never_fits_total", policy.name(), 1);
+}
+
+/// A request whose cost under `policy` could not be computed: no
+/// `Content-Length` for a content cost (`411`), or an invalid one, or a
+/// computed cost that failed (`400`), with `reason` (the text the client is
+/// answered). Logged at `level` with the key's shape and fingerprint.
+pub(crate) fn cost_refused(policy: &str, key: &Key, reason: &str, level: Level) {
+    event_at!(
+        level,
+        policy,
+        key = %key_shape(key),
+        key_fingerprint = %fingerprint(key),
+        reason,
+        "refused: the request's cost cannot be computed"
+    );
 }
 
 /// A request `policy` did not charge because an exemption matched it.
@@ -250,33 +286,55 @@ pub(crate) fn late_charge(charge: &Charge, result: Result<Outcome, StoreError>) 
     }
 }
 
+/// What refused a request on its own account: a rule's policy of a
+/// `RateLimitLayer`, or a `ConcurrencyLimitLayer`; logged as `policy=` or
+/// `layer=` (the field each layer's refusals already carry).
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Refuser<'a> {
+    Policy(&'a str),
+    InFlight(&'a str),
+}
+
 /// A request refused because its key could not be made: no principal (a
 /// `401`, logged at the layer's level), an unusable client address (`400`,
 /// same), or no peer address at all — the server's own misconfiguration,
-/// logged as an error once and then at most once per ten seconds.
-pub(crate) fn key_refused(error: &crate::identity::KeyError, policy: &str, level: Level) {
+/// logged as an error once and then at most once per ten seconds, for each
+/// kind of layer (one's error does not hide the other's). A key that
+/// could not be made has no fingerprint.
+pub(crate) fn key_refused(error: &crate::identity::KeyError, by: Refuser<'_>, level: Level) {
     use crate::identity::{ClientIpError, KeyError};
+    // One event, with the field the refusing layer's events carry.
+    macro_rules! refused {
+        ($at:expr, $($rest:tt)+) => {
+            match by {
+                Refuser::Policy(policy) => event_at!($at, policy, $($rest)+),
+                Refuser::InFlight(layer) => event_at!($at, layer, $($rest)+),
+            }
+        };
+    }
     match error {
         KeyError::NoPrincipal => {
-            event_at!(
+            refused!(
                 level,
-                policy,
                 "refused: the rule needs a principal and there is none"
             );
         }
         KeyError::MissingPart(part) => {
-            event_at!(
+            refused!(
                 level,
-                policy,
                 part = &**part,
                 "refused: the request lacks a key part"
             );
         }
         KeyError::ClientIp(ClientIpError::MissingPeer) => {
-            static THROTTLE: Throttle = Throttle::new();
-            if let Some(suppressed) = THROTTLE.admit() {
-                tracing::error!(
-                    policy,
+            static THROTTLES: [Throttle; 2] = [const { Throttle::new() }; 2];
+            let throttle = match by {
+                Refuser::Policy(_) => &THROTTLES[0],
+                Refuser::InFlight(_) => &THROTTLES[1],
+            };
+            if let Some(suppressed) = throttle.admit() {
+                refused!(
+                    Level::ERROR,
                     suppressed,
                     "tollgate cannot key by client address: the request carries no peer \
                      address. Serve the app with \
@@ -287,8 +345,25 @@ pub(crate) fn key_refused(error: &crate::identity::KeyError, policy: &str, level
             }
         }
         KeyError::ClientIp(e) => {
-            event_at!(level, policy, error = %e, "refused: unusable client address");
+            refused!(level, error = %e, "refused: unusable client address");
         }
+    }
+}
+
+/// A shared in-flight lease of `limit` found expired while its request
+/// still ran: logged once and then at most once per ten seconds (a pause
+/// or an outage expires every lease at once).
+pub(crate) fn lease_expired(limit: &str) {
+    static THROTTLE: Throttle = Throttle::new();
+    if let Some(suppressed) = THROTTLE.admit() {
+        tracing::warn!(
+            limit,
+            suppressed,
+            "an in-flight lease expired while its request was still running \
+             (this process was paused, or the store unreachable, for longer \
+             than the lease): the limit may be exceeded until it ends \
+             ({suppressed} more not logged since the last)"
+        );
     }
 }
 
@@ -310,16 +385,39 @@ pub(crate) fn chain(error: &(dyn std::error::Error + 'static)) -> String {
 
 /// A store failure: logged the first time and then at most once per ten
 /// seconds with the count left out (an outage fails every request), and
-/// always counted in the metric.
+/// always counted in the metric. Each kind of failure and outcome applied
+/// has its own throttle: a charge lost after the response, or a fallback
+/// taken, is not hidden behind the refusals of an outage.
 pub(crate) fn store_error(error: &StoreError, applied: &'static str) {
-    static THROTTLE: Throttle = Throttle::new();
-    if let Some(suppressed) = THROTTLE.admit() {
+    use tollgate_core::StoreErrorKind as K;
+    const OUTCOMES: usize = 6;
+    const KINDS: usize = 7;
+    static THROTTLES: [[Throttle; KINDS]; OUTCOMES] =
+        [const { [const { Throttle::new() }; KINDS] }; OUTCOMES];
+    let outcome = match applied {
+        "fail_closed" => 0,
+        "fail_open" => 1,
+        "fallback" => 2,
+        "late_charge_lost" => 3,
+        "local" => 4,
+        _ => 5,
+    };
+    let kind = match error.kind() {
+        K::Unavailable => 0,
+        K::Uncertain => 1,
+        K::CapacityExhausted => 2,
+        K::Protocol => 3,
+        K::Unsupported => 4,
+        K::Config => 5,
+        _ => 6,
+    };
+    if let Some(suppressed) = THROTTLES[outcome][kind].admit() {
         tracing::warn!(
             error = %chain(error),
             kind = ?error.kind(),
             outcome = applied,
             suppressed,
-            "store failed ({suppressed} more store failures not logged since the last)"
+            "store failed ({suppressed} more of this kind and outcome not logged since the last)"
         );
     }
     #[cfg(feature = "metrics")]

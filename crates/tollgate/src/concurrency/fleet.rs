@@ -227,12 +227,7 @@ async fn renew(fleet: Arc<Fleet>, lease: Lease) {
             Ok(true) => {}
             Ok(false) => {
                 fleet.expired.fetch_add(1, Ordering::Relaxed);
-                tracing::warn!(
-                    limit = &*lease.request.limit,
-                    "an in-flight lease expired while its request was still running \
-                     (this process was paused, or the store unreachable, for longer \
-                     than the lease): the limit may be exceeded until it ends"
-                );
+                crate::observe::lease_expired(&lease.request.limit);
                 #[cfg(feature = "metrics")]
                 metrics::counter!(
                     "tollgate_lease_expired_total",

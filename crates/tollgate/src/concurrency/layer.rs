@@ -264,8 +264,11 @@ impl ConcurrencyLimitLayer {
 
     /// The level refusals are logged at (default `DEBUG`): the layer, the
     /// limit that refused (`per_key`, `global`, `queue`,
-    /// `store_unavailable`) and a fingerprint of the key, never the key
-    /// ([`set_log_fingerprint_key`](crate::set_log_fingerprint_key)).
+    /// `store_unavailable`), the shape of the key and a fingerprint of it,
+    /// never the key
+    /// ([`set_log_fingerprint_key`](crate::set_log_fingerprint_key)); a
+    /// request refused for want of a principal (`401`) or an unusable
+    /// address (`400`) too, naming the layer (it has no key to show).
     pub fn log_refusals(self, level: tracing::Level) -> Self {
         self.edit(|_, l| l.log_level = level)
     }

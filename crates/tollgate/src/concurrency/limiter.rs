@@ -271,8 +271,8 @@ impl Limiter {
         }
     }
 
-    /// Counts (and logs, at the layer's level, with `key`'s fingerprint) a
-    /// refusal for `full`.
+    /// Counts (and logs, at the layer's level, with `key`'s shape and
+    /// fingerprint) a refusal for `full`.
     pub(crate) fn refused(&self, full: Saturated, key: Option<&str>) -> Saturated {
         let scope = match full {
             Saturated::PerKey => "per_key",
@@ -284,6 +284,7 @@ impl Limiter {
             self.limits.log_level,
             layer = &*self.limits.name,
             scope,
+            key = %key.map_or_else(|| "-".to_owned(), crate::observe::key_shape_text),
             key_fingerprint = %key.map_or_else(|| "-".to_owned(), |k| crate::observe::fingerprint_text(k.as_bytes())),
             "refused: too many in flight"
         );

@@ -12,6 +12,7 @@ use super::fleet::{self, Slot};
 use super::layer::Config;
 use super::limiter::Saturated;
 use crate::identity::RequestIdentity;
+use crate::observe::{self, Refuser};
 use crate::response::{Answer, FieldWriter, Limit, Protocol, Refusal};
 use tollgate_core::Unit;
 
@@ -70,7 +71,8 @@ pub(crate) fn refusal(config: &Config, full: Saturated) -> Answer {
             let mut answer = Answer::new(
                 Refusal::TooManyInFlight,
                 format!(
-                    "at most {max} requests of yours may be in flight at once ({:?})",
+                    "at most {max} {} of yours may be in flight at once ({:?})",
+                    if max == 1 { "request" } else { "requests" },
                     &*l.name
                 ),
             );
@@ -131,7 +133,9 @@ where
             match who.key(&config.key, config.missing, None) {
                 Ok(key) => key.map(|k| k.text().into()),
                 Err(error) => {
-                    let answer = Answer::for_key(error, &config.limiter.limits.name);
+                    let limits = &config.limiter.limits;
+                    observe::key_refused(&error, Refuser::InFlight(&limits.name), limits.log_level);
+                    let answer = Answer::for_key(error, &limits.name);
                     return ResponseFuture::refused(answer.into_response(protocol));
                 }
             }

@@ -297,10 +297,11 @@ impl<St: Store> RateLimitLayer<St> {
 
     /// The level refusals are logged at (default `DEBUG`; `INFO` or `WARN`
     /// to see them in production). Each refusal for lack of budget, each
-    /// cost that can never fit and each request refused for want of a
-    /// principal is one event with the policy, the shape of the rule's key
-    /// (its parts' names: `ip`, `t,a,op`) and a fingerprint of the key,
-    /// never the key itself nor a credential
+    /// cost that can never fit or cannot be computed (`411`, `400`) is one
+    /// event with the policy, the shape of the rule's key (its parts'
+    /// names: `ip`, `t,a,op`) and a fingerprint of the key, never the key
+    /// itself nor a credential; a request refused for want of a principal
+    /// (`401`) is one event with the policy (there is no key to show)
     /// ([`set_log_fingerprint_key`](crate::set_log_fingerprint_key) makes
     /// fingerprints agree across a fleet).
     pub fn log_refusals(self, level: tracing::Level) -> Self {

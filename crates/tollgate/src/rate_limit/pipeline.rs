@@ -140,7 +140,8 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
             Ok(None) => continue,
             Err(error) => {
                 if refusal.is_none() {
-                    observe::key_refused(&error, policy.name(), config.log_level);
+                    let by = observe::Refuser::Policy(policy.name());
+                    observe::key_refused(&error, by, config.log_level);
                 }
                 refusal.get_or_insert_with(|| {
                     let mut answer = Answer::for_key(error, policy.name());
@@ -156,18 +157,20 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
             Ok(cost) => cost,
             Err(CostRefusal::LengthRequired) => {
                 refusal.get_or_insert_with(|| {
-                    Answer::new(
-                        Refusal::LengthRequired,
-                        format!(
-                            "policy {:?} charges by content length; send Content-Length",
-                            policy.name()
-                        ),
-                    )
+                    let why = format!(
+                        "policy {:?} charges by content length; send Content-Length",
+                        policy.name()
+                    );
+                    observe::cost_refused(policy.name(), &key, &why, config.log_level);
+                    Answer::new(Refusal::LengthRequired, why)
                 });
                 continue;
             }
             Err(CostRefusal::Invalid(why)) => {
-                refusal.get_or_insert_with(|| Answer::new(Refusal::BadRequest, why));
+                refusal.get_or_insert_with(|| {
+                    observe::cost_refused(policy.name(), &key, &why, config.log_level);
+                    Answer::new(Refusal::BadRequest, why)
+                });
                 continue;
             }
         };
@@ -177,7 +180,8 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
         }
         if cost > policy.capacity() {
             // Waiting cannot help: this rule is not charged, the others are.
-            observe::never_fits(policy, cost);
+            let answered = refusal.is_none();
+            observe::never_fits(policy, &key, cost, config.log_level, answered);
             refusal.get_or_insert_with(|| {
                 Answer::never_fits(policy, cost, rule.cost.never_fits_status())
             });

@@ -24,8 +24,11 @@ pub type CostFn = dyn Fn(&Parts) -> Result<u64, CostError> + Send + Sync;
 #[error("{0}")]
 pub struct CostError(pub String);
 
-/// What a request costs, in the rule policy's unit.
+/// What a request costs, in the rule policy's unit. Built with its
+/// constructors or variants; match it with a `_` arm (new ways to cost a
+/// request may come).
 #[derive(Clone)]
+#[non_exhaustive]
 pub enum Cost {
     /// A fixed cost (default: 1).
     Fixed(NonZeroU64),
@@ -632,7 +635,10 @@ impl Rule {
                 policy = self.policy.name(),
                 route,
                 matched,
-                "tollgate rule {:?} names route {route:?}; the router matched {matched:?},                  which only ends with it, and the rule does not apply there. If the rule is                  meant for it (the route is nested under a prefix), write the full path,                  .on_route({matched:?})",
+                "tollgate rule {:?} names route {route:?}; the router matched {matched:?}, \
+                 which only ends with it, and the rule does not apply there. If the rule is \
+                 meant for it (the route is nested under a prefix), write the full path, \
+                 .on_route({matched:?})",
                 self.policy.name()
             );
         }

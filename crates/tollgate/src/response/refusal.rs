@@ -177,13 +177,13 @@ impl Answer {
                     Verdict::Denied { retry_after } => retry_after,
                     _ => Duration::ZERO,
                 };
-                // Policy names are [A-Za-z0-9._-]: no quoting needed.
+                // Policy names are [A-Za-z0-9._-]: no quoting needed. The
+                // wait is added when the protocol is known
+                // (`into_shaped_response`), in the unit the answer gives it.
                 let mut detail = String::with_capacity(64);
                 detail.push_str("rate limit of policy ");
                 detail.push_str(policy.as_ref().map_or("", Limit::name));
-                detail.push_str(" exceeded; retry after ");
-                push_int(&mut detail, ceil_secs(wait).max(1));
-                detail.push_str(" s");
+                detail.push_str(" exceeded");
                 Self {
                     refusal: Refusal::RateLimited,
                     detail,
@@ -214,13 +214,19 @@ impl Answer {
             headers.insert(RATELIMIT_POLICY.clone(), policy);
             headers.insert(RATELIMIT.clone(), current);
         }
-        headers.insert(
-            CONTENT_TYPE,
-            HeaderValue::from_static(protocol.content_type()),
-        );
+        headers.insert(CONTENT_TYPE, protocol.content_type());
+        // The message says the wait as the answer's own field does: whole
+        // seconds beside `Retry-After`, milliseconds beside
+        // `grpc-retry-pushback-ms` (a gRPC caller told "1 s" with a
+        // pushback of 39 ms would not know which to believe).
+        let mut detail = self.detail;
         let (status, body) = if protocol == Protocol::Http {
             if let Some(wait) = self.retry_after {
-                headers.insert(RETRY_AFTER, HeaderValue::from(ceil_secs(wait).max(1)));
+                let secs = ceil_secs(wait).max(1);
+                headers.insert(RETRY_AFTER, HeaderValue::from(secs));
+                detail.push_str("; retry after ");
+                push_int(&mut detail, secs);
+                detail.push_str(" s");
             }
             if let Some(challenge) = self.challenge {
                 headers.insert(WWW_AUTHENTICATE, challenge);
@@ -235,23 +241,26 @@ impl Answer {
                     let written = (shape.0)(&RefusalInfo {
                         status,
                         problem_type,
-                        detail: &self.detail,
+                        detail: &detail,
                         policy,
                         retry_after: self.retry_after,
                     });
                     headers.insert(CONTENT_TYPE, written.content_type);
                     written.body
                 }
-                None => problem::body(problem_type, status, &self.detail, policy, self.retry_after),
+                None => problem::body(problem_type, status, &detail, policy, self.retry_after),
             };
             (status, body)
         } else {
-            grpc::status(&mut headers, self.refusal.grpc_code(), &self.detail);
             if let Some(wait) = self.retry_after {
                 // gRPC's own Retry-After (retry pushback, gRFC A6): a client
                 // with a retry policy waits this long before trying again.
                 grpc::pushback(&mut headers, wait);
+                detail.push_str("; retry after ");
+                push_int(&mut detail, grpc::pushback_ms(wait));
+                detail.push_str(" ms");
             }
+            grpc::status(&mut headers, self.refusal.grpc_code(), &detail);
             (StatusCode::OK, Bytes::new())
         };
         let mut response = Response::new(Full::new(body));
@@ -285,5 +294,41 @@ mod tests {
         let r = Answer::new(Refusal::Unauthenticated, "who are you").into_response(Protocol::Http);
         assert_eq!(r.status(), StatusCode::UNAUTHORIZED);
         assert_eq!(r.headers()[CONTENT_TYPE], "application/problem+json");
+    }
+
+    fn body_text(r: Response<Full<Bytes>>) -> String {
+        use http_body::Body;
+        let mut body = r.into_body();
+        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+        match std::pin::Pin::new(&mut body).poll_frame(&mut cx) {
+            std::task::Poll::Ready(Some(Ok(frame))) => {
+                String::from_utf8(frame.into_data().unwrap().to_vec()).unwrap()
+            }
+            _ => String::new(),
+        }
+    }
+
+    /// The wait in a refusal's message agrees with the answer's own field:
+    /// whole seconds with `Retry-After`, the pushback's milliseconds for
+    /// gRPC.
+    #[test]
+    fn the_message_says_the_wait_in_the_answers_unit() {
+        let limited = || Answer {
+            retry_after: Some(Duration::from_micros(38_200)),
+            ..Answer::new(Refusal::RateLimited, "rate limit of policy per-ip exceeded")
+        };
+        let r = limited().into_response(Protocol::Grpc);
+        assert_eq!(r.headers()["grpc-retry-pushback-ms"], "39");
+        assert_eq!(
+            r.headers()["grpc-message"],
+            "rate limit of policy per-ip exceeded; retry after 39 ms"
+        );
+        let r = limited().into_response(Protocol::Http);
+        assert_eq!(r.headers()[RETRY_AFTER], "1");
+        let body = body_text(r);
+        assert!(
+            body.contains("rate limit of policy per-ip exceeded; retry after 1 s"),
+            "{body}"
+        );
     }
 }
