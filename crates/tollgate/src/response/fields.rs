@@ -23,75 +23,106 @@ pub(crate) fn push_int(out: &mut String, n: u64) {
 }
 
 /// Builds the two field values, one list member per limit.
+/// Writes the `RateLimit-Policy` and `RateLimit` values side by side in
+/// one buffer: one allocation for both, each value a slice of it.
 #[derive(Default)]
 pub(crate) struct FieldWriter {
-    policy: String,
-    current: String,
+    /// The `RateLimit-Policy` value, then (from `split`) the `RateLimit`
+    /// value.
+    text: Vec<u8>,
+    /// On the stack until `finish`: one or two limits fit.
+    current: smallvec::SmallVec<[u8; 96]>,
 }
 
 impl FieldWriter {
     pub(crate) fn new() -> Self {
-        Self {
-            policy: String::with_capacity(64),
-            current: String::with_capacity(64),
-        }
+        Self::default()
     }
 
-    /// Describes a limit in `RateLimit-Policy`: its quota, the window it is
-    /// expressed over (whole seconds, at least 1; none for in-flight
-    /// limits) and its unit when it is not requests.
     pub(crate) fn policy(&mut self, name: &str, quota: u64, window: Option<Duration>, unit: &Unit) {
-        let out = &mut self.policy;
-        if !out.is_empty() {
-            out.push_str(", ");
+        let out = &mut self.text;
+        if out.is_empty() {
+            // Room for both values of one or two limits: one allocation.
+            out.reserve(192);
+        } else {
+            out.extend_from_slice(b", ");
         }
-        // Names are restricted to [A-Za-z0-9._-], so they need no escaping.
-        out.push('"');
-        out.push_str(name);
-        out.push_str("\";q=");
-        push_int(out, quota);
+        out.push(b'"');
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(b"\";q=");
+        out.extend_from_slice(itoa::Buffer::new().format(quota).as_bytes());
         if let Some(window) = window {
-            out.push_str(";w=");
-            push_int(out, ceil_secs(window).max(1));
+            out.extend_from_slice(b";w=");
+            out.extend_from_slice(itoa::Buffer::new().format(ceil_secs(window).max(1)).as_bytes());
         }
         if *unit != Unit::Requests {
-            out.push_str(";qu=\"");
-            out.push_str(unit.as_str());
-            out.push('"');
+            out.extend_from_slice(b";qu=\"");
+            out.extend_from_slice(unit.as_str().as_bytes());
+            out.push(b'"');
         }
     }
 
-    /// Describes a limit's state in `RateLimit`: what is left and, if
-    /// known, when it resets.
     pub(crate) fn current(&mut self, name: &str, remaining: u64, reset: Option<Duration>) {
         let out = &mut self.current;
         if !out.is_empty() {
-            out.push_str(", ");
+            out.extend_from_slice(b", ");
         }
-        out.push('"');
-        out.push_str(name);
-        out.push_str("\";r=");
-        push_int(out, remaining);
+        out.push(b'"');
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(b"\";r=");
+        out.extend_from_slice(itoa::Buffer::new().format(remaining).as_bytes());
         if let Some(reset) = reset {
-            out.push_str(";t=");
-            push_int(out, ceil_secs(reset));
+            out.extend_from_slice(b";t=");
+            out.extend_from_slice(itoa::Buffer::new().format(ceil_secs(reset)).as_bytes());
         }
     }
 
-    /// The two values, or `None` when either is empty.
     pub(crate) fn finish(self) -> Option<(HeaderValue, HeaderValue)> {
-        if self.policy.is_empty() || self.current.is_empty() {
+        let Self { mut text, current } = self;
+        if text.is_empty() || current.is_empty() {
             return None;
         }
-        // The strings become the header values without a copy.
+        let split = text.len();
+        text.extend_from_slice(&current);
+        let mut both = Bytes::from(text);
+        let current = both.split_off(split);
         Some((
-            HeaderValue::from_maybe_shared(Bytes::from(self.policy)).ok()?,
-            HeaderValue::from_maybe_shared(Bytes::from(self.current)).ok()?,
+            HeaderValue::from_maybe_shared(both).ok()?,
+            HeaderValue::from_maybe_shared(current).ok()?,
         ))
     }
 }
 
-/// The fields describing each charged policy of `outcome`.
+/// `Retry-After` values of up to an hour, made once: a refusal's is
+/// usually one of them, and then costs no allocation.
+pub(crate) fn retry_after_value(secs: u64) -> HeaderValue {
+    const TABLE: usize = 3601;
+    static VALUES: std::sync::OnceLock<Vec<HeaderValue>> = std::sync::OnceLock::new();
+    let values = VALUES.get_or_init(|| {
+        let mut text = String::new();
+        let mut ends = Vec::with_capacity(TABLE);
+        for n in 0..TABLE {
+            text.push_str(itoa::Buffer::new().format(n));
+            ends.push(text.len());
+        }
+        // Leaked once per process (about 14 KB): static header values are
+        // cloned without touching a reference count.
+        let text: &'static str = Box::leak(text.into_boxed_str());
+        let mut start = 0;
+        ends.into_iter()
+            .map(|end| {
+                let value = HeaderValue::from_static(&text[start..end]);
+                start = end;
+                value
+            })
+            .collect()
+    });
+    match usize::try_from(secs).ok().and_then(|i| values.get(i)) {
+        Some(value) => value.clone(),
+        None => HeaderValue::from(secs),
+    }
+}
+
 pub(crate) fn ratelimit_fields(
     charges: &[Charge],
     outcome: &Outcome,

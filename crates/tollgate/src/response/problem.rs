@@ -30,8 +30,10 @@ pub(super) fn body(
     json.push_str(",\"detail\":");
     json_string(&mut json, detail);
     if let Some(p) = policy {
-        json.push_str(",\"policy\":");
-        json_string(&mut json, p);
+        // Policy and layer names are [A-Za-z0-9._-]: nothing to escape.
+        json.push_str(",\"policy\":\"");
+        json.push_str(p);
+        json.push('"');
     }
     if let Some(wait) = retry_after {
         json.push_str(",\"retry_after\":");

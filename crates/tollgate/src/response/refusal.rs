@@ -11,7 +11,9 @@ use http_body_util::Full;
 use tollgate_core::{Charge, Decision, Outcome, Policy, Verdict};
 
 use super::custom::{RefusalInfo, Shape};
-use super::fields::{RATELIMIT, RATELIMIT_POLICY, ceil_secs, push_int, ratelimit_fields};
+use super::fields::{
+    RATELIMIT, RATELIMIT_POLICY, ceil_secs, push_int, ratelimit_fields, retry_after_value,
+};
 use super::grpc::{self, Protocol};
 use super::problem;
 use crate::ClientIpError;
@@ -207,7 +209,9 @@ impl Answer {
         protocol: Protocol,
         shape: Option<&Shape>,
     ) -> Response<Full<Bytes>> {
-        let mut headers = HeaderMap::with_capacity(8);
+        // Cache-Control, the two RateLimit fields, Content-Type, and
+        // Retry-After or WWW-Authenticate (gRPC: its status and message).
+        let mut headers = HeaderMap::with_capacity(6);
         headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
         if let Some(fields) = self.fields {
             let (policy, current) = *fields;
@@ -223,7 +227,7 @@ impl Answer {
         let (status, body) = if protocol == Protocol::Http {
             if let Some(wait) = self.retry_after {
                 let secs = ceil_secs(wait).max(1);
-                headers.insert(RETRY_AFTER, HeaderValue::from(secs));
+                headers.insert(RETRY_AFTER, retry_after_value(secs));
                 detail.push_str("; retry after ");
                 push_int(&mut detail, secs);
                 detail.push_str(" s");
