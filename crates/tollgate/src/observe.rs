@@ -149,6 +149,10 @@ impl Throttle {
 /// The refusals of a call: each refusing limit with its key's shape and
 /// fingerprint, at `level`.
 pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome, verdict: Verdict, level: Level) {
+    // An admission is only counted, which needs the metrics feature.
+    if !cfg!(feature = "metrics") && verdict == Verdict::Admitted {
+        return;
+    }
     for (charge, decision) in charges.iter().zip(outcome.limits()) {
         let name = charge.policy().name();
         match (verdict, decision) {
