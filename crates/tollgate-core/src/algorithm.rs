@@ -71,6 +71,16 @@ pub fn decide(policy: &Policy, state: Option<State>, now: Nanos, cost: u64) -> S
     }
 }
 
+/// [`decide`] for a charge whose cost fits (the caller checked), with its
+/// state: what a store's hot path asks, inlined there for token buckets.
+#[inline(always)]
+pub(crate) fn decide_fitting(policy: &Policy, state: State, now: Nanos, cost: u64) -> Step {
+    match policy.algorithm() {
+        Algorithm::TokenBucket(b) => token_bucket(b, Some(state), now, cost.max(1)),
+        _ => decide(policy, Some(state), now, cost),
+    }
+}
+
 #[cold]
 fn never_fits(policy: &Policy, state: Option<State>, now: Nanos, cost: u64) -> Step {
     Step {
@@ -507,7 +517,7 @@ fn per(units: u64, numerator: u64) -> u64 {
     }
 }
 
-#[inline]
+#[inline(always)]
 fn token_bucket(p: &TokenBucket, state: Option<State>, now: Nanos, cost: u64) -> Step {
     let state = p.unless_idle(state, now);
     let (credit, at) = match state {

@@ -156,11 +156,8 @@ impl MemoryStore {
         inner.maybe_sweep(&mut shard, now);
         // A key tracked in its own space is decided and written in place:
         // one probe.
-        let decide = |state| {
-            let step = algorithm::decide(policy, Some(state), now, cost);
-            (step.decision, step.next)
-        };
-        if let Some(decision) = shard.decide_in_place(&id, decide) {
+        // (`charge_now` checked that the cost fits.)
+        if let Some(decision) = shard.decide_in_place(&id, policy, now, cost) {
             return Ok(Outcome::one(decision));
         }
         let existed = shard.contains(&id);

@@ -72,7 +72,7 @@ impl Hashes {
     /// `key`'s slot key in `space`: an IPv4 or IPv6 client address
     /// (not aggregated) is its own bits; any other key is the keyed digest
     /// of its text.
-    #[inline]
+    #[inline(always)]
     pub(crate) fn id(&self, key: &Key, space: u32) -> Id {
         let bits = match key.as_client_ip() {
             Some((IpAddr::V4(v4), 32)) => KeyBits::V4([u32::from(v4)]),

@@ -266,7 +266,7 @@ impl Time {
 
 impl Inner {
     /// The slot key of `charge` in its policy's space.
-    #[inline]
+    #[inline(always)]
     pub(super) fn id(&self, charge: &Charge) -> Result<Id, StoreError> {
         let space = self.spaces.space(charge.policy())?;
         Ok(self.hashes.id(charge.key(), space))

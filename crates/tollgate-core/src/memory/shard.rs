@@ -21,7 +21,7 @@
 use hashbrown::HashTable;
 
 use crate::algorithm::{self, State};
-use crate::{Algorithm, Decision, Nanos};
+use crate::{Algorithm, Decision, Nanos, Policy};
 
 /// A slot's key: 32-bit words (one for IPv4, four otherwise).
 pub(super) trait Words: Copy + Eq {}
@@ -344,21 +344,24 @@ impl Shard {
         }
     }
 
-    /// Decides `id`'s compact slot in place with `decide` when the slot is
-    /// there and the new state is compact too: one probe. `None` when the
-    /// caller must take the general path (no compact slot, or the new state
-    /// must move to the wide table): nothing was changed then.
-    #[inline]
+    /// Decides `cost` against `id`'s compact slot in place, when the slot
+    /// is there and the new state is compact too: one probe. `None` when
+    /// the caller must take the general path (no compact slot, or the new
+    /// state must move to the wide table): nothing was changed then. The
+    /// cost fits the policy (the caller checked).
+    #[inline(always)]
     pub(super) fn decide_in_place(
         &mut self,
         id: &Id,
-        decide: impl FnOnce(State) -> (Decision, Option<State>),
+        policy: &Policy,
+        now: Nanos,
+        cost: u64,
     ) -> Option<Decision> {
         let t = self.spaces.get_mut(id.space as usize)?;
         match id.key {
-            KeyBits::V4(k) => in_place(&mut t.v4, k, id.hash, decide),
-            KeyBits::V6(k) => in_place(&mut t.v6, k, id.hash, decide),
-            KeyBits::Text(k) => in_place(&mut t.text, k, id.hash, decide),
+            KeyBits::V4(k) => in_place(&mut t.v4, k, id.hash, policy, now, cost),
+            KeyBits::V6(k) => in_place(&mut t.v6, k, id.hash, policy, now, cost),
+            KeyBits::Text(k) => in_place(&mut t.text, k, id.hash, policy, now, cost),
         }
     }
 
@@ -469,17 +472,19 @@ impl Shard {
     }
 }
 
-#[inline]
+#[inline(always)]
 fn in_place<W: Words>(
     table: &mut Table<W>,
     key: W,
     hash: u64,
-    decide: impl FnOnce(State) -> (Decision, Option<State>),
+    policy: &Policy,
+    now: Nanos,
+    cost: u64,
 ) -> Option<Decision> {
     let slot = table.compact.find_mut(hash, |c| c.key == key)?;
-    let (decision, next) = decide(slot.state());
-    if let Some(next) = next {
+    let step = algorithm::decide_fitting(policy, slot.state(), now, cost);
+    if let Some(next) = step.next {
         *slot = Compact::pack(key, next)?;
     }
-    Some(decision)
+    Some(step.decision)
 }
