@@ -11,7 +11,11 @@
 //!
 //! With `refuse`, the limiters refuse everything after the first request.
 //! Exits non-zero unless every request was admitted (2xx) or refused (429)
-//! as the mode says it should be.
+//! as the mode says it should be. The requests are sent from one function,
+//! `profile_layer::send_requests`, so that a profile can count it alone
+//! (`--toggle-collect=profile_layer::send_requests`) and leave out the
+//! start-up, whose cost varies from run to run (quanta's calibration
+//! loops for as long as the clocks take to agree).
 //!
 //! ```text
 //! cargo build --release -p tollgate-bench --bin profile_layer
@@ -59,8 +63,33 @@ fn main() -> ExitCode {
     let Ok(rt) = tokio::runtime::Builder::new_current_thread().build() else {
         return ExitCode::FAILURE;
     };
+    let (admitted, refused) = send_requests(&rt, &app, requests, bench_app::is_export(&mode));
+    let other = requests - admitted - refused;
+    let refusing = refuse && bench_app::is_limited(&mode);
+    println!(
+        "{mode}{}: {admitted} of {requests} admitted, {refused} refused, {other} other",
+        if refusing { " refuse" } else { "" }
+    );
+    let expected = if refusing { 1 } else { requests };
+    if admitted == expected && other == 0 {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("profile_layer: expected {expected} admitted and the rest refused");
+        ExitCode::FAILURE
+    }
+}
+
+/// Sends `requests` requests through `app`, one after another; how many
+/// were admitted (2xx) and refused (429). Never inlined: profiles count
+/// the instructions run inside it (see the module docs).
+#[inline(never)]
+fn send_requests(
+    rt: &tokio::runtime::Runtime,
+    app: &axum::Router,
+    requests: u32,
+    export: bool,
+) -> (u32, u32) {
     let peer = SocketAddr::from(([127, 0, 0, 1], 40_000));
-    let export = bench_app::is_export(&mode);
     let (mut admitted, mut refused) = (0u32, 0u32);
     rt.block_on(async {
         for _ in 0..requests {
@@ -80,17 +109,5 @@ fn main() -> ExitCode {
             refused += u32::from(res.status() == StatusCode::TOO_MANY_REQUESTS);
         }
     });
-    let other = requests - admitted - refused;
-    let refusing = refuse && bench_app::is_limited(&mode);
-    println!(
-        "{mode}{}: {admitted} of {requests} admitted, {refused} refused, {other} other",
-        if refusing { " refuse" } else { "" }
-    );
-    let expected = if refusing { 1 } else { requests };
-    if admitted == expected && other == 0 {
-        ExitCode::SUCCESS
-    } else {
-        eprintln!("profile_layer: expected {expected} admitted and the rest refused");
-        ExitCode::FAILURE
-    }
+    (admitted, refused)
 }
