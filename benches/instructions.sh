@@ -3,17 +3,24 @@
 # counted by callgrind: repeatable whatever else the machine is doing.
 #
 # Every workload runs twice, at LOW and HIGH requests (decisions), and the
-# figure is (I(HIGH) - I(LOW)) / (HIGH - LOW): start-up (quanta's
-# calibration, the runtime, building the app and the keys) is in both runs
-# and drops out.
+# figure is (I(HIGH) - I(LOW)) / (HIGH - LOW), counting only the function
+# that does the work (callgrind --toggle-collect, inclusive of all it
+# calls): start-up (quanta's calibration, the runtime, building the app
+# and the keys) is never counted, and what the first requests alone pay
+# (lazy initialisation, the first map slot) is in both runs and drops out.
+# Counting only the work matters: quanta's calibration loops for as long
+# as the clocks take to agree, so its cost varies by millions of
+# instructions from run to run, which a difference does not cancel.
 #
-# - HTTP (profile_layer, in process, no sockets): every instruction the
-#   process runs. bare / tollgate / tower_governor on `GET /`, all admitted
-#   or all refused; and the quickstart's `POST /export` shape: bare-export
-#   (the stand-in authentication layer that inserts a Principal, no
-#   limiter) and tollgate-export (the same plus a per-address and a
-#   per-account-operation rule). "added" is over bare for `GET /`, over
-#   bare-export for `/export`, so only the limiter's cost is in it.
+# - HTTP (profile_layer, in process, no sockets): `send_requests`, the
+#   loop that builds each request, sends it through the app with
+#   `oneshot` and reads the status. bare / tollgate / tower_governor on
+#   `GET /`, all admitted or all refused; and the quickstart's
+#   `POST /export` shape: bare-export (the stand-in authentication layer
+#   that inserts a Principal, no limiter) and tollgate-export (the same
+#   plus a per-address and a per-account-operation rule). "added" is over
+#   bare for `GET /`, over bare-export for `/export`, so only the
+#   limiter's cost is in it.
 # - Hot key (profile_hot_key hot, one key, every decision admitted): only
 #   the decision, inclusive of what it calls. tollgate:
 #   `MemoryStore::charge_now` (its clock read, the key digest, the shard
@@ -23,7 +30,7 @@
 #   Not counted on either side: the loop and black_box.
 #
 # Fails (non-zero) if a run does not admit or refuse what it should, or a
-# function the hot-key counts rely on does not show in its profile.
+# function the counts rely on does not show in its profile.
 # The last three lines are, exactly:
 #   admitted_added_vs_tower_governor RATIO  (tollgate admitted - bare) / (tower_governor admitted - bare)
 #   refused_vs_bare RATIO                   tollgate refused / bare
@@ -68,6 +75,14 @@ count() {
     awk '/^summary:/ {print $2}' "$WORK/$name.$n.out"
 }
 
+# require NAME N REGEX: fails unless REGEX names a function in the profile;
+# otherwise a toggle matched nothing (an inlined function, say) and the
+# count would silently miss what it stands for.
+require() {
+    grep -qE "^c?fn=.*$3" "$WORK/$1.$2.out" ||
+        fail "$1: no function matching /$3/ in the profile; the toggles count something else"
+}
+
 # layer NAME MODE [refuse]: both counts of a profile_layer workload.
 layer() {
     local name=$1 mode=$2 refuse=${3:-} n admitted refused ir
@@ -76,15 +91,16 @@ layer() {
         # Not inside echo's arguments: a failure must stop the script.
         ir=$(count "$name" "$n" \
             "$mode${refuse:+ refuse}: $admitted of $n admitted, $refused refused, 0 other" \
+            --toggle-collect=profile_layer::send_requests \
             -- "$BIN/profile_layer" "$mode" ${refuse:+"$refuse"} "$n")
+        require "$name" "$n" 'profile_layer::send_requests$'
         echo "$name $n $ir" >> "$RESULTS"
     done
 }
 
 # hot_key NAME IMPL FUNCTION-REGEX... -- TOGGLES...: both counts of the
 # hot-key decision; each FUNCTION-REGEX must name a function in the
-# profile, or a toggle matched nothing (an inlined clock read, say) and
-# the count would silently miss it.
+# profile (see require).
 hot_key() {
     local name=$1 impl=$2 n re ir
     shift 2
@@ -95,10 +111,7 @@ hot_key() {
         ir=$(count "$name" "$n" "$n of $n decisions admitted" "$@" \
             -- "$BIN/profile_hot_key" "$impl" hot "$n")
         echo "$name $n $ir" >> "$RESULTS"
-        for re in "${must[@]}"; do
-            grep -qE "^c?fn=.*$re" "$WORK/$name.$n.out" ||
-                fail "$name: no function matching /$re/ in the profile; the toggles count something else"
-        done
+        for re in "${must[@]}"; do require "$name" "$n" "$re"; done
     done
 }
 
@@ -130,7 +143,7 @@ for name, v in per.items():
 def fmt(x):
     return f"{x:,.0f}".replace(",", " ")
 
-print(f"callgrind instructions per request: (I({high}) - I({low})) / {high - low}")
+print(f"callgrind instructions per request: (I({high}) - I({low})) / {high - low}, I = instructions in profile_layer::send_requests")
 print()
 print("| workload | instructions/request | added over its bare | ratio to tower_governor's addition |")
 print("|---|---|---|---|")
