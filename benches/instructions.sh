@@ -45,9 +45,16 @@ if ! command -v valgrind > /dev/null; then
     apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq valgrind > /dev/null
 fi
 cargo build --quiet --release -p tollgate-bench --bin profile_layer --bin profile_hot_key
-BIN="${CARGO_TARGET_DIR:-target}/release"
-WORK=$(mktemp -d)
+# The binaries run from a path of fixed length: the arguments are copied to
+# the heap at start, so the length of argv[0] moves every later allocation
+# and, with it, the instructions malloc and memcpy take (78 per request on
+# bare-export between a relative and an absolute path). The counts then
+# agree from one checkout or target directory to another.
+WORK=$(mktemp -d /tmp/instructions.XXXXXXXX)
 trap 'rm -rf "$WORK"' EXIT
+BIN="$WORK/bin"
+mkdir "$BIN"
+cp "${CARGO_TARGET_DIR:-target}/release/profile_layer" "${CARGO_TARGET_DIR:-target}/release/profile_hot_key" "$BIN/"
 RESULTS="$WORK/results"
 
 fail() {
