@@ -1,5 +1,8 @@
 #!/usr/bin/env bash
-# HTTP overhead of tollgate vs tower_governor over loopback, in one run.
+# HTTP overhead of tollgate vs tower_governor over loopback, in one run;
+# and of tollgate on the quickstart's `POST /export` shape (a principal put
+# in by an authentication layer, a per-address and a per-account-operation
+# rule) against the same app with the authentication layer alone.
 #
 # Server (current-thread tokio) pinned to CPU 0, wrk pinned to CPU 1.
 # Modes alternate within each round; the table reports medians over rounds
@@ -20,26 +23,52 @@ BIN="${CARGO_TARGET_DIR:-target}/release/bench_server"
 TCK=$(getconf CLK_TCK)
 OUT=$(mktemp)
 PORT=38100
+# wrk sends GET; the export workload posts with the bearer key the bench's
+# stand-in authentication knows (bench_app::EXPORT_AUTHORIZATION).
+EXPORT_LUA=$(mktemp --suffix=.lua)
+trap 'rm -f "$OUT" "$EXPORT_LUA"' EXIT
+cat > "$EXPORT_LUA" <<'LUA'
+wrk.method = "POST"
+wrk.headers["Authorization"] = "Bearer bench-key"
+LUA
 
 utime() { awk '{print $14}' "/proc/$1/stat"; }
 
 measure() { # name mode [--refuse]
     local name=$1 mode=$2 flag=${3:-}
     PORT=$((PORT + 1))
+    local target=("http://127.0.0.1:$PORT/")
+    case $mode in
+        *-export) target=(-s "$EXPORT_LUA" "http://127.0.0.1:$PORT/export") ;;
+    esac
     taskset -c 0 "$BIN" --mode "$mode" --addr "127.0.0.1:$PORT" $flag > /dev/null &
     local pid=$!
     for _ in $(seq 100); do
         (echo > "/dev/tcp/127.0.0.1/$PORT") 2> /dev/null && break
         sleep 0.05
     done
-    taskset -c 1 wrk -t1 -c"$CONNS" -d1s "http://127.0.0.1:$PORT/" > /dev/null # warm-up
-    local t0 t1 report reqs rps
+    taskset -c 1 wrk -t1 -c"$CONNS" -d1s "${target[@]}" > /dev/null # warm-up
+    local t0 t1 report reqs rps errors
     t0=$(utime "$pid")
-    report=$(taskset -c 1 wrk -t1 -c"$CONNS" -d"${DURATION}s" "http://127.0.0.1:$PORT/")
+    report=$(taskset -c 1 wrk -t1 -c"$CONNS" -d"${DURATION}s" "${target[@]}")
     t1=$(utime "$pid")
     kill "$pid"; wait "$pid" 2> /dev/null || true
     reqs=$(echo "$report" | awk '/requests in/ {print $1}')
     rps=$(echo "$report" | awk '/Requests\/sec/ {print $2}')
+    # A run that answered other than it should (a 401 for a missing
+    # header, a refusal where all should pass) measures something else.
+    errors=$(echo "$report" | awk '/Non-2xx or 3xx responses/ {print $5}')
+    errors=${errors:-0}
+    local wrong=0
+    if [ -z "$flag" ]; then
+        [ "$errors" = 0 ] || wrong=1
+    else
+        [ $((errors * 100)) -ge $((reqs * 99)) ] || wrong=1
+    fi
+    if [ "$wrong" = 1 ]; then
+        echo "http.sh: $name: $errors of $reqs answered non-2xx" >&2
+        exit 1
+    fi
     echo "$name $rps $(( (t1 - t0) * 1000000000 / TCK / reqs ))" >> "$OUT"
 }
 
@@ -50,6 +79,9 @@ for round in $(seq "$ROUNDS"); do
     measure governor governor
     measure tollgate_refused tollgate --refuse
     measure governor_refused governor --refuse
+    measure bare_export bare-export
+    measure tollgate_export tollgate-export
+    measure tollgate_export_refused tollgate-export --refuse
 done
 
 python3 - "$OUT" "$ROUNDS" "$DURATION" "$CONNS" <<'PY'
@@ -62,12 +94,13 @@ med = {k: (statistics.median(r for r, _ in v), statistics.median(c for _, c in v
 print(f"rounds={sys.argv[2]} duration={sys.argv[3]}s connections={sys.argv[4]}")
 print("| configuration | requests/s (median) | server user-CPU ns/request (median) |")
 print("|---|---|---|")
-for k in ["bare", "tollgate", "governor", "tollgate_refused", "governor_refused"]:
+for k in ["bare", "tollgate", "governor", "tollgate_refused", "governor_refused", "bare_export", "tollgate_export", "tollgate_export_refused"]:
     print(f"| {k} | {med[k][0]:.0f} | {med[k][1]:.0f} |")
 added_t = med["tollgate"][1] - med["bare"][1]
 added_g = med["governor"][1] - med["bare"][1]
 print()
 print(f"added CPU per admitted request: tollgate {added_t:.0f} ns, tower_governor {added_g:.0f} ns, ratio {added_t / added_g:.2f} (target <= 0.5)" if added_g > 0 else "tower_governor added no measurable CPU")
 print(f"all refused, requests/s vs bare: tollgate {med['tollgate_refused'][0] / med['bare'][0]:.2f} (target >= 0.9), tower_governor {med['governor_refused'][0] / med['bare'][0]:.2f}")
+added_e = med["tollgate_export"][1] - med["bare_export"][1]
+print(f"/export, 2 rules and a principal: added CPU per admitted request over bare_export: tollgate {added_e:.0f} ns (1 rule on GET /: {added_t:.0f} ns); all refused, requests/s vs bare_export {med['tollgate_export_refused'][0] / med['bare_export'][0]:.2f}, CPU per refused request vs bare_export {med['tollgate_export_refused'][1] / med['bare_export'][1]:.2f}")
 PY
-rm -f "$OUT"

@@ -1,6 +1,9 @@
-//! An axum hello-world for the HTTP overhead benchmark (benches/http.sh):
-//! bare, behind tollgate (in-memory), or behind tower_governor, with a quota
-//! that admits everything or refuses everything.
+//! The apps of the HTTP overhead benchmark (benches/http.sh), served over
+//! loopback: an axum hello-world on `GET /`, bare, behind tollgate
+//! (in-memory), or behind tower_governor; or the quickstart-shaped
+//! `POST /export` (modes `bare-export`, `tollgate-export`; see `bench_app`
+//! for the header it needs), with a quota that admits everything or
+//! refuses everything.
 //!
 //! ```text
 //! cargo run --release -p tollgate-bench --bin bench_server -- --mode tollgate --addr 127.0.0.1:8080 [--refuse]
@@ -29,7 +32,8 @@ fn main() -> ExitCode {
             "--refuse" => refuse = true,
             _ => {
                 eprintln!(
-                    "usage: bench_server --mode bare|tollgate|governor [--addr A] [--refuse]"
+                    "usage: bench_server --mode MODE [--addr A] [--refuse]\nMODE: {}",
+                    bench_app::MODES
                 );
                 return ExitCode::from(2);
             }

@@ -1,17 +1,28 @@
 //! A fixed in-process workload for instruction-level profiles of the HTTP
-//! layer (BENCHMARKS.md): 100 000 requests through an axum hello-world,
-//! bare, behind tollgate (in-memory, admits everything) or behind
-//! tower_governor (the equivalent quota), with no sockets involved, so the
-//! instructions each layer adds per request can be counted exactly. With
-//! `refuse` as second argument, both limiters refuse everything after the
-//! first request.
+//! layer (BENCHMARKS.md, `benches/instructions.sh`): REQUESTS requests
+//! (100 000 by default) through one of `bench_app`'s axum apps, with no
+//! sockets involved, so the instructions each layer adds per request can be
+//! counted exactly:
+//! - `GET /`: `bare`, `tollgate` (in-memory, admits everything) or
+//!   `governor` (tower_governor, the equivalent quota);
+//! - `POST /export` with a principal: `bare-export` (the stand-in
+//!   authentication layer alone) or `tollgate-export` (a per-address and a
+//!   per-account-operation rule behind it).
+//!
+//! With `refuse`, the limiters refuse everything after the first request.
+//! Exits non-zero unless every request was admitted (2xx) or refused (429)
+//! as the mode says it should be. The requests are sent from one function,
+//! `profile_layer::send_requests`, so that a profile can count it alone
+//! (`--toggle-collect=profile_layer::send_requests`) and leave out the
+//! start-up, whose cost varies from run to run (quanta's calibration
+//! loops for as long as the clocks take to agree).
 //!
 //! ```text
 //! cargo build --release -p tollgate-bench --bin profile_layer
 //! valgrind --tool=callgrind target/release/profile_layer bare
 //! valgrind --tool=callgrind target/release/profile_layer tollgate
-//! valgrind --tool=callgrind target/release/profile_layer governor
-//! valgrind --tool=callgrind target/release/profile_layer tollgate refuse
+//! valgrind --tool=callgrind target/release/profile_layer governor refuse
+//! valgrind --tool=callgrind target/release/profile_layer tollgate-export refuse 20000
 //! ```
 
 use std::net::SocketAddr;
@@ -19,50 +30,84 @@ use std::process::ExitCode;
 
 use axum::body::Body;
 use axum::extract::ConnectInfo;
-use http::Request;
+use http::{Method, Request, StatusCode};
 use tower::ServiceExt;
 
 use tollgate_bench::bench_app;
 
-const REQUESTS: u32 = 100_000;
+const DEFAULT_REQUESTS: u32 = 100_000;
+const USAGE: &str = "usage: profile_layer MODE [refuse] [REQUESTS]";
 
 fn main() -> ExitCode {
-    let mode = std::env::args().nth(1).unwrap_or_else(|| "tollgate".into());
-    let refuse = std::env::args().nth(2).as_deref() == Some("refuse");
+    let mut args = std::env::args().skip(1);
+    let mode = args.next().unwrap_or_else(|| "tollgate".into());
+    let mut refuse = false;
+    let mut requests = DEFAULT_REQUESTS;
+    for arg in args {
+        match (arg.as_str(), arg.parse::<u32>()) {
+            ("refuse", _) => refuse = true,
+            (_, Ok(n)) if n > 0 => requests = n,
+            _ => {
+                eprintln!("profile_layer: unexpected argument {arg:?}\n{USAGE}");
+                return ExitCode::from(2);
+            }
+        }
+    }
     let app = match bench_app::app(&mode, refuse) {
         Ok(app) => app,
         Err(why) => {
-            eprintln!("profile_layer: {why}");
+            eprintln!("profile_layer: {why}\n{USAGE}");
             return ExitCode::from(2);
         }
     };
     let Ok(rt) = tokio::runtime::Builder::new_current_thread().build() else {
         return ExitCode::FAILURE;
     };
+    let (admitted, refused) = send_requests(&rt, &app, requests, bench_app::is_export(&mode));
+    let other = requests - admitted - refused;
+    let refusing = refuse && bench_app::is_limited(&mode);
+    println!(
+        "{mode}{}: {admitted} of {requests} admitted, {refused} refused, {other} other",
+        if refusing { " refuse" } else { "" }
+    );
+    let expected = if refusing { 1 } else { requests };
+    if admitted == expected && other == 0 {
+        ExitCode::SUCCESS
+    } else {
+        eprintln!("profile_layer: expected {expected} admitted and the rest refused");
+        ExitCode::FAILURE
+    }
+}
+
+/// Sends `requests` requests through `app`, one after another; how many
+/// were admitted (2xx) and refused (429). Never inlined: profiles count
+/// the instructions run inside it (see the module docs).
+#[inline(never)]
+fn send_requests(
+    rt: &tokio::runtime::Runtime,
+    app: &axum::Router,
+    requests: u32,
+    export: bool,
+) -> (u32, u32) {
     let peer = SocketAddr::from(([127, 0, 0, 1], 40_000));
-    let mut ok = 0u32;
+    let (mut admitted, mut refused) = (0u32, 0u32);
     rt.block_on(async {
-        for _ in 0..REQUESTS {
-            let Ok(req) = Request::builder()
-                .uri("/")
-                .extension(ConnectInfo(peer))
-                .body(Body::empty())
-            else {
+        for _ in 0..requests {
+            let builder = if export {
+                Request::builder()
+                    .method(Method::POST)
+                    .uri(bench_app::EXPORT_PATH)
+                    .header(http::header::AUTHORIZATION, bench_app::EXPORT_AUTHORIZATION)
+            } else {
+                Request::builder().uri("/")
+            };
+            let Ok(req) = builder.extension(ConnectInfo(peer)).body(Body::empty()) else {
                 continue;
             };
             let Ok(res) = app.clone().oneshot(req).await;
-            ok += u32::from(res.status().is_success());
+            admitted += u32::from(res.status().is_success());
+            refused += u32::from(res.status() == StatusCode::TOO_MANY_REQUESTS);
         }
     });
-    println!("{mode}: {ok} of {REQUESTS} admitted");
-    let expected = if refuse && mode != "bare" {
-        1
-    } else {
-        REQUESTS
-    };
-    if ok == expected {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::FAILURE
-    }
+    (admitted, refused)
 }
