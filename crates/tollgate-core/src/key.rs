@@ -269,6 +269,18 @@ impl Key {
         push_escaped(encoded, value.as_ref());
     }
 
+    /// Appends one component made of `tag` and then each of `pieces` (the
+    /// same key as [`Key::push_tagged`] of their concatenation), without
+    /// building the concatenation.
+    pub fn push_tagged_parts(&mut self, tag: &str, pieces: &[&str]) {
+        let encoded = self.encoded_mut();
+        encoded.push(b':');
+        push_escaped(encoded, tag.as_bytes());
+        for piece in pieces {
+            push_escaped(encoded, piece.as_bytes());
+        }
+    }
+
     /// The injective text form. Borrowed for keys built as text; written
     /// out for a client address's key.
     pub fn text(&self) -> Cow<'_, str> {
@@ -482,6 +494,9 @@ mod tests {
         let mut a = Key::new("p");
         a.push_tagged("ip=", "1.2.3.4");
         assert_eq!(a, Key::new("p").with("ip=1.2.3.4"));
+        let mut c = Key::new("p");
+        c.push_tagged_parts("op=", &["POST", " ", "/x:y"]);
+        assert_eq!(c, Key::new("p").with("op=POST /x:y"));
         let mut b = Key::new("p");
         b.push_tagged("t:", "a:b");
         assert_eq!(b, Key::new("p").with("t:a:b"));

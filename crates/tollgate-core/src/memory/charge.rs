@@ -8,6 +8,9 @@ use super::shard::{Id, Shard};
 use crate::algorithm::{self, State, Step};
 use crate::{Charge, Decision, Nanos, Outcome, Policy, Reservation, Reserved, StoreError};
 
+/// Scratch of one call, inline for up to four charges.
+type Few<T> = smallvec::SmallVec<[T; 4]>;
+
 /// One charge of a call as decided: its slot key, the step, its policy,
 /// and the sibling space its state was carried over from, if any.
 struct Decided<'a> {
@@ -37,21 +40,22 @@ impl MemoryStore {
         if let Some(outcome) = Outcome::never_fits(charges) {
             return Ok(outcome);
         }
+        // A call has a few charges: its scratch stays on the stack.
         let ids = charges
             .iter()
             .map(|c| inner.id(c))
-            .collect::<Result<Vec<Id>, StoreError>>()?;
-        let mut order: Vec<usize> = ids.iter().map(|id| inner.shard_of(id)).collect();
+            .collect::<Result<Few<Id>, StoreError>>()?;
+        let mut order: Few<usize> = ids.iter().map(|id| inner.shard_of(id)).collect();
         order.sort_unstable();
         order.dedup();
-        let mut guards: Vec<MutexGuard<'_, Shard>> = order.iter().map(|&i| inner.lock(i)).collect();
+        let mut guards: Few<MutexGuard<'_, Shard>> = order.iter().map(|&i| inner.lock(i)).collect();
         for g in &mut guards {
             inner.maybe_sweep(g, now);
         }
         let guard_of = |id: &Id| order.binary_search(&inner.shard_of(id)).unwrap_or(0);
 
-        let mut steps: Vec<Decided<'_>> = Vec::with_capacity(charges.len());
-        let mut before: Vec<Option<State>> = Vec::with_capacity(charges.len());
+        let mut steps: Few<Decided<'_>> = Few::new();
+        let mut before: Few<Option<State>> = Few::new();
         for (charge, id) in charges.iter().zip(&ids) {
             let policy = charge.policy();
             // A repeated key in one call sees the earlier charge's effect.
@@ -106,7 +110,7 @@ impl MemoryStore {
             .filter(|(d, _)| !writes(d))
             .filter_map(|(d, state)| d.from.map(|from| (d.id, from, *state)))
             .collect();
-        steps.retain(writes);
+        steps.retain(|d| writes(d));
         if inner.per_shard.is_some() {
             // Room for every new key of this call, counted before any is
             // written: one call must not take a shard past its cap. A key

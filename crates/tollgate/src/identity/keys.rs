@@ -8,7 +8,8 @@ use std::sync::Arc;
 use http::request::Parts;
 use tollgate_core::{InvalidName, Key, check_name};
 
-use super::{ClientIp, ClientIpError, ClientIpResolver, Operation, Principal};
+use super::operation::write_operation;
+use super::{ClientIp, ClientIpError, ClientIpResolver, Principal};
 
 /// One component of a key (after the policy or layer name, which always
 /// comes first).
@@ -20,7 +21,7 @@ use super::{ClientIp, ClientIpError, ClientIpResolver, Operation, Principal};
 /// ([`MissingPrincipal::FallbackToClientIp`]) can never share a budget with
 /// a tenant that happens to be named like an address. For example the
 /// per-account-operation key of alice in tenant north is
-/// `export:t=north:a=alice:op=POST%20/export`.
+/// `t=north:a=alice:op=POST%20/export`.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum KeyPart {
@@ -201,7 +202,6 @@ pub(crate) struct RequestIdentity<'a> {
     principal: Option<Option<&'a Principal>>,
     /// The client address before aggregation, resolved once.
     addr: Option<Result<IpAddr, ClientIpError>>,
-    operation: Option<Operation>,
 }
 
 impl<'a> RequestIdentity<'a> {
@@ -211,7 +211,6 @@ impl<'a> RequestIdentity<'a> {
             resolver,
             principal: None,
             addr: None,
-            operation: None,
         }
     }
 
@@ -292,18 +291,9 @@ impl<'a> RequestIdentity<'a> {
                     key.push("a=", principal.map_or("", |p| p.account()));
                     key.push("c=", principal.and_then(|p| p.credential()).unwrap_or(""));
                 }
-                KeyPart::Operation => match route {
-                    // A rule-specific stand-in: not cached across rules.
-                    Some(_) => {
-                        key.push("op=", Operation::with_fallback(self.parts, route).as_str())
-                    }
-                    None => {
-                        let op = self
-                            .operation
-                            .get_or_insert_with(|| Operation::of(self.parts));
-                        key.push("op=", op.as_str());
-                    }
-                },
+                KeyPart::Operation => {
+                    write_operation(self.parts, route, |pieces| key.push_parts("op=", pieces));
+                }
                 KeyPart::Literal(s) => key.push("lit=", s),
                 KeyPart::Custom(c) => match (c.read)(self.parts) {
                     Some(value) => key.push(&c.tag, &value),
@@ -344,6 +334,14 @@ impl Building {
         match self {
             Building::Text(key) => Some(key),
             _ => None,
+        }
+    }
+
+    /// Appends the component `tag` followed by `pieces`.
+    fn push_parts(&mut self, tag: &str, pieces: &[&str]) {
+        match self.text() {
+            Some(key) => key.push_tagged_parts(tag, pieces),
+            None => *self = Building::Text(Key::tagged(tag, pieces.concat())),
         }
     }
 

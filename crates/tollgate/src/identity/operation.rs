@@ -55,6 +55,23 @@ impl Operation {
     }
 }
 
+/// Calls `write` with the pieces of the operation's name (as
+/// [`Operation::with_fallback`] names it) without building the name.
+pub(crate) fn write_operation<R>(
+    parts: &Parts,
+    route: Option<&str>,
+    write: impl FnOnce(&[&str]) -> R,
+) -> R {
+    if let Some(op) = parts.extensions.get::<Operation>() {
+        return write(&[op.as_str()]);
+    }
+    let method = method_of(&parts.method);
+    match route_of(parts).or(route) {
+        Some(route) => write(&[method, " ", route]),
+        None => write(&[method, " *"]),
+    }
+}
+
 /// The path a nested router is mounted at (axum's `NestedPath`), if any.
 pub(crate) fn nested_of(parts: &Parts) -> Option<&str> {
     #[cfg(feature = "axum")]
