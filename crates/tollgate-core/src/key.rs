@@ -152,7 +152,6 @@ fn needs_escape(b: u8) -> bool {
 }
 
 fn push_escaped(out: &mut Vec<u8>, component: &[u8]) {
-    const HEX: &[u8; 16] = b"0123456789ABCDEF";
     // Most components (names, ids, IPv4 addresses) need no escaping: copy
     // them whole. No early exit, so the check compiles to a vectorised loop.
     if !component
@@ -162,13 +161,16 @@ fn push_escaped(out: &mut Vec<u8>, component: &[u8]) {
         out.extend_from_slice(component);
         return;
     }
-    for &b in component {
-        if needs_escape(b) {
-            out.extend_from_slice(&[b'%', HEX[usize::from(b >> 4)], HEX[usize::from(b & 0xf)]]);
-        } else {
-            out.push(b);
-        }
+    // At most three bytes for each: one reservation, then no capacity
+    // checks that can fail.
+    out.reserve(component.len() * 3);
+    let mut rest = component;
+    while let Some(i) = rest.iter().position(|&b| needs_escape(b)) {
+        out.extend_from_slice(&rest[..i]);
+        out.extend_from_slice(&escape_byte(rest[i]));
+        rest = &rest[i + 1..];
     }
+    out.extend_from_slice(rest);
 }
 
 impl Key {

@@ -81,9 +81,14 @@ impl MemoryStore {
                 }
             };
             before.push(state);
+            // Every cost fits (checked above): decided as the hot path is.
+            let step = match state {
+                Some(state) => algorithm::decide_fitting(policy, state, now, charge.cost()),
+                None => algorithm::decide(policy, None, now, charge.cost()),
+            };
             steps.push(Decided {
                 id: *id,
-                step: algorithm::decide(policy, state, now, charge.cost()),
+                step,
                 policy,
                 from,
             });
