@@ -6,6 +6,13 @@
 //! deduct for every charge of a request happen inside it, all-or-nothing. A
 //! refusal writes nothing and extends no TTL (the one exception: the
 //! creation time of an initially-empty token bucket, which spends nothing).
+//! The most common call, one token-bucket charge (unshaped, of a bucket
+//! that starts full), goes to a second, small script
+//! ([`RedisStore::one_bucket_script_source`]) that decides it exactly as the
+//! full one would for a fraction of the Redis CPU; when the key's state
+//! needs more (other numbers, an earlier format), it writes nothing and
+//! the store sends the call to the full script
+//! ([`RedisStore::script_stats`] counts these second round trips).
 //!
 //! - **Time** is the server's `TIME`, read inside the script, so a fleet
 //!   shares one clock. It is handled as integers below 2^53 (exact in Lua's
@@ -86,6 +93,7 @@ pub mod testing;
 
 use std::fmt;
 use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use redis::aio::ConnectionManager;
@@ -409,6 +417,8 @@ impl RedisStoreBuilder {
             inner: Arc::new(Inner {
                 conn,
                 script: script::script(),
+                one_bucket: script::one_bucket_script(),
+                scripts: ScriptCounters::default(),
                 prefix: self.prefix,
                 timeout: self.timeout,
                 time: self.time,
@@ -417,6 +427,26 @@ impl RedisStoreBuilder {
             }),
         })
     }
+}
+
+/// Counters of the decision scripts ([`RedisStore::script_stats`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct ScriptStats {
+    /// Calls sent to the one-bucket script ([`RedisStore::one_bucket_script_source`]):
+    /// one token-bucket charge, unshaped, of a bucket that starts full.
+    pub one_bucket_calls: u64,
+    /// Of those, the calls it handed to the full script (a second round
+    /// trip): the key's state was written under other numbers (a changed
+    /// limit, once per key), in an earlier format, or is dated in a later
+    /// era than the server's clock.
+    pub handed_over: u64,
+}
+
+#[derive(Default)]
+struct ScriptCounters {
+    one_bucket_calls: AtomicU64,
+    handed_over: AtomicU64,
 }
 
 /// A [`Store`] backed by Redis. Cloning shares the connection.
@@ -428,6 +458,9 @@ pub struct RedisStore {
 struct Inner {
     conn: Conn,
     script: redis::Script,
+    /// The common call's script, which hands anything else to `script`.
+    one_bucket: redis::Script,
+    scripts: ScriptCounters,
     prefix: String,
     timeout: Duration,
     time: TimeSource,
@@ -575,6 +608,32 @@ impl RedisStore {
     /// The SHA-1 the store calls the script by (`EVALSHA`).
     pub fn script_sha() -> String {
         script::script().get_hash().to_owned()
+    }
+
+    /// The Lua source of the one-bucket script: the store's most common
+    /// call (one token-bucket charge, unshaped, of a bucket that starts
+    /// full) decided with a fraction of the [decision
+    /// script](RedisStore::script_source)'s work, on the same keys and
+    /// values; it hands whatever else the key's state needs (another
+    /// policy's numbers, an earlier format) to the decision script. Pre-load
+    /// both, or neither: the store loads each after `NOSCRIPT`.
+    pub fn one_bucket_script_source() -> &'static str {
+        script::ONE_BUCKET_SOURCE
+    }
+
+    /// The SHA-1 the store calls the one-bucket script by.
+    pub fn one_bucket_script_sha() -> String {
+        script::one_bucket_script().get_hash().to_owned()
+    }
+
+    /// How many calls went to the one-bucket script, and how many of those
+    /// it handed to the decision script (each a second round trip).
+    pub fn script_stats(&self) -> ScriptStats {
+        let c = &self.inner.scripts;
+        ScriptStats {
+            one_bucket_calls: c.one_bucket_calls.load(Ordering::Relaxed),
+            handed_over: c.handed_over.load(Ordering::Relaxed),
+        }
     }
 
     fn builder_for(target: Target) -> RedisStoreBuilder {
@@ -782,6 +841,16 @@ impl RedisStore {
         } else {
             prepared
         };
+        if let [one] = &prepared[..] {
+            if one.is_one_bucket() {
+                if let Some(outcome) = self
+                    .charge_one_bucket(one, &keys[0], &charges[0], deadline)
+                    .await?
+                {
+                    return Ok(outcome);
+                }
+            }
+        }
         let mut decisions = vec![Decision::Unevaluated; charges.len()];
         let mut before = vec![Decision::Unevaluated; charges.len()];
         let mut admitted: Vec<(Prepared, Vec<i64>)> = Vec::new();
@@ -883,6 +952,45 @@ impl RedisStore {
             }
         }
         Ok(Outcome::new(decisions))
+    }
+
+    /// The common call decided by the one-bucket script; `None` when it
+    /// handed the call to the full script (having written nothing).
+    async fn charge_one_bucket(
+        &self,
+        prepared: &Prepared,
+        key: &str,
+        charge: &Charge,
+        deadline: tokio::time::Instant,
+    ) -> Result<Option<Outcome>, StoreError> {
+        let inner = &*self.inner;
+        let now = match &inner.time {
+            TimeSource::Server => None,
+            TimeSource::Injected(f) => Some(f()),
+        };
+        let invocation = prepared.one_bucket_invocation(&inner.one_bucket, now);
+        inner
+            .scripts
+            .one_bucket_calls
+            .fetch_add(1, Ordering::Relaxed);
+        let sent = Instant::now();
+        let reply: Vec<u8> = self
+            .run(&invocation, || prepared.one_bucket_eval(now), deadline)
+            .await?;
+        let Some(decision) = script::one_bucket_decision(&reply, charge.policy())? else {
+            inner.scripts.handed_over.fetch_add(1, Ordering::Relaxed);
+            return Ok(None);
+        };
+        // As `charge_all` remembers a single unshaped charge (not when
+        // charging slot by slot: a refund could undo what it saw).
+        if let (Some(cache), false) = (&inner.cache, inner.split) {
+            if decision.is_admitted() {
+                cache.remember_spent(key, charge, Instant::now(), decision);
+            } else {
+                cache.remember(key, charge, sent, decision);
+            }
+        }
+        Ok(Some(Outcome::new(vec![decision])))
     }
 
     /// What `charge_all` would answer now, read with the script's `peek`

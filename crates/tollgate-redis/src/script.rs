@@ -25,6 +25,15 @@ pub(crate) fn script() -> Script {
     Script::new(SOURCE)
 }
 
+/// The one-bucket script's Lua source: the common call (one token-bucket
+/// charge, unshaped, of a bucket that starts full) decided with a fraction
+/// of the full script's work, or handed back to it.
+pub(crate) const ONE_BUCKET_SOURCE: &str = include_str!("one_bucket.lua");
+
+pub(crate) fn one_bucket_script() -> Script {
+    Script::new(ONE_BUCKET_SOURCE)
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Mode {
     Charge,
@@ -173,6 +182,43 @@ impl Prepared {
 
     pub(crate) fn len(&self) -> usize {
         self.keys.len()
+    }
+
+    /// Whether this is the call the one-bucket script decides: one
+    /// token-bucket charge of a bucket that starts full, not shaped (it
+    /// hands back to the full script whatever its key's state needs more).
+    pub(crate) fn is_one_bucket(&self) -> bool {
+        matches!(
+            (&self.params[..], &self.windows[..]),
+            ([[1, _, _, _, 1, _]], [(0, 0)])
+        ) && self.tail.is_empty()
+    }
+
+    /// The one-bucket script's call: the key, the charge packed as for the
+    /// full script, and injected time if any.
+    pub(crate) fn one_bucket_invocation<'s>(
+        &self,
+        script: &'s Script,
+        now: Option<Nanos>,
+    ) -> ScriptInvocation<'s> {
+        let mut inv = script.prepare_invoke();
+        inv.key(&self.keys[0]);
+        inv.arg(&packed(&self.params[0], self.windows[0])[..]);
+        if let Some(t) = now {
+            inv.arg(t / 1_000_000_000).arg(t % 1_000_000_000);
+        }
+        inv
+    }
+
+    /// The same call as [`Prepared::one_bucket_invocation`], as an `EVAL`.
+    pub(crate) fn one_bucket_eval(&self, now: Option<Nanos>) -> redis::Cmd {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(ONE_BUCKET_SOURCE).arg(1).arg(&self.keys[0]);
+        cmd.arg(&packed(&self.params[0], self.windows[0])[..]);
+        if let Some(t) = now {
+            cmd.arg(t / 1_000_000_000).arg(t % 1_000_000_000);
+        }
+        cmd
     }
 
     /// The same charges, with each shaped one's longest wait
@@ -358,6 +404,37 @@ pub(crate) fn decision(values: &[i64], policy: &Policy) -> (Decision, Decision) 
         reset: Duration::from_nanos(n(7)),
     };
     (charged, before)
+}
+
+/// The one-bucket script's decision from its reply, little-endian doubles:
+/// `Ok(None)` when it handed the call to the full script (an empty reply),
+/// an error for a reply of any other length.
+pub(crate) fn one_bucket_decision(
+    reply: &[u8],
+    policy: &Policy,
+) -> Result<Option<Decision>, StoreError> {
+    let value = |i: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&reply[i * 8..i * 8 + 8]);
+        // Integers below 2^53: exact, and never negative.
+        f64::from_le_bytes(b) as u64
+    };
+    match reply.len() {
+        0 => Ok(None),
+        16 => Ok(Some(Decision::Admitted {
+            remaining: value(0).min(policy.capacity()),
+            reset: Duration::from_nanos(value(1)),
+        })),
+        24 => Ok(Some(Decision::Denied {
+            remaining: value(0).min(policy.capacity()),
+            reset: Duration::from_nanos(value(1)),
+            retry_after: Duration::from_nanos(value(2)),
+        })),
+        n => Err(StoreError::new(
+            StoreErrorKind::Protocol,
+            format!("the one-bucket script returned {n} bytes"),
+        )),
+    }
 }
 
 /// Charge indices grouped by cluster slot, groups in slot order.

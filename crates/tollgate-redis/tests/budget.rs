@@ -598,6 +598,10 @@ async fn a_store_on_your_own_connection_and_a_preloaded_script() {
         .query(&["SCRIPT", "LOAD", RedisStore::script_source()])
         .unwrap();
     assert_eq!(sha, RedisStore::script_sha());
+    let sha = server
+        .query(&["SCRIPT", "LOAD", RedisStore::one_bucket_script_source()])
+        .unwrap();
+    assert_eq!(sha, RedisStore::one_bucket_script_sha());
     let manager = tollgate_redis::redis::Client::open(server.url())
         .unwrap()
         .get_connection_manager()
@@ -624,13 +628,16 @@ async fn a_store_on_your_own_connection_and_a_preloaded_script() {
             .is_admitted()
     );
     assert!(!store.charge(&[c]).await.unwrap().is_admitted());
-    // The store called the pre-loaded script: nothing else was loaded.
+    // Two charges at once need the decision script.
+    let pair = [charge("x", &p, 1), charge("y", &p, 1)];
+    assert!(store.charge(&pair).await.unwrap().is_admitted());
+    // The store called the pre-loaded scripts: nothing else was loaded.
     let scripts = server.query(&["INFO", "memory"]).unwrap();
     let count = scripts
         .lines()
         .find_map(|l| l.strip_prefix("number_of_cached_scripts:"))
         .and_then(|n| n.trim().parse::<u32>().ok());
-    assert_eq!(count, Some(1), "{scripts}");
+    assert_eq!(count, Some(2), "{scripts}");
 }
 
 /// Script calls so far (`EVAL` and `EVALSHA`), from `INFO commandstats`.

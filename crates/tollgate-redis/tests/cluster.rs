@@ -218,8 +218,12 @@ async fn a_charge_whose_reply_is_lost_is_applied_once_and_uncertain() {
     for (proxy, node) in proxies.iter().zip(cluster.nodes()) {
         *proxy.target.lock().unwrap() = Some(node.port());
         // Loaded up front, so the first EVALSHA is the one that runs.
-        node.query(&["SCRIPT", "LOAD", include_str!("../src/decide.lua")])
-            .unwrap();
+        for source in [
+            RedisStore::script_source(),
+            RedisStore::one_bucket_script_source(),
+        ] {
+            node.query(&["SCRIPT", "LOAD", source]).unwrap();
+        }
     }
     let through: Vec<String> = announced
         .iter()
@@ -285,9 +289,12 @@ async fn a_single_node_store_does_not_resend_a_lost_charge() {
     };
     let proxy = CuttingProxy::start().await;
     *proxy.target.lock().unwrap() = Some(server.port());
-    server
-        .query(&["SCRIPT", "LOAD", include_str!("../src/decide.lua")])
-        .unwrap();
+    for source in [
+        RedisStore::script_source(),
+        RedisStore::one_bucket_script_source(),
+    ] {
+        server.query(&["SCRIPT", "LOAD", source]).unwrap();
+    }
     let store = RedisStore::builder(&format!("redis://127.0.0.1:{}", proxy.port))
         .unwrap()
         .timeout(Duration::from_secs(3))
@@ -322,9 +329,12 @@ async fn a_cross_slot_decision_keeps_one_time_limit() {
     };
     let proxy = CuttingProxy::start().await;
     *proxy.target.lock().unwrap() = Some(server.port());
-    server
-        .query(&["SCRIPT", "LOAD", include_str!("../src/decide.lua")])
-        .unwrap();
+    for source in [
+        RedisStore::script_source(),
+        RedisStore::one_bucket_script_source(),
+    ] {
+        server.query(&["SCRIPT", "LOAD", source]).unwrap();
+    }
     let limit = Duration::from_millis(500);
     let store = RedisStore::builder(&format!("redis://127.0.0.1:{}", proxy.port))
         .unwrap()

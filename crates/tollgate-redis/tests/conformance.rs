@@ -47,7 +47,20 @@ async fn redis_store_reproduces_every_case() {
                 assert_eq!(a, b, "split={split}: case {} step {i}", case.name);
             }
         }
+        // The table's single token-bucket charges ran through the
+        // one-bucket script, its plan changes through the full one.
+        assert_one_bucket_ran(&store, 20, 1);
     }
+}
+
+/// That the one-bucket script decided at least `decided` of a trace's calls
+/// and handed at least `handed` to the full script: the trace binds it.
+fn assert_one_bucket_ran(store: &RedisStore, decided: u64, handed: u64) {
+    let s = store.script_stats();
+    assert!(
+        s.one_bucket_calls - s.handed_over >= decided && s.handed_over >= handed,
+        "{s:?}"
+    );
 }
 
 /// A Redis store on injected time (charging slot by slot with `split`)
@@ -136,6 +149,7 @@ async fn large_clock_jumps_agree_with_the_memory_store() {
             "step {step}: check and charge differ"
         );
     }
+    assert_one_bucket_ran(&redis, 50, 0);
 }
 
 /// Policies whose numbers change under one name (plans, runtime changes):
@@ -154,6 +168,7 @@ async fn policy_changes_carry_over_like_the_memory_store() {
         // too, through the per-slot path.
         let (clock, redis, memory) = side_by_side(&server, split);
         policy_changes_trace(&clock, &redis, &memory, split).await;
+        assert_one_bucket_ran(&redis, 50, 500);
     }
 }
 
@@ -325,6 +340,7 @@ async fn shaping_agrees_with_the_memory_store() {
             delayed += 1;
         }
     }
+    assert_one_bucket_ran(&redis, 100, 0);
     // The trace shapes and drops often enough to mean something.
     assert!(
         delayed > 100 && dropped > 30,
