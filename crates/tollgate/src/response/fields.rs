@@ -53,7 +53,11 @@ impl FieldWriter {
         out.extend_from_slice(itoa::Buffer::new().format(quota).as_bytes());
         if let Some(window) = window {
             out.extend_from_slice(b";w=");
-            out.extend_from_slice(itoa::Buffer::new().format(ceil_secs(window).max(1)).as_bytes());
+            out.extend_from_slice(
+                itoa::Buffer::new()
+                    .format(ceil_secs(window).max(1))
+                    .as_bytes(),
+            );
         }
         if *unit != Unit::Requests {
             out.extend_from_slice(b";qu=\"");
