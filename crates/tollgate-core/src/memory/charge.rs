@@ -1,7 +1,7 @@
 //! The all-or-nothing decision: every charge of a call is decided under
 //! the locks of the shards it touches, and written only if all fit.
 
-use std::sync::MutexGuard;
+use parking_lot::MutexGuard;
 
 use super::MemoryStore;
 use super::shard::{Id, Shard};

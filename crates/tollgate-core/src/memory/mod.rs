@@ -38,8 +38,10 @@ mod digest;
 mod shard;
 mod spaces;
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use parking_lot::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::algorithm::{self, State};
@@ -343,9 +345,7 @@ impl Inner {
     pub(super) fn lock(&self, i: usize) -> MutexGuard<'_, Shard> {
         // No code holding a shard lock can panic on input, but a poisoned
         // lock must not take the whole limiter down with it.
-        let mut shard = self.shards[i]
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner);
+        let mut shard = self.shards[i].lock();
         let generation = self.spaces.generation();
         if shard.generation != generation {
             shard.forget_siblings();
