@@ -22,24 +22,20 @@ async fn wait_until(what: &str, within: Duration, mut done: impl FnMut() -> bool
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_store_follows_a_sentinel_failover_under_load() {
-    let Some(mut master) = RedisServer::start() else {
-        return;
-    };
+/// A master, a replica in sync with it, and a sentinel that sees both;
+/// `None` (the test skips loudly, or fails under `CI=true`) without the
+/// servers.
+async fn master_replica_sentinel() -> Option<(RedisServer, RedisServer, RedisSentinel)> {
+    let master = RedisServer::start()?;
     let master_port = master.port().to_string();
-    let Some(replica) = RedisServer::start_with(&["--replicaof", "127.0.0.1", &master_port]) else {
-        return;
-    };
+    let replica = RedisServer::start_with(&["--replicaof", "127.0.0.1", &master_port])?;
     wait_until("the replica in sync", Duration::from_secs(10), || {
         replica
             .query(&["INFO", "replication"])
             .is_ok_and(|i| i.contains("master_link_status:up"))
     })
     .await;
-    let Some(sentinel) = RedisSentinel::start(NAME, master.port()) else {
-        return;
-    };
+    let sentinel = RedisSentinel::start(NAME, master.port())?;
     wait_until(
         "the sentinel sees the replica",
         Duration::from_secs(15),
@@ -50,6 +46,14 @@ async fn the_store_follows_a_sentinel_failover_under_load() {
         },
     )
     .await;
+    Some((master, replica, sentinel))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_store_follows_a_sentinel_failover_under_load() {
+    let Some((mut master, replica, sentinel)) = master_replica_sentinel().await else {
+        return;
+    };
     let timeout = Duration::from_millis(300);
     let store = RedisStore::sentinel_builder(&[&sentinel.url()], NAME)
         .unwrap()
@@ -211,32 +215,9 @@ fn script_calls(server: &RedisServer) -> u64 {
 /// interval (plus slack) of the promotion and go to the new master.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_failover_no_call_goes_to_the_demoted_master() {
-    let Some(master) = RedisServer::start() else {
+    let Some((master, replica, sentinel)) = master_replica_sentinel().await else {
         return;
     };
-    let master_port = master.port().to_string();
-    let Some(replica) = RedisServer::start_with(&["--replicaof", "127.0.0.1", &master_port]) else {
-        return;
-    };
-    wait_until("the replica in sync", Duration::from_secs(10), || {
-        replica
-            .query(&["INFO", "replication"])
-            .is_ok_and(|i| i.contains("master_link_status:up"))
-    })
-    .await;
-    let Some(sentinel) = RedisSentinel::start(NAME, master.port()) else {
-        return;
-    };
-    wait_until(
-        "the sentinel sees the replica",
-        Duration::from_secs(15),
-        || {
-            sentinel
-                .query(&["SENTINEL", "REPLICAS", NAME])
-                .is_ok_and(|r| r.contains(&replica.port().to_string()))
-        },
-    )
-    .await;
     // The default check interval, 1 s.
     let store = RedisStore::sentinel_builder(&[&sentinel.url()], NAME)
         .unwrap()
