@@ -20,6 +20,12 @@ pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// A charge whose cost exceeds its policy's capacity is answered
 /// [`crate::Decision::NeverFits`] without touching any state.
 ///
+/// A budget's state is identified by the charge's key **and** its policy's
+/// name and unit (not its numbers: see [`Policy`]). The key alone does not
+/// name the policy (the HTTP layer's keys are `ip=…`, `t=…:a=…`), so a
+/// store that kept state by key alone would make two rules keyed alike
+/// share one budget. The conformance suite's `identity` case checks this.
+///
 /// Use it as a generic parameter, or as `Arc<dyn DynStore>` to choose a store
 /// at runtime; every `Store` is a [`DynStore`] and `Arc<dyn DynStore>` is a
 /// `Store`.

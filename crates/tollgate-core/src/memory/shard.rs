@@ -18,6 +18,8 @@
 //! state in a sibling space (the same name and unit) and converts it
 //! ([`algorithm::carry_over`]), moving it to its own.
 
+use std::sync::Arc;
+
 use hashbrown::HashTable;
 
 use crate::algorithm::{self, State};
@@ -248,10 +250,13 @@ pub(super) struct SpaceTables {
     v4: Table<[u32; 1]>,
     v6: Table<[u32; 4]>,
     text: Table<[u32; 4]>,
-    /// The other spaces of this space's name and unit, where a key's state
-    /// may have been written under other numbers; `None` until loaded
-    /// (and again when the spaces changed).
-    pub(super) siblings: Option<Box<[u32]>>,
+    /// The spaces of this space's name and unit (itself included), where
+    /// a key's state may have been written under other numbers; `None`
+    /// until loaded (and again when the spaces changed). One list per
+    /// name and unit, shared by its spaces in every shard: a copy per
+    /// space and shard would grow with the square of the spaces (a rule
+    /// with many account overrides has as many).
+    pub(super) siblings: Option<Arc<[u32]>>,
 }
 
 impl SpaceTables {
@@ -324,7 +329,8 @@ impl Shard {
         &mut self.spaces[i]
     }
 
-    /// The `i`th sibling of `space`, as loaded.
+    /// The `i`th space of `space`'s name and unit, as loaded: `space`
+    /// itself among them.
     pub(super) fn sibling(&self, space: u32, i: usize) -> Option<u32> {
         self.tables(space)?.siblings.as_deref()?.get(i).copied()
     }
@@ -464,6 +470,12 @@ impl Shard {
             });
             v4.chain(v6).chain(text)
         })
+    }
+
+    /// The sibling lists this shard holds, for tests.
+    #[cfg(test)]
+    pub(super) fn sibling_lists(&self) -> impl Iterator<Item = &[u32]> + '_ {
+        self.spaces.iter().filter_map(|t| t.siblings.as_deref())
     }
 
     /// Table sizes, for tests: (compact, wide) entries in all spaces.

@@ -36,8 +36,9 @@ pub(super) struct Spaces {
 #[derive(Default)]
 struct Registry {
     by_policy: HashMap<(Arc<str>, Unit, Algorithm), u32>,
-    /// The spaces of each name and unit.
-    groups: HashMap<(Arc<str>, Unit), Vec<u32>>,
+    /// The spaces of each name and unit: one list, handed to every shard
+    /// that asks ([`Spaces::siblings`]), replaced when the group grows.
+    groups: HashMap<(Arc<str>, Unit), Arc<[u32]>>,
     /// Space `s` holds states written under `numbers[s]`, for the name and
     /// unit `group_of[s]`.
     numbers: Vec<Algorithm>,
@@ -101,8 +102,11 @@ impl Spaces {
                         r.group_of.push((name.clone(), unit.clone()));
                         r.by_policy
                             .insert((name.clone(), unit.clone(), numbers), space);
-                        let group = r.groups.entry((name, unit)).or_default();
-                        group.push(space);
+                        let group = r
+                            .groups
+                            .entry((name, unit))
+                            .or_insert_with(|| Arc::from([]));
+                        *group = group.iter().copied().chain([space]).collect();
                         if group.len() > 1 {
                             self.generation.fetch_add(1, Ordering::Release);
                         }
@@ -127,15 +131,14 @@ impl Spaces {
         self.generation.load(Ordering::Acquire)
     }
 
-    /// The other spaces of `space`'s name and unit.
-    pub(super) fn siblings(&self, space: u32) -> Box<[u32]> {
+    /// The spaces of `space`'s name and unit, `space` among them: one
+    /// list shared by every caller.
+    pub(super) fn siblings(&self, space: u32) -> Arc<[u32]> {
         let r = self.registry.read().unwrap_or_else(PoisonError::into_inner);
-        let Some(group) = r.group_of.get(space as usize) else {
-            return Box::new([]);
-        };
-        r.groups
-            .get(group)
-            .map(|g| g.iter().copied().filter(|&s| s != space).collect())
-            .unwrap_or_default()
+        r.group_of
+            .get(space as usize)
+            .and_then(|group| r.groups.get(group))
+            .cloned()
+            .unwrap_or_else(|| Arc::from([]))
     }
 }

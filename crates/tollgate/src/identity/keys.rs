@@ -11,8 +11,9 @@ use tollgate_core::{InvalidName, Key, check_name};
 use super::operation::write_operation;
 use super::{ClientIp, ClientIpError, ClientIpResolver, Principal};
 
-/// One component of a key (after the policy or layer name, which always
-/// comes first).
+/// One component of a key. The key does not name the rule's policy: a
+/// store keeps the budgets of different policy names (and units) apart by
+/// itself, so two rules keyed alike never share a budget.
 ///
 /// Every component is tagged with its kind (`ip=`, `t=` tenant, `a=`
 /// account, `c=` credential, `op=` operation, `lit=` literal), so a

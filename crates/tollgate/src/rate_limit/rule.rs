@@ -334,8 +334,9 @@ impl Rule {
         self
     }
 
-    /// Sets the key components (after the policy name, which always comes
-    /// first so that policies never share a budget).
+    /// Sets the key components. The policy's name is not one of them: a
+    /// store keeps the budgets of different policy names (and units) apart
+    /// by itself, so rules keyed alike never share a budget.
     #[must_use]
     pub fn keyed_by(mut self, parts: impl IntoIterator<Item = KeyPart>) -> Self {
         self.key = parts.into_iter().collect();
