@@ -210,14 +210,36 @@ impl Key {
 
     /// The key of one client address aggregated to `prefix` bits (the
     /// address's width, 32 or 128, for none; a larger `prefix` counts as
-    /// the width): the tuple `("ip=ADDR")`, or `("ip=ADDR/PREFIX")` when
-    /// aggregated. Nothing is allocated.
+    /// the width): the tuple `("ip=ADDR")`, or `("ip=NETWORK/PREFIX")` when
+    /// aggregated, the address masked to its first `prefix` bits so that
+    /// every address of one network is one key. The address is taken as
+    /// given: an IPv4-mapped IPv6 address stays IPv6 (the `tollgate`
+    /// layer's client-address resolver maps it to IPv4 first). Nothing is
+    /// allocated.
+    ///
+    /// ```
+    /// use std::net::IpAddr;
+    /// use tollgate_core::Key;
+    ///
+    /// let a: IpAddr = "203.0.113.7".parse().unwrap();
+    /// let b: IpAddr = "203.0.113.200".parse().unwrap();
+    /// assert_eq!(Key::client_ip(a, 24), Key::client_ip(b, 24));
+    /// assert_eq!(Key::client_ip(a, 24).text(), "ip=203.0.113.0/24");
+    /// assert_ne!(Key::client_ip(a, 32), Key::client_ip(b, 32));
+    /// ```
     pub fn client_ip(ip: IpAddr, prefix: u8) -> Self {
+        let prefix = prefix.min(Addr::width(ip));
+        let ip = match ip {
+            IpAddr::V4(v4) => IpAddr::V4(
+                (u32::from(v4) & u32::MAX.checked_shl(32 - u32::from(prefix)).unwrap_or(0)).into(),
+            ),
+            IpAddr::V6(v6) => IpAddr::V6(
+                (u128::from(v6) & u128::MAX.checked_shl(128 - u32::from(prefix)).unwrap_or(0))
+                    .into(),
+            ),
+        };
         Self {
-            repr: Repr::Addr(Addr {
-                ip,
-                prefix: prefix.min(Addr::width(ip)),
-            }),
+            repr: Repr::Addr(Addr { ip, prefix }),
         }
     }
 
@@ -528,9 +550,19 @@ mod tests {
         assert_eq!(Key::new("ip=203.0.113.7").as_client_ip(), Some((v4, 32)));
         let v6: IpAddr = "2001:db8::1".parse().unwrap();
         let k6 = Key::client_ip(v6, 64);
-        assert_eq!(k6.text(), "ip=2001%3Adb8%3A%3A1/64");
-        assert_eq!(Key::parse("ip=2001%3Adb8%3A%3A1/64").unwrap(), k6);
-        assert_eq!(k6.components(), vec![b"ip=2001:db8::1/64".to_vec()]);
+        // Aggregated: the network, whichever of its addresses built it.
+        assert_eq!(k6.text(), "ip=2001%3Adb8%3A%3A/64");
+        assert_eq!(Key::parse("ip=2001%3Adb8%3A%3A/64").unwrap(), k6);
+        assert_eq!(k6.components(), vec![b"ip=2001:db8::/64".to_vec()]);
+        assert_eq!(Key::client_ip("2001:db8::ffff".parse().unwrap(), 64), k6);
+        assert_eq!(
+            Key::client_ip("203.0.113.200".parse().unwrap(), 24),
+            Key::client_ip(v4, 24)
+        );
+        assert_eq!(Key::client_ip(v4, 0).text(), "ip=0.0.0.0/0");
+        // Text naming an address inside the network is another key, as
+        // its text is another text.
+        assert_ne!(Key::parse("ip=2001%3Adb8%3A%3A1/64").unwrap(), k6);
         // Not the canonical text of an address: stays text, another key.
         for other in [
             "ip=203.0.113.07",

@@ -349,8 +349,8 @@ impl Inner {
     /// Shard `i`, locked, with its copy of the spaces' siblings brought up
     /// to date.
     pub(super) fn lock(&self, i: usize) -> MutexGuard<'_, Shard> {
-        // No code holding a shard lock can panic on input, but a poisoned
-        // lock must not take the whole limiter down with it.
+        // parking_lot's mutex does not poison: a panic while a shard is
+        // held (none can happen on input) cannot take the limiter down.
         let mut shard = self.shards[i].lock();
         let generation = self.spaces.generation();
         if shard.generation != generation {
