@@ -180,10 +180,11 @@ impl Scripts {
 /// Random states and times, each on two keys: the full script decides one,
 /// the one-bucket script the other. Where the one-bucket script decides,
 /// its reply is the full script's (cut after what one charge reads), and
-/// both keys hold the same bytes and expire at the same millisecond (give
-/// or take the one the server's clock may move between the two scripts);
-/// it hands over exactly the states it does not cover, and then leaves its
-/// key as it was.
+/// both keys hold the same bytes and expire at the same millisecond, give
+/// or take what the server's clock moved between the two scripts (at most
+/// the transaction's time as the client saw it, plus the millisecond the
+/// clock may tick over); it hands over exactly the states it does not
+/// cover, and then leaves its key as it was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_one_bucket_script_decides_and_writes_as_the_full_script() {
     let Some(server) = RedisServer::start() else {
@@ -198,9 +199,11 @@ async fn the_one_bucket_script_decides_and_writes_as_the_full_script() {
         x
     };
     let (mut decided, mut admitted, mut handed) = (0, 0, 0);
-    // Admissions whose TTL is beyond injected time's floor of an hour, and
-    // how many of those expire at the very same millisecond on both keys.
-    let (mut timed, mut same_ms) = (0, 0);
+    // Admissions whose TTL is beyond injected time's floor of an hour,
+    // those of them decided in under a millisecond as the client saw it,
+    // and how many of these expire at the very same millisecond on both
+    // keys.
+    let (mut timed, mut quick, mut same_ms) = (0, 0, 0);
     for step in 0..3000 {
         let b = BUCKETS[(next() % BUCKETS.len() as u64) as usize];
         let tokens = b.cap / b.den;
@@ -253,7 +256,9 @@ async fn the_one_bucket_script_decides_and_writes_as_the_full_script() {
         let (k1, k2) = (format!("full-{step}"), format!("one-{step}"));
         s.put([&k1, &k2], value.as_deref()).await;
         let before = s.stored(&k2).await;
+        let sent = std::time::Instant::now();
         let (one, full) = s.both(&k2, &k1, &charge, now).await;
+        let took = sent.elapsed();
         let later_era = at.is_some_and(|at| at / ERA_NS > now / ERA_NS);
         let covered = at.is_none() || !(old || other || later_era);
         let what = format!("step {step}: {b:?} cost {cost} now {now} state {at:?} level {level}");
@@ -282,11 +287,19 @@ async fn the_one_bucket_script_decides_and_writes_as_the_full_script() {
             assert_eq!(full[3], 0, "{what}");
             admitted += 1;
             // Written one after the other: the full script's expiry is as
-            // late or a millisecond later.
-            assert!((0..=1).contains(&(t1 - t2)), "{what}: expiry {t1} vs {t2}");
+            // late, or later by what the server's clock moved in between
+            // (a loaded machine can pause the server mid-transaction).
+            let slack = i64::try_from(took.as_millis()).unwrap_or(i64::MAX) + 1;
+            assert!(
+                (0..=slack).contains(&(t1 - t2)),
+                "{what}: expiry {t1} vs {t2} ({took:?} for both)"
+            );
             if full[2] > 3_600_000_000_000 {
                 timed += 1;
-                same_ms += u32::from(t1 == t2);
+                if took < Duration::from_millis(1) {
+                    quick += 1;
+                    same_ms += u32::from(t1 == t2);
+                }
             }
         } else {
             // A refusal writes nothing and extends no TTL.
@@ -297,8 +310,16 @@ async fn the_one_bucket_script_decides_and_writes_as_the_full_script() {
         decided > 1500 && admitted > 500 && handed > 300 && timed > 100,
         "{decided} decided, {admitted} admitted, {handed} handed over, {timed} timed"
     );
-    // A TTL a millisecond off would make most of them differ.
-    assert!(same_ms * 10 > timed * 8, "{same_ms} of {timed}");
+    // A TTL a millisecond off would make most of the quick ones differ.
+    // On a machine too loaded to answer 100 of them within a millisecond
+    // the comparison says nothing either way, and is skipped (loudly).
+    if quick >= 100 {
+        assert!(same_ms * 10 > quick * 8, "{same_ms} of {quick}");
+    } else {
+        eprintln!(
+            "only {quick} of {timed} timed steps took under 1 ms: same-millisecond check skipped"
+        );
+    }
 }
 
 /// A store on injected time, with a memory store on the same clock.
