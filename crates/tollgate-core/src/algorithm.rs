@@ -483,7 +483,7 @@ impl TokenBucket {
     /// idle bucket is indistinguishable from one never seen, whether or not
     /// a store has dropped it yet. Only an initially-empty bucket can tell
     /// the two apart (a new one starts empty), so only it needs the check.
-    #[inline]
+    #[inline(always)]
     fn unless_idle(&self, state: Option<State>, now: Nanos) -> Option<State> {
         match state {
             Some(s)

@@ -512,6 +512,41 @@ mod tests {
         assert!(held <= 4 * spaces as usize, "{held} sibling entries held");
     }
 
+    /// A shard holds tables only for the spaces it has keys of: 1,000
+    /// sets of numbers with one key each on 64 shards make 1,000 tables,
+    /// not 64,000 (208 bytes each), and a sweep that empties a space
+    /// frees its tables.
+    #[test]
+    fn a_shard_holds_tables_only_for_spaces_it_uses() {
+        let clock = ManualClock::new(0);
+        let store = MemoryStore::builder().clock(clock.clone()).shards(64).build();
+        let spaces = 1_000u64;
+        for i in 0..spaces {
+            let p = Policy::token_bucket("plan", 1 + i, Rate::per_second(1)).unwrap();
+            let c = [Charge::new(Key::new(format!("a={i}")), p, 1).unwrap()];
+            assert!(store.charge_now(&c).unwrap().is_admitted());
+        }
+        let inner = &*store.inner;
+        let held = |inner: &Inner| {
+            (0..inner.shards.len())
+                .map(|i| inner.lock(i).spaces_held())
+                .fold((0, 0), |(a, b), (c, d)| (a + c, b + d))
+        };
+        let (tables, indexes) = held(inner);
+        // A miss may load a space's siblings into the shard it missed in
+        // (at most one shard per key), so at most one table per key.
+        assert!(tables <= spaces as usize, "{tables} tables for {spaces} keys");
+        assert!(indexes > 10 * tables, "{indexes} indexes, {tables} tables");
+        // Every bucket refills (the largest in 1,000 s) and is swept.
+        clock.advance(Duration::from_secs(2_000));
+        for i in 0..inner.shards.len() {
+            let mut shard = inner.lock(i);
+            inner.maybe_sweep(&mut shard, clock.now());
+        }
+        assert_eq!(held(inner).0, 0);
+        assert!((0..inner.shards.len()).all(|i| inner.lock(i).len() == 0));
+    }
+
     #[test]
     fn idle_entries_are_swept_on_access() {
         let clock = ManualClock::new(0);
