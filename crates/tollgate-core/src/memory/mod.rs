@@ -519,7 +519,10 @@ mod tests {
     #[test]
     fn a_shard_holds_tables_only_for_spaces_it_uses() {
         let clock = ManualClock::new(0);
-        let store = MemoryStore::builder().clock(clock.clone()).shards(64).build();
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .shards(64)
+            .build();
         let spaces = 1_000u64;
         for i in 0..spaces {
             let p = Policy::token_bucket("plan", 1 + i, Rate::per_second(1)).unwrap();
@@ -535,7 +538,10 @@ mod tests {
         let (tables, indexes) = held(inner);
         // A miss may load a space's siblings into the shard it missed in
         // (at most one shard per key), so at most one table per key.
-        assert!(tables <= spaces as usize, "{tables} tables for {spaces} keys");
+        assert!(
+            tables <= spaces as usize,
+            "{tables} tables for {spaces} keys"
+        );
         assert!(indexes > 10 * tables, "{indexes} indexes, {tables} tables");
         // Every bucket refills (the largest in 1,000 s) and is swept.
         clock.advance(Duration::from_secs(2_000));
