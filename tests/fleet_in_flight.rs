@@ -353,7 +353,15 @@ async fn a_stopped_redis_gets_the_configured_outcome_and_leaks_no_lease() {
 
 /// A shared limit on a plain handler that takes `hold` to answer.
 fn held_app(store: &RedisStore, global: usize, hold: Duration, wait: Option<Duration>) -> Router {
-    let leases: Arc<dyn LeaseStore> = Arc::new(store.clone());
+    held_app_on(Arc::new(store.clone()), global, hold, wait)
+}
+
+fn held_app_on(
+    leases: Arc<dyn LeaseStore>,
+    global: usize,
+    hold: Duration,
+    wait: Option<Duration>,
+) -> Router {
     let mut limit = ConcurrencyLimitLayer::new("held")
         .unwrap()
         .global(n(global))
@@ -471,6 +479,96 @@ async fn waiters_are_served_in_arrival_order_and_at_once() {
     // Each ran 300 ms right after the one before: handed over, not polled
     // for (four in a row take 1.2 s, plus round trips).
     assert!(order[3].1 < Duration::from_millis(1500), "{order:?}");
+}
+
+/// A lease store whose `n`th acquire (from 0) waits `delays[n]` before it
+/// reaches Redis: answers in another order than the asks were made.
+struct SlowAsks {
+    store: RedisStore,
+    calls: std::sync::atomic::AtomicUsize,
+    delays: Vec<Duration>,
+}
+
+impl LeaseStore for SlowAsks {
+    fn acquire<'a>(
+        &'a self,
+        request: &'a tollgate::LeaseRequest,
+        id: u128,
+    ) -> tollgate::core::StoreFuture<'a, Result<tollgate::Acquired, tollgate::StoreError>> {
+        let n = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let delay = self.delays.get(n).copied().unwrap_or_default();
+        Box::pin(async move {
+            tokio::time::sleep(delay).await;
+            self.store.acquire(request, id).await
+        })
+    }
+
+    fn renew<'a>(
+        &'a self,
+        lease: &'a tollgate::Lease,
+    ) -> tollgate::core::StoreFuture<'a, Result<bool, tollgate::StoreError>> {
+        self.store.renew(lease)
+    }
+
+    fn release<'a>(
+        &'a self,
+        lease: &'a tollgate::Lease,
+    ) -> tollgate::core::StoreFuture<'a, Result<(), tollgate::StoreError>> {
+        self.store.release(lease)
+    }
+}
+
+/// Found by a CI run: two newcomers whose first asks were answered in the
+/// other order than they were made joined the line in the order of the
+/// answers, so a later request overtook an earlier one. Their places are
+/// taken on arrival now. Here the first and second waiters' first asks are
+/// slowed down so that the third's is answered first.
+#[tokio::test(flavor = "multi_thread")]
+async fn waiters_keep_their_arrival_order_whatever_order_their_asks_are_answered() {
+    use tower::ServiceExt;
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    let slow = SlowAsks {
+        store,
+        calls: Default::default(),
+        // The holder's ask, the first's (answered at ~350 ms), the
+        // second's (~350 ms); the third's (at 150 ms) and every later ask
+        // go straight through. The holder holds its slot until 500 ms.
+        delays: vec![
+            Duration::ZERO,
+            Duration::from_millis(300),
+            Duration::from_millis(250),
+        ],
+    };
+    let app = held_app_on(
+        Arc::new(slow),
+        1,
+        Duration::from_millis(500),
+        Some(Duration::from_secs(5)),
+    );
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let call = |name: &'static str| {
+        let (app, order) = (app.clone(), order.clone());
+        tokio::spawn(async move {
+            let status = app.oneshot(get_request()).await.unwrap().status();
+            order.lock().unwrap().push(name);
+            status
+        })
+    };
+    let holder = call("holder");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let first = call("first");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let second = call("second");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let third = call("third");
+    for t in [holder, first, second, third] {
+        assert_eq!(t.await.unwrap(), StatusCode::OK);
+    }
+    let order = order.lock().unwrap().clone();
+    assert_eq!(order, ["holder", "first", "second", "third"]);
 }
 
 /// Found in review: falling back to local counts when Redis failed did not

@@ -83,7 +83,8 @@ pub(crate) struct Fleet {
     pub(crate) releases: Releases,
 }
 
-/// Requests waiting for a lease, first come first served: the first polls
+/// Requests waiting for a lease, first come first served (a request's
+/// place is taken when it arrives, before its first ask): the first polls
 /// the store, and each one that has asked (admitted or not) hands the turn
 /// to the next, so within a process nobody is asked before those who came
 /// earlier, and room found by one reaches those behind it.
@@ -336,9 +337,19 @@ pub(crate) async fn acquire(
             _lease: FleetPermit::start(fleet.clone(), lease, local),
         })
     };
-    // A newcomer asks at once unless this process has earlier waiters it
-    // would overtake.
-    let behind = limits.waiting.is_some() && fleet.line().blocks(request.key.as_deref());
+    // A newcomer takes its place in the order of arrival now, and asks at
+    // once unless this process has earlier waiters it would overtake. If
+    // it has to wait, it waits at that place: two newcomers whose first
+    // asks were answered in the other order (the replies' tasks woken in
+    // either order) still wait in the order they came.
+    let (place, behind) = if limits.waiting.is_some() {
+        let mut line = fleet.line();
+        let place = line.next;
+        line.next += 1;
+        (place, line.blocks(request.key.as_deref()))
+    } else {
+        (0, false)
+    };
     let full = if behind {
         Saturated::Global
     } else {
@@ -353,7 +364,7 @@ pub(crate) async fn acquire(
         return Err(limiter.refused(full, key.as_deref()));
     };
     let deadline = tokio::time::Instant::now() + max_wait;
-    let (place, turn) = {
+    let turn = {
         let mut line = fleet.line();
         // One key waits no more than it may have in flight, and the layer
         // no more than `max_waiters`.
@@ -371,19 +382,25 @@ pub(crate) async fn acquire(
             };
             return Err(limiter.refused(why, key.as_deref()));
         }
-        let place = line.next;
-        line.next += 1;
         let turn = Arc::new(Notify::new());
-        line.waiting.push_back(InLine {
-            id: place,
-            key: request.key.clone(),
-            global: full != Saturated::PerKey,
-            turn: turn.clone(),
-        });
+        let at = line
+            .waiting
+            .iter()
+            .position(|w| w.id > place)
+            .unwrap_or(line.waiting.len());
+        line.waiting.insert(
+            at,
+            InLine {
+                id: place,
+                key: request.key.clone(),
+                global: full != Saturated::PerKey,
+                turn: turn.clone(),
+            },
+        );
         fleet
             .peak_waiting
             .fetch_max(line.waiting.len(), Ordering::Relaxed);
-        (place, turn)
+        turn
     };
     let _queued = Queued {
         fleet: &fleet,
