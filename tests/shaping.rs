@@ -168,7 +168,11 @@ fn tight_app<St: tollgate::Store + Clone>(store: St) -> Router {
 /// place waited 9 s. The store now bounds the line itself: one at once,
 /// two held (0.5 s, 1 s), the rest refused at once spending nothing, so
 /// the next request waits for the line, not for seventeen ghosts.
-async fn a_burst_beyond_per_key_spends_nothing(addr: std::net::SocketAddr, from: &'static str) {
+async fn a_burst_beyond_per_key_spends_nothing(
+    addr: std::net::SocketAddr,
+    from: &'static str,
+    admits: std::ops::RangeInclusive<usize>,
+) {
     let started = Instant::now();
     let tasks: Vec<_> = (0..20)
         .map(|_| {
@@ -188,8 +192,12 @@ async fn a_burst_beyond_per_key_spends_nothing(addr: std::net::SocketAddr, from:
         }
     }
     admitted.sort();
-    assert_eq!(admitted.len(), 3, "{admitted:?}");
-    assert!(admitted[2] < Duration::from_millis(1900), "{admitted:?}");
+    assert!(admits.contains(&admitted.len()), "{admitted:?}");
+    // Released 0.5 s apart at most: nothing waited behind ghosts.
+    assert!(
+        admitted[admitted.len() - 1] < Duration::from_millis(1900),
+        "{admitted:?}"
+    );
     // The line ended at 1 s: a request now is held to 1.5 s at most.
     let r = send(addr, ip(from), "GET", "/", &[], b"").await;
     assert_eq!(r.status, StatusCode::OK);
@@ -199,7 +207,7 @@ async fn a_burst_beyond_per_key_spends_nothing(addr: std::net::SocketAddr, from:
 #[tokio::test(flavor = "multi_thread")]
 async fn a_burst_beyond_per_key_spends_nothing_in_memory() {
     let addr = serve(tight_app(MemoryStore::new())).await;
-    a_burst_beyond_per_key_spends_nothing(addr, "127.0.74.1").await;
+    a_burst_beyond_per_key_spends_nothing(addr, "127.0.74.1", 3..=3).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -212,5 +220,11 @@ async fn a_burst_beyond_per_key_spends_nothing_in_redis() {
         .build()
         .unwrap();
     let addr = serve(tight_app(store)).await;
-    a_burst_beyond_per_key_spends_nothing(addr, "127.0.74.2").await;
+    // A request whose decision is on its way to Redis holds its place in
+    // line (README, shaping): when all twenty arrive before the first
+    // reply, the first two places are the first two requests, one
+    // admitted at once and one held, and the rest are refused; when the
+    // first reply comes back before the later requests arrive, its place
+    // is free again and a third is held. A CI run here saw two.
+    a_burst_beyond_per_key_spends_nothing(addr, "127.0.74.2", 2..=3).await;
 }
