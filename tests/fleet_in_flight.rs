@@ -362,6 +362,16 @@ fn held_app_on(
     hold: Duration,
     wait: Option<Duration>,
 ) -> Router {
+    held_app_polling(leases, global, hold, wait, Duration::from_millis(20))
+}
+
+fn held_app_polling(
+    leases: Arc<dyn LeaseStore>,
+    global: usize,
+    hold: Duration,
+    wait: Option<Duration>,
+    poll: Duration,
+) -> Router {
     let mut limit = ConcurrencyLimitLayer::new("held")
         .unwrap()
         .global(n(global))
@@ -369,7 +379,7 @@ fn held_app_on(
         .unwrap()
         .lease_ttl(Duration::from_secs(10))
         .unwrap()
-        .poll_every(Duration::from_millis(20))
+        .poll_every(poll)
         .on_lease_error(OnLeaseError::Local);
     if let Some(wait) = wait {
         limit = limit.wait(8, wait);
@@ -569,6 +579,70 @@ async fn waiters_keep_their_arrival_order_whatever_order_their_asks_are_answered
     }
     let order = order.lock().unwrap().clone();
     assert_eq!(order, ["holder", "first", "second", "third"]);
+}
+
+/// Found in review: a waiter first in line keeps the poll it set up then,
+/// and asked when it fired even if an earlier arrival (whose first ask
+/// came back later) had been inserted ahead of it meanwhile: a slot freed
+/// by another instance went to the later request. Here "second" is first
+/// in line polling every 300 ms from ~50 ms; "first" joins ahead at
+/// ~450 ms (its first ask is slowed down), another instance frees its
+/// slot at 550 ms, and second's poll (~650 ms) comes before first's
+/// (~750 ms). Fails before: second, first.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_waiter_put_behind_an_earlier_arrival_does_not_poll_ahead_of_it() {
+    use tower::ServiceExt;
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    // Another instance holds the one slot until 550 ms.
+    let remote = tollgate::Lease {
+        request: tollgate::LeaseRequest {
+            limit: "held".into(),
+            key: None,
+            per_key: None,
+            global: Some(1),
+            ttl: Duration::from_secs(10),
+        },
+        id: 7,
+    };
+    assert!(matches!(
+        store.acquire(&remote.request, remote.id).await.unwrap(),
+        tollgate::Acquired::Granted(_)
+    ));
+    let slow = SlowAsks {
+        store: store.clone(),
+        calls: Default::default(),
+        // First's first ask, answered at ~450 ms; everything else at once.
+        delays: vec![Duration::from_millis(450)],
+    };
+    let app = held_app_polling(
+        Arc::new(slow),
+        1,
+        Duration::from_millis(200),
+        Some(Duration::from_secs(5)),
+        Duration::from_millis(300),
+    );
+    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let call = |name: &'static str| {
+        let (app, order) = (app.clone(), order.clone());
+        tokio::spawn(async move {
+            let status = app.oneshot(get_request()).await.unwrap().status();
+            order.lock().unwrap().push(name);
+            status
+        })
+    };
+    let first = call("first");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let second = call("second");
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    store.release(&remote).await.unwrap();
+    for t in [first, second] {
+        assert_eq!(t.await.unwrap(), StatusCode::OK);
+    }
+    let order = order.lock().unwrap().clone();
+    assert_eq!(order, ["first", "second"]);
 }
 
 /// Found in review: falling back to local counts when Redis failed did not

@@ -418,9 +418,16 @@ pub(crate) async fn acquire(
         } else {
             deadline
         };
-        let _ = tokio::time::timeout_at(wake, turn.notified()).await;
+        let notified = tokio::time::timeout_at(wake, turn.notified()).await.is_ok();
         if tokio::time::Instant::now() >= deadline {
             return Err(limiter.refused(full, key.as_deref()));
+        }
+        // A poll set up while first in line is not this one's to use once
+        // an earlier arrival has been inserted ahead (its first ask came
+        // back later): that one polls now, and hands the turn on.
+        let still_first = fleet.line().waiting.front().is_some_and(|w| w.id == place);
+        if !notified && !still_first {
+            continue;
         }
         // Bounded by the wait: an answer after it is given back.
         match tokio::time::timeout_at(deadline, ask(&fleet, &request, id)).await {
