@@ -645,6 +645,65 @@ async fn a_waiter_put_behind_an_earlier_arrival_does_not_poll_ahead_of_it() {
     assert_eq!(order, ["first", "second"]);
 }
 
+/// Found in review: with room for one waiter, an earlier arrival whose
+/// first ask came back after a later one's was refused for a full line
+/// while the later one waited and was served; in arrival order the later
+/// one is the one refused. Here "first"'s ask is slowed down so that
+/// "second" (50 ms later) is in line when first's comes back. Fails
+/// before: first 503, second 200.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_full_line_refuses_the_later_arrival_whatever_order_the_asks_are_answered() {
+    use tower::ServiceExt;
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    let slow = SlowAsks {
+        store: store.clone(),
+        calls: Default::default(),
+        delays: vec![Duration::ZERO, Duration::from_millis(300)],
+    };
+    let limit = ConcurrencyLimitLayer::new("held")
+        .unwrap()
+        .global(n(1))
+        .shared(Arc::new(slow))
+        .unwrap()
+        .lease_ttl(Duration::from_secs(10))
+        .unwrap()
+        .poll_every(Duration::from_millis(20))
+        .wait(1, Duration::from_secs(5));
+    let app = Router::new()
+        .route(
+            "/",
+            get(|| async {
+                tokio::time::sleep(Duration::from_millis(500)).await;
+                "done"
+            }),
+        )
+        .route_layer(limit);
+    let call = |name: &'static str| {
+        let app = app.clone();
+        tokio::spawn(async move { (name, app.oneshot(get_request()).await.unwrap().status()) })
+    };
+    let holder = call("holder");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let first = call("first");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let second = call("second");
+    let mut got = Vec::new();
+    for t in [holder, first, second] {
+        got.push(t.await.unwrap());
+    }
+    assert_eq!(
+        got,
+        [
+            ("holder", StatusCode::OK),
+            ("first", StatusCode::OK),
+            ("second", StatusCode::SERVICE_UNAVAILABLE)
+        ]
+    );
+}
+
 /// Found in review: falling back to local counts when Redis failed did not
 /// count the leases this process already held, so an instance let in N
 /// more. Now a lease counts locally too.

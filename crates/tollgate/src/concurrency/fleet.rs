@@ -375,12 +375,32 @@ pub(crate) async fn acquire(
             .count();
         let key_full = limits.per_key_max.is_some_and(|max| of_key >= max);
         if line.waiting.len() >= max_waiters || key_full {
-            drop(line);
-            let why = match full {
-                Saturated::PerKey => Saturated::PerKey,
-                _ => Saturated::Queue,
-            };
-            return Err(limiter.refused(why, key.as_deref()));
+            // The line is full, maybe of later arrivals whose first asks
+            // came back before this one's: the latest of them (of this
+            // key, if the key's bound is the one reached) leaves for it,
+            // as it would have been refused had they joined in order.
+            let latest = line
+                .waiting
+                .iter()
+                .enumerate()
+                .filter(|(_, w)| !key_full || (w.key.is_some() && w.key == request.key))
+                .max_by_key(|(_, w)| w.id)
+                .filter(|(_, w)| w.id > place)
+                .map(|(i, _)| i);
+            match latest {
+                Some(i) => {
+                    // Whatever turn it held goes on to the one after it.
+                    let id = line.waiting[i].id;
+                    line.pass(Some(id));
+                    if let Some(bumped) = line.waiting.remove(i) {
+                        bumped.turn.notify_one();
+                    }
+                }
+                None => {
+                    drop(line);
+                    return Err(limiter.refused(full_line(full), key.as_deref()));
+                }
+            }
         }
         let turn = Arc::new(Notify::new());
         let at = line
@@ -419,6 +439,10 @@ pub(crate) async fn acquire(
             deadline
         };
         let notified = tokio::time::timeout_at(wake, turn.notified()).await.is_ok();
+        if !fleet.line().waiting.iter().any(|w| w.id == place) {
+            // Made room for an earlier arrival in a full line.
+            return Err(limiter.refused(full_line(full), key.as_deref()));
+        }
         if tokio::time::Instant::now() >= deadline {
             return Err(limiter.refused(full, key.as_deref()));
         }
@@ -446,6 +470,14 @@ pub(crate) async fn acquire(
             Ok(Err(error)) => return failed(&limiter, &fleet, key, error).await,
             Err(_) => return Err(limiter.refused(full, key.as_deref())),
         }
+    }
+}
+
+/// Why a request is refused for a full line of waiters.
+fn full_line(full: Saturated) -> Saturated {
+    match full {
+        Saturated::PerKey => Saturated::PerKey,
+        _ => Saturated::Queue,
     }
 }
 
