@@ -446,13 +446,49 @@ async fn a_request_dropped_while_acquiring_leaves_no_lease() {
     }
 }
 
+/// Requests sent to one app by name, each noting when it finished.
+struct Arrivals {
+    app: Router,
+    started: Instant,
+    done: Arc<std::sync::Mutex<Vec<(&'static str, Duration)>>>,
+}
+
+impl Arrivals {
+    fn new(app: &Router) -> Self {
+        Arrivals {
+            app: app.clone(),
+            started: Instant::now(),
+            done: Default::default(),
+        }
+    }
+
+    /// Sends one request now; its task answers its status.
+    fn send(&self, name: &'static str) -> tokio::task::JoinHandle<StatusCode> {
+        use tower::ServiceExt;
+        let (app, done, started) = (self.app.clone(), self.done.clone(), self.started);
+        tokio::spawn(async move {
+            let status = app.oneshot(get_request()).await.unwrap().status();
+            done.lock().unwrap().push((name, started.elapsed()));
+            status
+        })
+    }
+
+    /// The requests in the order they finished, with when.
+    fn finished(&self) -> Vec<(&'static str, Duration)> {
+        self.done.lock().unwrap().clone()
+    }
+
+    fn names(&self) -> Vec<&'static str> {
+        self.finished().into_iter().map(|(n, _)| n).collect()
+    }
+}
+
 /// Found in review: a request that arrived after another had started
 /// waiting took the freed slot first (waiters only polled). Within one
 /// process the line is first come, first served now, and a slot this
 /// process frees goes to its first waiter at once, not at the next poll.
 #[tokio::test(flavor = "multi_thread")]
 async fn waiters_are_served_in_arrival_order_and_at_once() {
-    use tower::ServiceExt;
     let Some(redis) = RedisServer::start() else {
         return;
     };
@@ -463,29 +499,9 @@ async fn waiters_are_served_in_arrival_order_and_at_once() {
         Duration::from_millis(300),
         Some(Duration::from_secs(3)),
     );
-    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let started = Instant::now();
-    let call = |name: &'static str| {
-        let (app, order) = (app.clone(), order.clone());
-        tokio::spawn(async move {
-            let status = app.oneshot(get_request()).await.unwrap().status();
-            order.lock().unwrap().push((name, started.elapsed()));
-            status
-        })
-    };
-    let holder = call("holder");
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let first = call("first");
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let second = call("second");
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let third = call("third");
-    for t in [holder, first, second, third] {
-        assert_eq!(t.await.unwrap(), StatusCode::OK);
-    }
-    let order = order.lock().unwrap().clone();
-    let names: Vec<&str> = order.iter().map(|(n, _)| *n).collect();
-    assert_eq!(names, ["holder", "first", "second", "third"], "{order:?}");
+    let sent = Arrivals::new(&app);
+    served_in_order_when_sent_50ms_apart(&sent).await;
+    let order = sent.finished();
     // Each ran 300 ms right after the one before: handed over, not polled
     // for (four in a row take 1.2 s, plus round trips).
     assert!(order[3].1 < Duration::from_millis(1500), "{order:?}");
@@ -535,7 +551,6 @@ impl LeaseStore for SlowAsks {
 /// slowed down so that the third's is answered first.
 #[tokio::test(flavor = "multi_thread")]
 async fn waiters_keep_their_arrival_order_whatever_order_their_asks_are_answered() {
-    use tower::ServiceExt;
     let Some(redis) = RedisServer::start() else {
         return;
     };
@@ -558,27 +573,31 @@ async fn waiters_keep_their_arrival_order_whatever_order_their_asks_are_answered
         Duration::from_millis(500),
         Some(Duration::from_secs(5)),
     );
-    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let call = |name: &'static str| {
-        let (app, order) = (app.clone(), order.clone());
-        tokio::spawn(async move {
-            let status = app.oneshot(get_request()).await.unwrap().status();
-            order.lock().unwrap().push(name);
-            status
-        })
-    };
-    let holder = call("holder");
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let first = call("first");
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let second = call("second");
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let third = call("third");
-    for t in [holder, first, second, third] {
+    served_in_order_when_sent_50ms_apart(&Arrivals::new(&app)).await;
+}
+
+/// "holder", "first", "second" and "third" sent 50 ms apart: all served,
+/// in that order.
+async fn served_in_order_when_sent_50ms_apart(sent: &Arrivals) {
+    let mut tasks = Vec::new();
+    for (i, name) in ["holder", "first", "second", "third"]
+        .into_iter()
+        .enumerate()
+    {
+        if i > 0 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        tasks.push(sent.send(name));
+    }
+    for t in tasks {
         assert_eq!(t.await.unwrap(), StatusCode::OK);
     }
-    let order = order.lock().unwrap().clone();
-    assert_eq!(order, ["holder", "first", "second", "third"]);
+    assert_eq!(
+        sent.names(),
+        ["holder", "first", "second", "third"],
+        "{:?}",
+        sent.finished()
+    );
 }
 
 /// Found in review: a waiter first in line keeps the poll it set up then,
@@ -591,7 +610,6 @@ async fn waiters_keep_their_arrival_order_whatever_order_their_asks_are_answered
 /// (~750 ms). Fails before: second, first.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_waiter_put_behind_an_earlier_arrival_does_not_poll_ahead_of_it() {
-    use tower::ServiceExt;
     let Some(redis) = RedisServer::start() else {
         return;
     };
@@ -624,25 +642,16 @@ async fn a_waiter_put_behind_an_earlier_arrival_does_not_poll_ahead_of_it() {
         Some(Duration::from_secs(5)),
         Duration::from_millis(300),
     );
-    let order = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let call = |name: &'static str| {
-        let (app, order) = (app.clone(), order.clone());
-        tokio::spawn(async move {
-            let status = app.oneshot(get_request()).await.unwrap().status();
-            order.lock().unwrap().push(name);
-            status
-        })
-    };
-    let first = call("first");
+    let sent = Arrivals::new(&app);
+    let first = sent.send("first");
     tokio::time::sleep(Duration::from_millis(50)).await;
-    let second = call("second");
+    let second = sent.send("second");
     tokio::time::sleep(Duration::from_millis(500)).await;
     store.release(&remote).await.unwrap();
     for t in [first, second] {
         assert_eq!(t.await.unwrap(), StatusCode::OK);
     }
-    let order = order.lock().unwrap().clone();
-    assert_eq!(order, ["first", "second"]);
+    assert_eq!(sent.names(), ["first", "second"]);
 }
 
 /// Found in review: with room for one waiter, an earlier arrival whose
