@@ -396,13 +396,16 @@ fn held_app_polling(
 }
 
 fn get_request() -> http::Request<axum::body::Body> {
+    get_request_from([127, 0, 95, 1])
+}
+
+fn get_request_from(address: [u8; 4]) -> http::Request<axum::body::Body> {
     let mut req = http::Request::get("/")
         .body(axum::body::Body::empty())
         .unwrap();
     req.extensions_mut()
         .insert(axum::extract::ConnectInfo(std::net::SocketAddr::from((
-            [127, 0, 95, 1],
-            9,
+            address, 9,
         ))));
     req
 }
@@ -464,10 +467,23 @@ impl Arrivals {
 
     /// Sends one request now; its task answers its status.
     fn send(&self, name: &'static str) -> tokio::task::JoinHandle<StatusCode> {
+        self.send_from(name, [127, 0, 95, 1])
+    }
+
+    /// Sends one request from `address` now; its task answers its status.
+    fn send_from(
+        &self,
+        name: &'static str,
+        address: [u8; 4],
+    ) -> tokio::task::JoinHandle<StatusCode> {
         use tower::ServiceExt;
         let (app, done, started) = (self.app.clone(), self.done.clone(), self.started);
         tokio::spawn(async move {
-            let status = app.oneshot(get_request()).await.unwrap().status();
+            let status = app
+                .oneshot(get_request_from(address))
+                .await
+                .unwrap()
+                .status();
             done.lock().unwrap().push((name, started.elapsed()));
             status
         })
@@ -576,6 +592,25 @@ async fn waiters_keep_their_arrival_order_whatever_order_their_asks_are_answered
     served_in_order_when_sent_50ms_apart(&Arrivals::new(&app)).await;
 }
 
+/// Takes the one slot of the "held" limit as another instance would.
+async fn remote_holder(store: &RedisStore) -> tollgate::Lease {
+    let remote = tollgate::Lease {
+        request: tollgate::LeaseRequest {
+            limit: "held".into(),
+            key: None,
+            per_key: None,
+            global: Some(1),
+            ttl: Duration::from_secs(10),
+        },
+        id: 7,
+    };
+    assert!(matches!(
+        store.acquire(&remote.request, remote.id).await.unwrap(),
+        tollgate::Acquired::Granted(_)
+    ));
+    remote
+}
+
 /// "holder", "first", "second" and "third" sent 50 ms apart: all served,
 /// in that order.
 async fn served_in_order_when_sent_50ms_apart(sent: &Arrivals) {
@@ -615,20 +650,7 @@ async fn a_waiter_put_behind_an_earlier_arrival_does_not_poll_ahead_of_it() {
     };
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     // Another instance holds the one slot until 550 ms.
-    let remote = tollgate::Lease {
-        request: tollgate::LeaseRequest {
-            limit: "held".into(),
-            key: None,
-            per_key: None,
-            global: Some(1),
-            ttl: Duration::from_secs(10),
-        },
-        id: 7,
-    };
-    assert!(matches!(
-        store.acquire(&remote.request, remote.id).await.unwrap(),
-        tollgate::Acquired::Granted(_)
-    ));
+    let remote = remote_holder(&store).await;
     let slow = SlowAsks {
         store: store.clone(),
         calls: Default::default(),
@@ -652,6 +674,112 @@ async fn a_waiter_put_behind_an_earlier_arrival_does_not_poll_ahead_of_it() {
         assert_eq!(t.await.unwrap(), StatusCode::OK);
     }
     assert_eq!(sent.names(), ["first", "second"]);
+}
+
+/// Found by a CI run: a waiter refused for the limit in all handed the
+/// turn on to the one behind it, whose ask could then find a slot freed
+/// between the two asks: the later request overtook the earlier. Now a
+/// waiter refused for the limit in all (or a key's) passes the turn only
+/// to waiters that do not wait for the same room. Here "second" polls
+/// every 400 ms, "third" waits behind it, the turn passed to third at
+/// second's poll (~400 ms) would reach the store at ~600 ms (slowed
+/// down), and another instance frees its slot at 500 ms. Fails before:
+/// third, second.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_waiter_refused_for_the_limit_in_all_does_not_let_those_behind_ask() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    let remote = remote_holder(&store).await;
+    let slow = SlowAsks {
+        store: store.clone(),
+        calls: Default::default(),
+        // Second's first ask and its first poll at once; the next ask
+        // (third's, passed the turn, before the fix; second's next poll
+        // after it) reaches Redis 200 ms late.
+        delays: vec![Duration::ZERO, Duration::ZERO, Duration::from_millis(200)],
+    };
+    let app = held_app_polling(
+        Arc::new(slow),
+        1,
+        Duration::from_millis(200),
+        Some(Duration::from_secs(5)),
+        Duration::from_millis(400),
+    );
+    let sent = Arrivals::new(&app);
+    let second = sent.send("second");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let third = sent.send("third");
+    tokio::time::sleep(Duration::from_millis(450)).await;
+    store.release(&remote).await.unwrap();
+    for t in [second, third] {
+        assert_eq!(t.await.unwrap(), StatusCode::OK);
+    }
+    assert_eq!(sent.names(), ["second", "third"], "{:?}", sent.finished());
+}
+
+/// A waiter refused by its key's limit hands the turn to the next waiter
+/// of another key, not to nobody: another instance holds a slot of
+/// address A until 1.2 s and one of address C until 300 ms; here A's
+/// request waits, and C's, behind it, is admitted within a poll of C's
+/// slot coming free, long before A's is.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_waiter_refused_by_its_key_passes_the_turn_to_other_keys() {
+    const A: [u8; 4] = [127, 0, 96, 1];
+    const C: [u8; 4] = [127, 0, 96, 3];
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    // A's requests hold their slot 1.2 s, C's 300 ms.
+    let app = |store: &RedisStore| {
+        let limit = ConcurrencyLimitLayer::new("per-address")
+            .unwrap()
+            .per_key(n(1), [KeyPart::ClientIp])
+            .shared(Arc::new(store.clone()))
+            .unwrap()
+            .lease_ttl(Duration::from_secs(10))
+            .unwrap()
+            .poll_every(Duration::from_millis(100))
+            .wait(8, Duration::from_secs(5));
+        Router::new()
+            .route(
+                "/",
+                get(
+                    |axum::extract::ConnectInfo(from): axum::extract::ConnectInfo<
+                        std::net::SocketAddr,
+                    >| async move {
+                        let ms = if from.ip() == std::net::IpAddr::from(A) {
+                            1200
+                        } else {
+                            300
+                        };
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                        "done"
+                    },
+                ),
+            )
+            .route_layer(limit)
+    };
+    let other = Arrivals::new(&app(&store));
+    let remote = [other.send_from("other A", A), other.send_from("other C", C)];
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let sent = Arrivals::new(&app(&store));
+    let mut tasks = Vec::new();
+    for (name, from) in [("A", A), ("C", C)] {
+        tasks.push(sent.send_from(name, from));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for t in remote.into_iter().chain(tasks) {
+        assert_eq!(t.await.unwrap(), StatusCode::OK);
+    }
+    let order = sent.finished();
+    assert_eq!(sent.names(), ["C", "A"], "{order:?}");
+    // C's slot came free at 300 ms: C was admitted by ~400 ms and held its
+    // slot 300 ms (handed the turn only when A left, it would end after
+    // 1.5 s).
+    assert!(order[0].1 < Duration::from_millis(1000), "{order:?}");
 }
 
 /// Found in review: with room for one waiter, an earlier arrival whose

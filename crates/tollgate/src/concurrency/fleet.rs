@@ -113,14 +113,23 @@ impl Line {
     }
 
     /// Hands the turn to the first waiter after `id` (or to the first of
-    /// all, without `id`).
+    /// all, without `id`) that could be admitted where everyone ahead of it
+    /// was refused: nobody ahead was last refused by the limit in all (or
+    /// has not asked yet), nor waits for the same key. Those behind such a
+    /// waiter would overtake it if room appeared between its ask and
+    /// theirs; their turn comes when it has been admitted or has left.
     pub(crate) fn pass(&self, after: Option<u64>) {
-        let next = match after {
-            None => self.waiting.front(),
-            Some(id) => self.waiting.iter().skip_while(|w| w.id != id).nth(1),
-        };
-        if let Some(w) = next {
-            w.turn.notify_one();
+        let mut keys: Vec<&str> = Vec::new();
+        for w in &self.waiting {
+            let blocked = w.key.as_deref().is_some_and(|k| keys.contains(&k));
+            if !blocked && after.is_none_or(|id| w.id > id) {
+                w.turn.notify_one();
+                return;
+            }
+            if w.global {
+                return;
+            }
+            keys.extend(w.key.as_deref());
         }
     }
 }
@@ -309,8 +318,8 @@ struct Queued<'a> {
 impl Drop for Queued<'_> {
     fn drop(&mut self) {
         let mut line = self.fleet.line();
-        line.pass(Some(self.id));
         line.waiting.retain(|w| w.id != self.id);
+        line.pass(Some(self.id));
     }
 }
 
@@ -390,9 +399,8 @@ pub(crate) async fn acquire(
             match latest {
                 Some(i) => {
                     // Whatever turn it held goes on to the one after it.
-                    let id = line.waiting[i].id;
-                    line.pass(Some(id));
                     if let Some(bumped) = line.waiting.remove(i) {
+                        line.pass(Some(bumped.id));
                         bumped.turn.notify_one();
                     }
                 }
