@@ -76,9 +76,21 @@ async fn two_quickstarts_share_the_slow_limits() {
     );
     assert_eq!(status(&b, "127.0.90.4", BOB).await, StatusCode::OK);
     assert_eq!(status(&a, "127.0.90.5", BOB).await, StatusCode::OK);
-    let (done, _) = short.await.unwrap();
+    let (done, ended) = short.await.unwrap();
     assert_eq!(done, StatusCode::OK);
-    assert_eq!(status(&b, "127.0.90.6", ALICE).await, StatusCode::OK);
+    // Its lease is given back by a task the end of its body starts, so
+    // the client may see the end a moment before Redis sees the release
+    // (found under load: refused once right after the end).
+    let mut from = 10u8;
+    while status(&b, &format!("127.0.90.{from}"), ALICE).await != StatusCode::OK {
+        assert!(
+            ended.elapsed() < Duration::from_millis(1000),
+            "alice still refused {:?} after her first ended",
+            ended.elapsed()
+        );
+        from += 1;
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     // The long one still holds its slot: one more fits, not two.
     let third = slow(&b, "127.0.90.7", ALICE, 1500);
     tokio::time::sleep(Duration::from_millis(300)).await;
