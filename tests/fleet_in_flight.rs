@@ -791,7 +791,7 @@ async fn a_waiter_refused_by_its_key_passes_the_turn_to_other_keys() {
     // C's slot came free at 300 ms: C was admitted by ~400 ms and held its
     // slot 300 ms (handed the turn only when A left, it would end after
     // 1.5 s).
-    assert!(order[0].1 < Duration::from_millis(1000), "{order:?}");
+    assert!(order[0].1 < Duration::from_millis(1200), "{order:?}");
 }
 
 /// Found in review: with room for one waiter, an earlier arrival whose
