@@ -301,7 +301,10 @@ async fn leases_are_renewed_while_the_body_streams_and_waiters_poll_across_insta
     // Admitted after the body ended, within a few polls of it (it then
     // streamed its own second).
     let waited = admitted.duration_since(ended);
-    assert!(waited > Duration::from_millis(900), "{waited:?}");
+    // (The lower bound leaves room for the client seeing the end after
+    // the server released: 894 ms was seen under load, and admitted while
+    // the first still streamed, it would be ~1 s less.)
+    assert!(waited > Duration::from_millis(700), "{waited:?}");
     assert!(waited < Duration::from_millis(1600), "{waited:?}");
 }
 
@@ -604,11 +607,11 @@ async fn waiters_keep_their_arrival_order_whatever_order_their_asks_are_answered
     served_in_order_when_sent_50ms_apart(&Arrivals::new(&app)).await;
 }
 
-/// Takes the one slot of the "held" limit as another instance would.
-async fn remote_holder(store: &RedisStore) -> tollgate::Lease {
+/// Takes the one slot in all of `limit` as another instance would.
+async fn remote_holder(store: &RedisStore, limit: &str) -> tollgate::Lease {
     let remote = tollgate::Lease {
         request: tollgate::LeaseRequest {
-            limit: "held".into(),
+            limit: limit.into(),
             key: None,
             per_key: None,
             global: Some(1),
@@ -662,7 +665,7 @@ async fn a_waiter_put_behind_an_earlier_arrival_does_not_poll_ahead_of_it() {
     };
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     // Another instance holds the one slot until 550 ms.
-    let remote = remote_holder(&store).await;
+    let remote = remote_holder(&store, "held").await;
     let slow = SlowAsks {
         store: store.clone(),
         calls: Default::default(),
@@ -703,7 +706,7 @@ async fn a_waiter_refused_for_the_limit_in_all_does_not_let_those_behind_ask() {
         return;
     };
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
-    let remote = remote_holder(&store).await;
+    let remote = remote_holder(&store, "held").await;
     let slow = SlowAsks {
         store: store.clone(),
         calls: Default::default(),
@@ -731,6 +734,74 @@ async fn a_waiter_refused_for_the_limit_in_all_does_not_let_those_behind_ask() {
     assert_eq!(sent.names(), ["second", "third"], "{:?}", sent.finished());
 }
 
+/// A limit `name` of `per_key` in flight per address, shared through
+/// `leases` (10 s leases), polling every `poll`, with up to 8 waiting 5 s.
+fn per_address(
+    name: &'static str,
+    per_key: usize,
+    leases: Arc<dyn LeaseStore>,
+    poll: Duration,
+) -> ConcurrencyLimitLayer {
+    ConcurrencyLimitLayer::new(name)
+        .unwrap()
+        .per_key(n(per_key), [KeyPart::ClientIp])
+        .shared(leases)
+        .unwrap()
+        .lease_ttl(Duration::from_secs(10))
+        .unwrap()
+        .poll_every(poll)
+        .wait(8, Duration::from_secs(5))
+}
+
+/// `/` under `limit`, each request holding its slot `hold(its address,
+/// how many were served before it)` milliseconds.
+fn holding_app(
+    limit: ConcurrencyLimitLayer,
+    hold: impl Fn(std::net::IpAddr, usize) -> u64 + Clone + Send + Sync + 'static,
+) -> Router {
+    use axum::extract::ConnectInfo;
+    let served = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    Router::new()
+        .route(
+            "/",
+            get(
+                move |ConnectInfo(from): ConnectInfo<std::net::SocketAddr>| {
+                    let i = served.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let ms = hold(from.ip(), i);
+                    async move {
+                        tokio::time::sleep(Duration::from_millis(ms)).await;
+                        "done"
+                    }
+                },
+            ),
+        )
+        .route_layer(limit)
+}
+
+/// Another instance's requests, and this instance's sent 50 ms apart after
+/// them, all served: this instance's in the order they finished, with when.
+async fn served_beside_another_instance(
+    mut app: impl FnMut() -> Router,
+    remote: &[[u8; 4]],
+    here: &[(&'static str, [u8; 4])],
+) -> Vec<(&'static str, Duration)> {
+    let other = Arrivals::new(&app());
+    let mut tasks: Vec<_> = remote
+        .iter()
+        .map(|&a| other.send_from("other", a))
+        .collect();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let sent = Arrivals::new(&app());
+    for &(name, from) in here {
+        tasks.push(sent.send_from(name, from));
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for t in tasks {
+        assert_eq!(t.await.unwrap(), StatusCode::OK);
+    }
+    sent.finished()
+}
+
 /// A waiter refused by its key's limit hands the turn to the next waiter
 /// of another key, not to nobody: another instance holds a slot of
 /// address A until 1.2 s and one of address C until 300 ms; here A's
@@ -744,54 +815,138 @@ async fn a_waiter_refused_by_its_key_passes_the_turn_to_other_keys() {
         return;
     };
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
-    // A's requests hold their slot 1.2 s, C's 300 ms.
-    let app = |store: &RedisStore| {
-        let limit = ConcurrencyLimitLayer::new("per-address")
-            .unwrap()
-            .per_key(n(1), [KeyPart::ClientIp])
-            .shared(Arc::new(store.clone()))
-            .unwrap()
-            .lease_ttl(Duration::from_secs(10))
-            .unwrap()
-            .poll_every(Duration::from_millis(100))
-            .wait(8, Duration::from_secs(5));
-        Router::new()
-            .route(
-                "/",
-                get(
-                    |axum::extract::ConnectInfo(from): axum::extract::ConnectInfo<
-                        std::net::SocketAddr,
-                    >| async move {
-                        let ms = if from.ip() == std::net::IpAddr::from(A) {
-                            1200
-                        } else {
-                            300
-                        };
-                        tokio::time::sleep(Duration::from_millis(ms)).await;
-                        "done"
-                    },
-                ),
-            )
-            .route_layer(limit)
+    let app = || {
+        let limit = per_address(
+            "per-address",
+            1,
+            Arc::new(store.clone()),
+            Duration::from_millis(100),
+        );
+        holding_app(limit, |from, _| {
+            if from == std::net::IpAddr::from(A) {
+                1200
+            } else {
+                300
+            }
+        })
     };
-    let other = Arrivals::new(&app(&store));
-    let remote = [other.send_from("other A", A), other.send_from("other C", C)];
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let sent = Arrivals::new(&app(&store));
-    let mut tasks = Vec::new();
-    for (name, from) in [("A", A), ("C", C)] {
-        tasks.push(sent.send_from(name, from));
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    for t in remote.into_iter().chain(tasks) {
-        assert_eq!(t.await.unwrap(), StatusCode::OK);
-    }
-    let order = sent.finished();
-    assert_eq!(sent.names(), ["C", "A"], "{order:?}");
+    let order = served_beside_another_instance(app, &[A, C], &[("A", A), ("C", C)]).await;
+    let names: Vec<_> = order.iter().map(|(n, _)| *n).collect();
+    assert_eq!(names, ["C", "A"], "{order:?}");
     // C's slot came free at 300 ms: C was admitted by ~400 ms and held its
     // slot 300 ms (handed the turn only when A left, it would end after
     // 1.5 s).
     assert!(order[0].1 < Duration::from_millis(1200), "{order:?}");
+}
+
+/// Found in review: a waiter that joined behind an earlier one of its key
+/// without asking counts as not asked yet, which holds up every key
+/// behind it; it never asks while the one ahead is refused by the key,
+/// so every other address waited for that key's slots (or got 503 at the
+/// deadline). Per key 2, no limit in all; another instance holds A's two
+/// slots until 1.5 s. A1 is refused by its key and waits, A2 waits behind
+/// it, and C, behind both with room for its key, is admitted within a
+/// poll. Fails before: C ends at ~1.8 s.
+#[tokio::test(flavor = "multi_thread")]
+async fn waiters_of_a_full_key_do_not_hold_up_other_keys() {
+    const A: [u8; 4] = [127, 0, 98, 1];
+    const C: [u8; 4] = [127, 0, 98, 3];
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    let app = || {
+        let limit = per_address(
+            "per-address-2",
+            2,
+            Arc::new(store.clone()),
+            Duration::from_millis(100),
+        );
+        holding_app(limit, |from, _| {
+            if from == std::net::IpAddr::from(A) {
+                1500
+            } else {
+                300
+            }
+        })
+    };
+    let order =
+        served_beside_another_instance(app, &[A, A], &[("A1", A), ("A2", A), ("C", C)]).await;
+    assert_eq!(order[0].0, "C", "{order:?}");
+    assert!(order[0].1 < Duration::from_millis(1000), "{order:?}");
+}
+
+/// Found in review: a request held up behind an earlier waiter of its
+/// key without asking was refused as if the limit in all were full (503),
+/// where one that asked and was refused by its key gets 429. One per
+/// address, so one waiter per address; another instance holds A's slot
+/// for 1 s: A1 waits, and A2 finds the address's line full.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_request_held_up_by_its_key_is_refused_as_by_its_key() {
+    const A: [u8; 4] = [127, 0, 101, 1];
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    let app = || {
+        let limit = per_address(
+            "key-wait",
+            1,
+            Arc::new(store.clone()),
+            Duration::from_millis(50),
+        );
+        holding_app(limit, |_, _| 1000)
+    };
+    let other = Arrivals::new(&app());
+    let remote = other.send_from("other", A);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let sent = Arrivals::new(&app());
+    let a1 = sent.send_from("A1", A);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(
+        sent.send_from("A2", A).await.unwrap(),
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(a1.await.unwrap(), StatusCode::OK);
+    assert_eq!(remote.await.unwrap(), StatusCode::OK);
+}
+
+/// Found in review: a waiter refused by its key handed the turn to a later
+/// waiter of the same key. Per key 2, polling every 300 ms; another
+/// instance holds A's two slots, one until ~450 ms, one for 3 s. A1 asks
+/// and waits, A2 waits behind it; A1's first poll (~350 ms) is refused by
+/// the key, and A2's ask, were the turn handed to it, would reach Redis
+/// (slowed down) at ~550 ms and find the slot freed at 450 ms before A1's
+/// next poll (~650 ms). Fails with the key ignored: A2, A1.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_waiter_refused_by_its_key_does_not_let_the_same_key_ask() {
+    const A: [u8; 4] = [127, 0, 100, 1];
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    let remote = per_address(
+        "samekey",
+        2,
+        Arc::new(store.clone()),
+        Duration::from_millis(300),
+    );
+    let remote = holding_app(remote, |_, i| [450, 3000][i.min(1)]);
+    let slow = Arc::new(SlowAsks {
+        store: store.clone(),
+        calls: Default::default(),
+        // A1's first ask and first poll at once; the next ask 200 ms late.
+        delays: vec![Duration::ZERO, Duration::ZERO, Duration::from_millis(200)],
+    });
+    let here = holding_app(
+        per_address("samekey", 2, slow, Duration::from_millis(300)),
+        |_, _| 300,
+    );
+    let mut apps = [remote, here].into_iter();
+    let app = || apps.next().unwrap();
+    let order = served_beside_another_instance(app, &[A, A], &[("A1", A), ("A2", A)]).await;
+    let names: Vec<_> = order.iter().map(|(n, _)| *n).collect();
+    assert_eq!(names, ["A1", "A2"], "{order:?}");
 }
 
 /// Found in review: with room for one waiter, an earlier arrival whose
@@ -851,6 +1006,52 @@ async fn a_full_line_refuses_the_later_arrival_whatever_order_the_asks_are_answe
             ("second", StatusCode::SERVICE_UNAVAILABLE)
         ]
     );
+}
+
+/// Found in review: making room in a full line handed the turn on before
+/// the earlier arrival was in line, so a waiter behind it asked first.
+/// One in all and one per address, polling every 400 ms. X's first ask
+/// is slowed down (answered at ~300 ms); B (X's address) arrives at 50 ms,
+/// is refused by the limit in all and waits; W (another address) waits
+/// behind it. At ~300 ms X's refusal comes back, the address's bound of
+/// one waiter is reached, and B leaves for X; W, handed the turn then,
+/// asked (slowed down, ~500 ms) and took the slot another instance freed
+/// at 400 ms. Fails before: W served before X.
+#[tokio::test(flavor = "multi_thread")]
+async fn making_room_in_a_full_line_hands_no_turn_past_the_earlier_arrival() {
+    const KEY_A: [u8; 4] = [127, 0, 99, 1];
+    const KEY_B: [u8; 4] = [127, 0, 99, 2];
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    let remote = remote_holder(&store, "bump").await;
+    let slow = SlowAsks {
+        store: store.clone(),
+        calls: Default::default(),
+        // X's first ask, B's; then the next (W's, were the turn handed to
+        // it; else X's poll at ~700 ms) reaches Redis 200 ms late.
+        delays: vec![
+            Duration::from_millis(300),
+            Duration::ZERO,
+            Duration::from_millis(200),
+        ],
+    };
+    let limit = per_address("bump", 1, Arc::new(slow), Duration::from_millis(400)).global(n(1));
+    let sent = Arrivals::new(&holding_app(limit, |_, _| 300));
+    let x = sent.send_from("X", KEY_A);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let b = sent.send_from("B", KEY_A);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let w = sent.send_from("W", KEY_B);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    store.release(&remote).await.unwrap();
+    assert_eq!(b.await.unwrap(), StatusCode::SERVICE_UNAVAILABLE);
+    for t in [x, w] {
+        assert_eq!(t.await.unwrap(), StatusCode::OK);
+    }
+    let served: Vec<_> = sent.names().into_iter().filter(|n| *n != "B").collect();
+    assert_eq!(served, ["X", "W"], "{:?}", sent.finished());
 }
 
 /// Found in review: falling back to local counts when Redis failed did not

@@ -97,39 +97,72 @@ pub(crate) struct Line {
 struct InLine {
     id: u64,
     key: Option<Box<str>>,
-    /// Last refused by the limit in all (a newcomer of any key waits
-    /// behind it) rather than by its own key's.
+    /// Last refused by the limit in all, or not asked yet (it holds up
+    /// waiters of every key behind it, see [`Line::free`]), rather than
+    /// refused by its own key's.
     global: bool,
     turn: Arc<Notify>,
 }
 
 impl Line {
-    /// Whether a newcomer for `key` must wait behind someone already
-    /// waiting (for the same key, or for the limit in all).
-    fn blocks(&self, key: Option<&str>) -> bool {
-        self.waiting
-            .iter()
-            .any(|w| w.global || (key.is_some() && w.key.as_deref() == key))
+    /// The waiters nobody ahead holds up, in line order. Walking from the
+    /// front: a waiter behind an earlier one of its own key waits for that
+    /// one (whatever it was last refused for, it could not be admitted
+    /// first) and holds up nobody else; a waiter last refused by the limit
+    /// in all, or that has not asked yet, holds up everyone behind it.
+    fn free(&self) -> Vec<&InLine> {
+        let mut keys: Vec<&str> = Vec::new();
+        let mut free = Vec::new();
+        for w in &self.waiting {
+            if w.key.as_deref().is_some_and(|k| keys.contains(&k)) {
+                continue;
+            }
+            free.push(w);
+            if w.global {
+                break;
+            }
+            keys.extend(w.key.as_deref());
+        }
+        free
+    }
+
+    /// What a newcomer for `key` would wait behind, if anything: an
+    /// earlier waiter of its key, or one holding up the limit in all.
+    fn blocks(&self, key: Option<&str>) -> Option<Saturated> {
+        let of_key = key.and_then(|k| self.waiting.iter().find(|w| w.key.as_deref() == Some(k)));
+        match of_key {
+            Some(w) if !w.global => Some(Saturated::PerKey),
+            Some(_) => Some(Saturated::Global),
+            None => self
+                .free()
+                .last()
+                .filter(|w| w.global)
+                .map(|_| Saturated::Global),
+        }
     }
 
     /// Hands the turn to the first waiter after `id` (or to the first of
-    /// all, without `id`) that could be admitted where everyone ahead of it
-    /// was refused: nobody ahead was last refused by the limit in all (or
-    /// has not asked yet), nor waits for the same key. Those behind such a
-    /// waiter would overtake it if room appeared between its ask and
-    /// theirs; their turn comes when it has been admitted or has left.
+    /// all, without `id`) that nobody ahead holds up ([`Line::free`]).
+    /// Those held up would overtake the one ahead if room appeared between
+    /// its ask and theirs; their turn comes when it has been refused by
+    /// its key's limit only, admitted, or gone.
     pub(crate) fn pass(&self, after: Option<u64>) {
-        let mut keys: Vec<&str> = Vec::new();
-        for w in &self.waiting {
-            let blocked = w.key.as_deref().is_some_and(|k| keys.contains(&k));
-            if !blocked && after.is_none_or(|id| w.id > id) {
-                w.turn.notify_one();
-                return;
-            }
-            if w.global {
-                return;
-            }
-            keys.extend(w.key.as_deref());
+        if let Some(w) = self
+            .free()
+            .into_iter()
+            .find(|w| after.is_none_or(|id| w.id > id))
+        {
+            w.turn.notify_one();
+        }
+    }
+
+    /// Whether waiter `id` may ask now: woken by a turn handed to it, if
+    /// nobody ahead holds it up (since); by its own poll, if still first.
+    fn may_ask(&self, id: u64, notified: bool) -> bool {
+        if notified {
+            self.free().iter().any(|w| w.id == id)
+        } else {
+            self.waiting.front().is_some_and(|w| w.id == id)
         }
     }
 }
@@ -357,17 +390,16 @@ pub(crate) async fn acquire(
         line.next += 1;
         (place, line.blocks(request.key.as_deref()))
     } else {
-        (0, false)
+        (0, None)
     };
-    let full = if behind {
-        Saturated::Global
-    } else {
-        match ask(&fleet, &request, id).await {
+    let full = match behind {
+        Some(reason) => reason,
+        None => match ask(&fleet, &request, id).await {
             Ok(Acquired::Granted(lease)) => return granted(lease),
             Ok(Acquired::PerKeyFull) => Saturated::PerKey,
             Ok(Acquired::GlobalFull) => Saturated::Global,
             Err(error) => return failed(&limiter, &fleet, key, error).await,
-        }
+        },
     };
     let Some((max_waiters, max_wait)) = limits.waiting else {
         return Err(limiter.refused(full, key.as_deref()));
@@ -399,8 +431,9 @@ pub(crate) async fn acquire(
             match latest {
                 Some(i) => {
                     // Whatever turn it held goes on to the one after it.
+                    // (It passes it on its way out, once this one is in
+                    // line and can block those behind.)
                     if let Some(bumped) = line.waiting.remove(i) {
-                        line.pass(Some(bumped.id));
                         bumped.turn.notify_one();
                     }
                 }
@@ -421,7 +454,8 @@ pub(crate) async fn acquire(
             InLine {
                 id: place,
                 key: request.key.clone(),
-                global: full != Saturated::PerKey,
+                // Not asked yet: holds up everyone behind until it has.
+                global: behind.is_some() || full != Saturated::PerKey,
                 turn: turn.clone(),
             },
         );
@@ -430,7 +464,7 @@ pub(crate) async fn acquire(
             .fetch_max(line.waiting.len(), Ordering::Relaxed);
         turn
     };
-    let _queued = Queued {
+    let queued = Queued {
         fleet: &fleet,
         id: place,
     };
@@ -456,9 +490,10 @@ pub(crate) async fn acquire(
         }
         // A poll set up while first in line is not this one's to use once
         // an earlier arrival has been inserted ahead (its first ask came
-        // back later): that one polls now, and hands the turn on.
-        let still_first = fleet.line().waiting.front().is_some_and(|w| w.id == place);
-        if !notified && !still_first {
+        // back later): that one polls now, and hands the turn on. Nor is a
+        // turn handed over before someone ahead was refused by the limit
+        // in all (a wake-up kept while this one's own ask was out).
+        if !fleet.line().may_ask(place, notified) {
             continue;
         }
         // Bounded by the wait: an answer after it is given back.
@@ -475,7 +510,12 @@ pub(crate) async fn acquire(
                 }
                 line.pass(Some(place));
             }
-            Ok(Err(error)) => return failed(&limiter, &fleet, key, error).await,
+            Ok(Err(error)) => {
+                // Out of line first: falling back to this process's own
+                // counts may wait there, and those behind get their turn.
+                drop(queued);
+                return failed(&limiter, &fleet, key, error).await;
+            }
             Err(_) => return Err(limiter.refused(full, key.as_deref())),
         }
     }
