@@ -544,6 +544,8 @@ struct SlowAsks {
     store: RedisStore,
     calls: std::sync::atomic::AtomicUsize,
     delays: Vec<Duration>,
+    /// The delay comes after Redis answered, not before the ask reaches it.
+    replies_late: bool,
 }
 
 impl LeaseStore for SlowAsks {
@@ -555,8 +557,14 @@ impl LeaseStore for SlowAsks {
         let n = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let delay = self.delays.get(n).copied().unwrap_or_default();
         Box::pin(async move {
-            tokio::time::sleep(delay).await;
-            self.store.acquire(request, id).await
+            if !self.replies_late {
+                tokio::time::sleep(delay).await;
+            }
+            let answer = self.store.acquire(request, id).await;
+            if self.replies_late {
+                tokio::time::sleep(delay).await;
+            }
+            answer
         })
     }
 
@@ -589,6 +597,7 @@ async fn waiters_keep_their_arrival_order_whatever_order_their_asks_are_answered
     let slow = SlowAsks {
         store,
         calls: Default::default(),
+        replies_late: false,
         // The holder's ask, the first's (answered at ~350 ms), the
         // second's (~350 ms); the third's (at 150 ms) and every later ask
         // go straight through. The holder holds its slot until 500 ms.
@@ -669,6 +678,7 @@ async fn a_waiter_put_behind_an_earlier_arrival_does_not_poll_ahead_of_it() {
     let slow = SlowAsks {
         store: store.clone(),
         calls: Default::default(),
+        replies_late: false,
         // First's first ask, answered at ~450 ms; everything else at once.
         delays: vec![Duration::from_millis(450)],
     };
@@ -710,6 +720,7 @@ async fn a_waiter_refused_for_the_limit_in_all_does_not_let_those_behind_ask() {
     let slow = SlowAsks {
         store: store.clone(),
         calls: Default::default(),
+        replies_late: false,
         // Second's first ask and its first poll at once; the next ask
         // (third's, passed the turn, before the fix; second's next poll
         // after it) reaches Redis 200 ms late.
@@ -935,6 +946,7 @@ async fn a_waiter_refused_by_its_key_does_not_let_the_same_key_ask() {
     let slow = Arc::new(SlowAsks {
         store: store.clone(),
         calls: Default::default(),
+        replies_late: false,
         // A1's first ask and first poll at once; the next ask 200 ms late.
         delays: vec![Duration::ZERO, Duration::ZERO, Duration::from_millis(200)],
     });
@@ -965,6 +977,7 @@ async fn a_full_line_refuses_the_later_arrival_whatever_order_the_asks_are_answe
     let slow = SlowAsks {
         store: store.clone(),
         calls: Default::default(),
+        replies_late: false,
         delays: vec![Duration::ZERO, Duration::from_millis(300)],
     };
     let limit = ConcurrencyLimitLayer::new("held")
@@ -1029,6 +1042,7 @@ async fn making_room_in_a_full_line_hands_no_turn_past_the_earlier_arrival() {
     let slow = SlowAsks {
         store: store.clone(),
         calls: Default::default(),
+        replies_late: false,
         // X's first ask, B's; then the next (W's, were the turn handed to
         // it; else X's poll at ~700 ms) reaches Redis 200 ms late.
         delays: vec![
@@ -1290,4 +1304,104 @@ fn a_lease_shorter_than_three_store_timeouts_is_refused() {
         .build()
         .unwrap();
     assert!(layer().shared(Arc::new(slow)).is_err());
+}
+
+/// Found in review: `.wait(n, Duration::MAX)` (wait as long as it takes)
+/// works on a local limit but panicked on a shared one (the deadline was
+/// `now + max_wait`, unchecked).
+#[tokio::test(flavor = "multi_thread")]
+async fn a_shared_limit_may_wait_as_long_as_it_takes() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    let remote = remote_holder(&store, "forever").await;
+    let limit = per_address(
+        "forever",
+        1,
+        Arc::new(store.clone()),
+        Duration::from_millis(20),
+    )
+    .global(n(1))
+    .wait(8, Duration::MAX);
+    let sent = Arrivals::new(&holding_app(limit, |_, _| 0));
+    let waiter = sent.send("waiter");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    store.release(&remote).await.unwrap();
+    assert_eq!(waiter.await.unwrap(), StatusCode::OK);
+}
+
+/// Found in review: the lease script checked the key's bound before the
+/// limit in all, so a waiter refused "by its key" may have been refused by
+/// both, yet held up only its key; when its key's slot (and so a slot in
+/// all) came free, a later arrival of another key asked at once and took
+/// it. The script now answers when both are full, and such a waiter holds
+/// up every key. One per address and one in all, polling every 400 ms;
+/// another instance holds A's slot (the one in all) until 300 ms; A waits
+/// from 50 ms, C arrives at 400 ms. Fails before: C, A.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_waiter_refused_by_its_key_and_the_limit_in_all_is_not_overtaken() {
+    const A: [u8; 4] = [127, 0, 102, 1];
+    const C: [u8; 4] = [127, 0, 102, 3];
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    let app = || {
+        let limit = per_address(
+            "both",
+            1,
+            Arc::new(store.clone()),
+            Duration::from_millis(400),
+        );
+        holding_app(limit.global(n(1)), |_, _| 300)
+    };
+    let other = Arrivals::new(&app());
+    let remote = other.send_from("other", A);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let sent = Arrivals::new(&app());
+    let a = sent.send_from("A", A);
+    tokio::time::sleep(Duration::from_millis(350)).await;
+    let c = sent.send_from("C", C);
+    for t in [remote, a, c] {
+        assert_eq!(t.await.unwrap(), StatusCode::OK);
+    }
+    assert_eq!(sent.names(), ["A", "C"], "{:?}", sent.finished());
+}
+
+/// Found in review: a slot this process freed while a newcomer's first ask
+/// was on its way (refused before the release, answered after it) reached
+/// nobody: the line was empty when the release handed the turn on, and
+/// the newcomer, first in line then, asked only at its first poll. One in
+/// all, polling every second: "holder" holds the slot until ~300 ms; w's
+/// first ask is refused at ~50 ms and answered at ~400 ms. Fails before:
+/// w served at its poll and ended at ~1.7 s, not ~0.7 s.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_slot_freed_while_a_first_ask_is_out_reaches_it_at_once() {
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    let slow = SlowAsks {
+        store: store.clone(),
+        calls: Default::default(),
+        replies_late: true,
+        delays: vec![Duration::ZERO, Duration::from_millis(350)],
+    };
+    let app = held_app_polling(
+        Arc::new(slow),
+        1,
+        Duration::from_millis(300),
+        Some(Duration::from_secs(5)),
+        Duration::from_millis(1000),
+    );
+    let sent = Arrivals::new(&app);
+    let holder = sent.send("holder");
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let w = sent.send("w");
+    for t in [holder, w] {
+        assert_eq!(t.await.unwrap(), StatusCode::OK);
+    }
+    let finished = sent.finished();
+    assert!(finished[1].1 < Duration::from_millis(1200), "{finished:?}");
 }

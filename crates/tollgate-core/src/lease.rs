@@ -43,10 +43,18 @@ pub struct Lease {
 pub enum Acquired {
     /// Granted: the slots are held until released or expired.
     Granted(Lease),
-    /// The key has `per_key` leases already; nothing was taken.
+    /// The key has `per_key` leases already (and the limit in all has
+    /// room, or the store cannot tell); nothing was taken.
     PerKeyFull,
-    /// The limit has `global` leases already; nothing was taken.
+    /// The limit has `global` leases already (and the key has room);
+    /// nothing was taken.
     GlobalFull,
+    /// Both are full; nothing was taken. Refused as by the key, but a
+    /// waiter told so holds up the requests of every key behind it: a
+    /// slot its key frees is also the one the limit in all needs, and
+    /// should not go to a later arrival of another key. A store that
+    /// cannot tell answers [`Acquired::PerKeyFull`].
+    BothFull,
 }
 
 /// Where in-flight leases live when a limit must hold across processes

@@ -10,8 +10,8 @@
 -- ARGV[4]  acquire: at most this many leases in all (0: no bound)
 -- ARGV[5]  acquire: at most this many per key (0: no bound)
 --
--- Replies: acquire 0 granted, 1 the key is full, 2 the limit is full;
--- renew 1 renewed, 0 expired; release 1.
+-- Replies: acquire 0 granted, 1 the key is full, 2 the limit is full,
+-- 3 both are full; renew 1 renewed, 0 expired; release 1.
 --
 -- Every step first drops the leases that have expired, so a holder that
 -- died stops counting one time to live after its last renewal. A set lives
@@ -42,8 +42,11 @@ if op == "acquire" then
   local all_max, key_max = tonumber(ARGV[4]), tonumber(ARGV[5])
   local mine = redis.call("ZSCORE", KEYS[1], id)
   if not mine then
-    if keyed and key_max > 0 and redis.call("ZCARD", KEYS[2]) >= key_max then return 1 end
-    if all_max > 0 and redis.call("ZCARD", KEYS[1]) >= all_max then return 2 end
+    local key_full = keyed and key_max > 0 and redis.call("ZCARD", KEYS[2]) >= key_max
+    local all_full = all_max > 0 and redis.call("ZCARD", KEYS[1]) >= all_max
+    if key_full and all_full then return 3 end
+    if key_full then return 1 end
+    if all_full then return 2 end
   end
   redis.call("ZADD", KEYS[1], now + ttl, id)
   keep(KEYS[1])

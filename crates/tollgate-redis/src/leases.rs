@@ -125,6 +125,7 @@ impl LeaseStore for RedisStore {
                 })),
                 1 => Ok(Acquired::PerKeyFull),
                 2 => Ok(Acquired::GlobalFull),
+                3 => Ok(Acquired::BothFull),
                 other => Err(unexpected("acquire", other)),
             }
         })

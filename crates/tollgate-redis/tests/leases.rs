@@ -47,6 +47,7 @@ async fn bounds_hold(store: &RedisStore, limit: &str) {
     assert_eq!(store.acquire(&a, 3).await.unwrap(), Acquired::PerKeyFull);
     granted(store, &b, 4).await;
     assert_eq!(store.acquire(&c, 5).await.unwrap(), Acquired::GlobalFull);
+    assert_eq!(store.acquire(&a, 9).await.unwrap(), Acquired::BothFull);
     // The refusals took nothing: freeing one of a's lets c in.
     store.release(&a1).await.unwrap();
     granted(store, &c, 6).await;
@@ -100,8 +101,9 @@ async fn leases_expire_unless_renewed() {
         tokio::time::sleep(Duration::from_millis(150)).await;
         assert!(store.renew(&kept).await.unwrap(), "renewed in time");
     }
-    // 600 ms after the first acquire, renewed: still held.
-    assert_eq!(store.acquire(&r, 2).await.unwrap(), Acquired::PerKeyFull);
+    // 600 ms after the first acquire, renewed: still held (one per key
+    // and one in all: both full).
+    assert_eq!(store.acquire(&r, 2).await.unwrap(), Acquired::BothFull);
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert!(!store.renew(&kept).await.unwrap(), "expired, not renewed");
     let next = granted(&store, &r, 2).await;

@@ -5,8 +5,8 @@
 //!
 //! [`ConcurrencyLimitLayer::shared`]: super::ConcurrencyLimitLayer::shared
 
-use std::collections::VecDeque;
 use std::collections::hash_map::RandomState;
+use std::collections::{HashSet, VecDeque};
 use std::fmt;
 use std::hash::BuildHasher;
 use std::sync::Arc;
@@ -92,14 +92,18 @@ pub(crate) struct Fleet {
 pub(crate) struct Line {
     waiting: VecDeque<InLine>,
     next: u64,
+    /// Slots this process has given back: a newcomer whose first ask was
+    /// out when one was (the turn then reached nobody) asks again at once.
+    freed: u64,
 }
 
 struct InLine {
     id: u64,
     key: Option<Box<str>>,
-    /// Last refused by the limit in all, or not asked yet (it holds up
-    /// waiters of every key behind it, see [`Line::free`]), rather than
-    /// refused by its own key's.
+    /// Last refused by the limit in all (alone or with its key's), or not
+    /// asked yet: it holds up waiters of every key behind it, see
+    /// [`Line::free`]. Otherwise it was refused by its own key's limit
+    /// alone.
     global: bool,
     turn: Arc<Notify>,
 }
@@ -110,35 +114,32 @@ impl Line {
     /// one (whatever it was last refused for, it could not be admitted
     /// first) and holds up nobody else; a waiter last refused by the limit
     /// in all, or that has not asked yet, holds up everyone behind it.
-    fn free(&self) -> Vec<&InLine> {
-        let mut keys: Vec<&str> = Vec::new();
-        let mut free = Vec::new();
-        for w in &self.waiting {
-            if w.key.as_deref().is_some_and(|k| keys.contains(&k)) {
-                continue;
-            }
-            free.push(w);
-            if w.global {
-                break;
-            }
-            keys.extend(w.key.as_deref());
-        }
-        free
+    fn free(&self) -> impl Iterator<Item = &InLine> + '_ {
+        // Lazily, with a set of keys seen: `pass` and `may_ask` stop at
+        // the waiter they look for (a round of the hand-over is then
+        // quadratic in the line, not cubic), and nothing is allocated
+        // until a keyed waiter is seen.
+        self.waiting
+            .iter()
+            .scan((HashSet::new(), false), |(keys, done), w| {
+                if *done {
+                    return None;
+                }
+                let held = w.key.as_deref().is_some_and(|k| !keys.insert(k));
+                *done = !held && w.global;
+                Some((!held).then_some(w))
+            })
+            .flatten()
     }
 
     /// What a newcomer for `key` would wait behind, if anything: an
     /// earlier waiter of its key, or one holding up the limit in all.
     fn blocks(&self, key: Option<&str>) -> Option<Saturated> {
-        let of_key = key.and_then(|k| self.waiting.iter().find(|w| w.key.as_deref() == Some(k)));
-        match of_key {
-            Some(w) if !w.global => Some(Saturated::PerKey),
-            Some(_) => Some(Saturated::Global),
-            None => self
-                .free()
-                .last()
-                .filter(|w| w.global)
-                .map(|_| Saturated::Global),
+        if key.is_some_and(|k| self.waiting.iter().any(|w| w.key.as_deref() == Some(k))) {
+            return Some(Saturated::PerKey);
         }
+        let last_free = self.free().last();
+        last_free.filter(|w| w.global).map(|_| Saturated::Global)
     }
 
     /// Hands the turn to the first waiter after `id` (or to the first of
@@ -147,20 +148,22 @@ impl Line {
     /// its ask and theirs; their turn comes when it has been refused by
     /// its key's limit only, admitted, or gone.
     pub(crate) fn pass(&self, after: Option<u64>) {
-        if let Some(w) = self
-            .free()
-            .into_iter()
-            .find(|w| after.is_none_or(|id| w.id > id))
-        {
+        if let Some(w) = self.free().find(|w| after.is_none_or(|id| w.id > id)) {
             w.turn.notify_one();
         }
+    }
+
+    /// A slot of this process came free: the turn goes to the first waiter.
+    pub(crate) fn slot_freed(&mut self) {
+        self.freed += 1;
+        self.pass(None);
     }
 
     /// Whether waiter `id` may ask now: woken by a turn handed to it, if
     /// nobody ahead holds it up (since); by its own poll, if still first.
     fn may_ask(&self, id: u64, notified: bool) -> bool {
         if notified {
-            self.free().iter().any(|w| w.id == id)
+            self.free().take_while(|w| w.id <= id).any(|w| w.id == id)
         } else {
             self.waiting.front().is_some_and(|w| w.id == id)
         }
@@ -384,27 +387,27 @@ pub(crate) async fn acquire(
     // it has to wait, it waits at that place: two newcomers whose first
     // asks were answered in the other order (the replies' tasks woken in
     // either order) still wait in the order they came.
-    let (place, behind) = if limits.waiting.is_some() {
+    let (place, behind, freed) = if limits.waiting.is_some() {
         let mut line = fleet.line();
         let place = line.next;
         line.next += 1;
-        (place, line.blocks(request.key.as_deref()))
+        (place, line.blocks(request.key.as_deref()), line.freed)
     } else {
-        (0, None)
+        (0, None, 0)
     };
-    let full = match behind {
-        Some(reason) => reason,
+    let (full, holds_all) = match behind {
+        // Not asked yet: holds up everyone behind until it has.
+        Some(reason) => (reason, true),
         None => match ask(&fleet, &request, id).await {
             Ok(Acquired::Granted(lease)) => return granted(lease),
-            Ok(Acquired::PerKeyFull) => Saturated::PerKey,
-            Ok(Acquired::GlobalFull) => Saturated::Global,
+            Ok(refused) => refusal(&refused),
             Err(error) => return failed(&limiter, &fleet, key, error).await,
         },
     };
     let Some((max_waiters, max_wait)) = limits.waiting else {
         return Err(limiter.refused(full, key.as_deref()));
     };
-    let deadline = tokio::time::Instant::now() + max_wait;
+    let deadline = later(tokio::time::Instant::now(), max_wait);
     let turn = {
         let mut line = fleet.line();
         // One key waits no more than it may have in flight, and the layer
@@ -454,11 +457,14 @@ pub(crate) async fn acquire(
             InLine {
                 id: place,
                 key: request.key.clone(),
-                // Not asked yet: holds up everyone behind until it has.
-                global: behind.is_some() || full != Saturated::PerKey,
+                global: holds_all,
                 turn: turn.clone(),
             },
         );
+        if behind.is_none() && line.freed != freed {
+            // A slot came free while the first ask was out: ask again now.
+            turn.notify_one();
+        }
         fleet
             .peak_waiting
             .fetch_max(line.waiting.len(), Ordering::Relaxed);
@@ -476,7 +482,7 @@ pub(crate) async fn acquire(
         // line, or at once when this process frees a slot.
         let first = fleet.line().waiting.front().is_some_and(|w| w.id == place);
         let wake = if first {
-            (tokio::time::Instant::now() + fleet.sharing.poll).min(deadline)
+            later(tokio::time::Instant::now(), fleet.sharing.poll).min(deadline)
         } else {
             deadline
         };
@@ -500,13 +506,11 @@ pub(crate) async fn acquire(
         match tokio::time::timeout_at(deadline, ask(&fleet, &request, id)).await {
             Ok(Ok(Acquired::Granted(lease))) => return granted(lease),
             Ok(Ok(refused)) => {
-                full = match refused {
-                    Acquired::PerKeyFull => Saturated::PerKey,
-                    _ => Saturated::Global,
-                };
+                let holds_all;
+                (full, holds_all) = refusal(&refused);
                 let mut line = fleet.line();
                 if let Some(me) = line.waiting.iter_mut().find(|w| w.id == place) {
-                    me.global = full != Saturated::PerKey;
+                    me.global = holds_all;
                 }
                 line.pass(Some(place));
             }
@@ -518,6 +522,24 @@ pub(crate) async fn acquire(
             }
             Err(_) => return Err(limiter.refused(full, key.as_deref())),
         }
+    }
+}
+
+/// `now + wait`, saturating (`Duration::MAX` waits as long as it takes,
+/// as with a local limit's `tokio::time::timeout`).
+fn later(now: tokio::time::Instant, wait: Duration) -> tokio::time::Instant {
+    now.checked_add(wait)
+        .unwrap_or_else(|| now + Duration::from_secs(30 * 365 * 24 * 3600))
+}
+
+/// What a refusal answers (by the key's limit, or the limit in all), and
+/// whether the waiter refused holds up the waiters of every key behind it
+/// ([`Line::free`]): unless its key alone is known to be full.
+fn refusal(answer: &Acquired) -> (Saturated, bool) {
+    match answer {
+        Acquired::PerKeyFull => (Saturated::PerKey, false),
+        Acquired::BothFull => (Saturated::PerKey, true),
+        _ => (Saturated::Global, true),
     }
 }
 

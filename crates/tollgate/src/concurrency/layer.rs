@@ -256,8 +256,9 @@ impl ConcurrencyLimitLayer {
         })
     }
 
-    /// Lets at most `max_waiters` requests wait, each at most `max_wait`,
-    /// for a permit before being refused. Without it, refusal is immediate.
+    /// Lets at most `max_waiters` requests wait, each at most `max_wait`
+    /// (`Duration::MAX`: as long as it takes), for a permit before being
+    /// refused. Without it, refusal is immediate.
     pub fn wait(self, max_waiters: usize, max_wait: Duration) -> Self {
         self.edit(|_, l| l.waiting = Some((max_waiters, max_wait)))
     }

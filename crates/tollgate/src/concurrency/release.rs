@@ -83,7 +83,7 @@ pub(crate) fn give_back(fleet: &Arc<Fleet>, lease: Lease, failing: bool) {
     let fleet = fleet.clone();
     runtime.clone().spawn(async move {
         match fleet.sharing.store.release(&lease).await {
-            Ok(()) => fleet.line().pass(None),
+            Ok(()) => fleet.line().slot_freed(),
             Err(_) => queue(&fleet, &runtime, lease),
         }
     });
@@ -152,7 +152,7 @@ async fn retry(fleet: Arc<Fleet>) {
             };
             match fleet.sharing.store.release(&next.0).await {
                 Ok(()) => {
-                    fleet.line().pass(None);
+                    fleet.line().slot_freed();
                     pause = FIRST_PAUSE;
                 }
                 Err(error) => {
