@@ -539,13 +539,15 @@ async fn waiters_are_served_in_arrival_order_and_at_once() {
 }
 
 /// A lease store whose `n`th acquire (from 0) waits `delays[n]` before it
-/// reaches Redis: answers in another order than the asks were made.
+/// reaches Redis and `late_replies[n]` after Redis answered: answers in
+/// another order than the asks were made.
 struct SlowAsks {
     store: RedisStore,
     calls: std::sync::atomic::AtomicUsize,
+    /// The `n`th acquire's delay before it reaches Redis.
     delays: Vec<Duration>,
-    /// The delay comes after Redis answered, not before the ask reaches it.
-    replies_late: bool,
+    /// The `n`th acquire's delay after Redis answered it.
+    late_replies: Vec<Duration>,
 }
 
 impl LeaseStore for SlowAsks {
@@ -556,14 +558,11 @@ impl LeaseStore for SlowAsks {
     ) -> tollgate::core::StoreFuture<'a, Result<tollgate::Acquired, tollgate::StoreError>> {
         let n = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let delay = self.delays.get(n).copied().unwrap_or_default();
+        let late = self.late_replies.get(n).copied().unwrap_or_default();
         Box::pin(async move {
-            if !self.replies_late {
-                tokio::time::sleep(delay).await;
-            }
+            tokio::time::sleep(delay).await;
             let answer = self.store.acquire(request, id).await;
-            if self.replies_late {
-                tokio::time::sleep(delay).await;
-            }
+            tokio::time::sleep(late).await;
             answer
         })
     }
@@ -597,7 +596,7 @@ async fn waiters_keep_their_arrival_order_whatever_order_their_asks_are_answered
     let slow = SlowAsks {
         store,
         calls: Default::default(),
-        replies_late: false,
+        late_replies: vec![],
         // The holder's ask, the first's (answered at ~350 ms), the
         // second's (~350 ms); the third's (at 150 ms) and every later ask
         // go straight through. The holder holds its slot until 500 ms.
@@ -678,7 +677,7 @@ async fn a_waiter_put_behind_an_earlier_arrival_does_not_poll_ahead_of_it() {
     let slow = SlowAsks {
         store: store.clone(),
         calls: Default::default(),
-        replies_late: false,
+        late_replies: vec![],
         // First's first ask, answered at ~450 ms; everything else at once.
         delays: vec![Duration::from_millis(450)],
     };
@@ -720,7 +719,7 @@ async fn a_waiter_refused_for_the_limit_in_all_does_not_let_those_behind_ask() {
     let slow = SlowAsks {
         store: store.clone(),
         calls: Default::default(),
-        replies_late: false,
+        late_replies: vec![],
         // Second's first ask and its first poll at once; the next ask
         // (third's, passed the turn, before the fix; second's next poll
         // after it) reaches Redis 200 ms late.
@@ -946,7 +945,7 @@ async fn a_waiter_refused_by_its_key_does_not_let_the_same_key_ask() {
     let slow = Arc::new(SlowAsks {
         store: store.clone(),
         calls: Default::default(),
-        replies_late: false,
+        late_replies: vec![],
         // A1's first ask and first poll at once; the next ask 200 ms late.
         delays: vec![Duration::ZERO, Duration::ZERO, Duration::from_millis(200)],
     });
@@ -977,7 +976,7 @@ async fn a_full_line_refuses_the_later_arrival_whatever_order_the_asks_are_answe
     let slow = SlowAsks {
         store: store.clone(),
         calls: Default::default(),
-        replies_late: false,
+        late_replies: vec![],
         delays: vec![Duration::ZERO, Duration::from_millis(300)],
     };
     let limit = ConcurrencyLimitLayer::new("held")
@@ -1042,7 +1041,7 @@ async fn making_room_in_a_full_line_hands_no_turn_past_the_earlier_arrival() {
     let slow = SlowAsks {
         store: store.clone(),
         calls: Default::default(),
-        replies_late: false,
+        late_replies: vec![],
         // X's first ask, B's; then the next (W's, were the turn handed to
         // it; else X's poll at ~700 ms) reaches Redis 200 ms late.
         delays: vec![
@@ -1385,8 +1384,8 @@ async fn a_slot_freed_while_a_first_ask_is_out_reaches_it_at_once() {
     let slow = SlowAsks {
         store: store.clone(),
         calls: Default::default(),
-        replies_late: true,
-        delays: vec![Duration::ZERO, Duration::from_millis(350)],
+        delays: vec![],
+        late_replies: vec![Duration::ZERO, Duration::from_millis(350)],
     };
     let app = held_app_polling(
         Arc::new(slow),
@@ -1404,4 +1403,93 @@ async fn a_slot_freed_while_a_first_ask_is_out_reaches_it_at_once() {
     }
     let finished = sent.finished();
     assert!(finished[1].1 < Duration::from_millis(1200), "{finished:?}");
+}
+
+/// Found in review: a newcomer held up behind an earlier waiter of its key
+/// was refused as by its key (429, "at most 2 of yours") even when that
+/// waiter was refused by the limit in all and the key had room; like a
+/// newcomer of another key, and like a local limit, it gets 503. Two per
+/// address, one in all, one waiting; another instance holds the slot in
+/// all; A1 waits, then A2 (same address) and B find the line full.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_newcomer_behind_its_key_refused_in_all_is_refused_as_in_all() {
+    const A: [u8; 4] = [127, 0, 120, 1];
+    const B: [u8; 4] = [127, 0, 120, 2];
+    const X: [u8; 4] = [127, 0, 120, 9];
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    let app = || {
+        let limit = per_address(
+            "in-all",
+            2,
+            Arc::new(store.clone()),
+            Duration::from_millis(50),
+        )
+        .global(n(1))
+        .wait(1, Duration::from_secs(5));
+        holding_app(limit, |_, _| 800)
+    };
+    let other = Arrivals::new(&app());
+    let remote = other.send_from("other", X);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let sent = Arrivals::new(&app());
+    let a1 = sent.send_from("A1", A);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    for from in [A, B] {
+        assert_eq!(
+            sent.send_from("refused", from).await.unwrap(),
+            StatusCode::SERVICE_UNAVAILABLE
+        );
+    }
+    assert_eq!(a1.await.unwrap(), StatusCode::OK);
+    assert_eq!(remote.await.unwrap(), StatusCode::OK);
+}
+
+/// Found in review: a newcomer whose first ask was out when this process
+/// freed a slot asked again at once even though the turn had reached an
+/// earlier waiter, and took the slot beside it. One per address, two in
+/// all, polling every second. W0 holds W's key; W waits (refused by its
+/// key); another instance takes the last slot in all; N's first ask
+/// (limit in all full) is answered late, after W0 ended and handed the
+/// turn to W, whose ask is slowed down. Fails before: W0, N, W.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_newcomer_does_not_ask_beside_the_waiter_a_freed_slot_reached() {
+    const W: [u8; 4] = [127, 0, 121, 1];
+    const N: [u8; 4] = [127, 0, 121, 2];
+    const R: [u8; 4] = [127, 0, 121, 9];
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    let slow = SlowAsks {
+        store: store.clone(),
+        calls: Default::default(),
+        // W0's ask, W's, N's (answered ~340 ms late, after W0 ended), and
+        // W's ask on the turn W0's end handed it (200 ms on its way).
+        delays: vec![
+            Duration::ZERO,
+            Duration::ZERO,
+            Duration::ZERO,
+            Duration::from_millis(200),
+        ],
+        late_replies: vec![Duration::ZERO, Duration::ZERO, Duration::from_millis(340)],
+    };
+    let limit = |leases: Arc<dyn LeaseStore>| {
+        per_address("reached", 1, leases, Duration::from_millis(1000)).global(n(2))
+    };
+    let other = Arrivals::new(&holding_app(limit(Arc::new(store.clone())), |_, _| 1500));
+    let here = Arrivals::new(&holding_app(limit(Arc::new(slow)), |_, _| 300));
+    let w0 = here.send_from("W0", W);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let w = here.send_from("W", W);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let r = other.send_from("R", R);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let n = here.send_from("N", N);
+    for t in [w0, w, r, n] {
+        assert_eq!(t.await.unwrap(), StatusCode::OK);
+    }
+    assert_eq!(here.names(), ["W0", "W", "N"], "{:?}", here.finished());
 }

@@ -105,6 +105,11 @@ struct InLine {
     /// [`Line::free`]. Otherwise it was refused by its own key's limit
     /// alone.
     global: bool,
+    /// Last refused with its key's limit full (alone or with the limit in
+    /// all), or, not asked yet, held up by an earlier waiter of its key
+    /// that was: a newcomer of its key held up behind it is refused as by
+    /// the key (429), else as by the limit in all (503).
+    by_key: bool,
     turn: Arc<Notify>,
 }
 
@@ -135,8 +140,13 @@ impl Line {
     /// What a newcomer for `key` would wait behind, if anything: an
     /// earlier waiter of its key, or one holding up the limit in all.
     fn blocks(&self, key: Option<&str>) -> Option<Saturated> {
-        if key.is_some_and(|k| self.waiting.iter().any(|w| w.key.as_deref() == Some(k))) {
-            return Some(Saturated::PerKey);
+        if let Some(w) = key.and_then(|k| self.waiting.iter().find(|w| w.key.as_deref() == Some(k)))
+        {
+            return Some(if w.by_key {
+                Saturated::PerKey
+            } else {
+                Saturated::Global
+            });
         }
         let last_free = self.free().last();
         last_free.filter(|w| w.global).map(|_| Saturated::Global)
@@ -458,10 +468,16 @@ pub(crate) async fn acquire(
                 id: place,
                 key: request.key.clone(),
                 global: holds_all,
+                by_key: full == Saturated::PerKey,
                 turn: turn.clone(),
             },
         );
-        if behind.is_none() && line.freed != freed {
+        // Only if the turn cannot have reached a waiter ahead that will
+        // hand it on (else this one would ask beside it).
+        if behind.is_none()
+            && line.freed != freed
+            && line.free().next().is_some_and(|w| w.id == place)
+        {
             // A slot came free while the first ask was out: ask again now.
             turn.notify_one();
         }
@@ -511,6 +527,7 @@ pub(crate) async fn acquire(
                 let mut line = fleet.line();
                 if let Some(me) = line.waiting.iter_mut().find(|w| w.id == place) {
                     me.global = holds_all;
+                    me.by_key = full == Saturated::PerKey;
                 }
                 line.pass(Some(place));
             }

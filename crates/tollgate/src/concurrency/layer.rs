@@ -187,10 +187,12 @@ impl ConcurrencyLimitLayer {
     ///   not take it again, and logs and counts it
     ///   ([`ConcurrencyStats::leases_expired`]).
     /// - Waiting ([`wait`](Self::wait)) works across instances by polling:
-    ///   a waiting request tries again every
+    ///   the first waiter of this instance asks again every
     ///   [`poll_every`](Self::poll_every) (50 ms by default), one store
-    ///   round trip each, until its wait is over. Waiters are not served in
-    ///   arrival order across instances.
+    ///   round trip each, and hands the turn to the next waiter that could
+    ///   be admitted, until its wait is over (the README's "Waiting" says
+    ///   exactly who). Within an instance waiters are served in arrival
+    ///   order; across instances they are not.
     /// - When the store fails: [`on_lease_error`](Self::on_lease_error)
     ///   (fail closed with `503` by default).
     ///
@@ -228,8 +230,10 @@ impl ConcurrencyLimitLayer {
         Ok(self.edit(|c, _| c.lease.ttl = ttl))
     }
 
-    /// How often a shared limit's waiting request tries again (default
-    /// 50 ms, at least 1 ms). No effect unless [`shared`](Self::shared).
+    /// How often a shared limit's first waiting request asks again
+    /// (default 50 ms, at least 1 ms); each ask hands the turn on to the
+    /// waiters behind that could be admitted. No effect unless
+    /// [`shared`](Self::shared).
     pub fn poll_every(self, every: Duration) -> Self {
         self.edit(|c, _| c.lease.poll = every.max(Duration::from_millis(1)))
     }
