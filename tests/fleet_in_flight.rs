@@ -1493,3 +1493,52 @@ async fn a_newcomer_does_not_ask_beside_the_waiter_a_freed_slot_reached() {
     }
     assert_eq!(here.names(), ["W0", "W", "N"], "{:?}", here.finished());
 }
+
+/// Found in review of the test above's fix: the slot this process frees
+/// while N's first ask is out reaches F (first in line, refused by its
+/// key only), which asks, is refused again by its key and hands the turn
+/// to nobody (N is not in line yet). N then joined behind F and, F being
+/// first, waited for F's next poll (1 s) with a slot free in all. A turn
+/// handed to nobody since the slot came free now makes N ask at once.
+/// One per address, two in all. Fails before: N ends at ~1.46 s.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_turn_handed_to_nobody_before_the_newcomer_joins_is_not_lost() {
+    const A: [u8; 4] = [127, 0, 123, 1];
+    const H: [u8; 4] = [127, 0, 123, 2];
+    const N: [u8; 4] = [127, 0, 123, 3];
+    let Some(redis) = RedisServer::start() else {
+        return;
+    };
+    let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
+    let slow = SlowAsks {
+        store: store.clone(),
+        calls: Default::default(),
+        delays: vec![],
+        // F's first ask, H's, N's (answered 400 ms late); the rest at once.
+        late_replies: vec![Duration::ZERO, Duration::ZERO, Duration::from_millis(400)],
+    };
+    let limit = |leases: Arc<dyn LeaseStore>| {
+        per_address("lost", 1, leases, Duration::from_millis(1000)).global(n(2))
+    };
+    let hold = |ip: std::net::IpAddr, _: usize| match ip {
+        ip if ip == std::net::IpAddr::from(A) => 10,
+        ip if ip == std::net::IpAddr::from(H) => 300,
+        _ => 100,
+    };
+    let other = Arrivals::new(&holding_app(limit(Arc::new(store.clone())), |_, _| 3000));
+    let here = Arrivals::new(&holding_app(limit(Arc::new(slow)), hold));
+    let ra = other.send_from("RA", A);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let f = here.send_from("F", A);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let h = here.send_from("H", H);
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let late = here.send_from("N", N);
+    for t in [ra, f, h, late] {
+        assert_eq!(t.await.unwrap(), StatusCode::OK);
+    }
+    let finished = here.finished();
+    let n_end = finished.iter().find(|(name, _)| *name == "N").unwrap().1;
+    // H ends at ~340 ms, N's reply comes at ~460 ms: N should end ~560 ms.
+    assert!(n_end < Duration::from_millis(900), "{finished:?}");
+}

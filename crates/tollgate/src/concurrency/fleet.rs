@@ -92,9 +92,12 @@ pub(crate) struct Fleet {
 pub(crate) struct Line {
     waiting: VecDeque<InLine>,
     next: u64,
-    /// Slots this process has given back: a newcomer whose first ask was
-    /// out when one was (the turn then reached nobody) asks again at once.
+    /// Slots this process has given back.
     freed: u64,
+    /// `freed` when a turn was last handed to nobody: a newcomer whose
+    /// first ask was out when a slot came free, and later a turn was
+    /// lost, asks again at once if nobody ahead holds it up.
+    lost_at: u64,
 }
 
 struct InLine {
@@ -157,10 +160,12 @@ impl Line {
     /// Those held up would overtake the one ahead if room appeared between
     /// its ask and theirs; their turn comes when it has been refused by
     /// its key's limit only, admitted, or gone.
-    pub(crate) fn pass(&self, after: Option<u64>) {
+    pub(crate) fn pass(&mut self, after: Option<u64>) {
         if let Some(w) = self.free().find(|w| after.is_none_or(|id| w.id > id)) {
             w.turn.notify_one();
+            return;
         }
+        self.lost_at = self.freed;
     }
 
     /// A slot of this process came free: the turn goes to the first waiter.
@@ -472,12 +477,10 @@ pub(crate) async fn acquire(
                 turn: turn.clone(),
             },
         );
-        // Only if the turn cannot have reached a waiter ahead that will
-        // hand it on (else this one would ask beside it).
-        if behind.is_none()
-            && line.freed != freed
-            && line.free().next().is_some_and(|w| w.id == place)
-        {
+        // Only if a turn was handed to nobody since a slot came free (not
+        // while a waiter ahead still holds it: this one would ask beside
+        // it), and nobody ahead holds this one up.
+        if behind.is_none() && line.lost_at > freed && line.free().any(|w| w.id == place) {
             // A slot came free while the first ask was out: ask again now.
             turn.notify_one();
         }

@@ -191,8 +191,8 @@ impl ConcurrencyLimitLayer {
     ///   [`poll_every`](Self::poll_every) (50 ms by default), one store
     ///   round trip each, and hands the turn to the next waiter that could
     ///   be admitted, until its wait is over (the README's "Waiting" says
-    ///   exactly who). Within an instance waiters are served in arrival
-    ///   order; across instances they are not.
+    ///   exactly who). Within an instance, first come first served as the
+    ///   README's "Waiting" details; across instances, not.
     /// - When the store fails: [`on_lease_error`](Self::on_lease_error)
     ///   (fail closed with `503` by default).
     ///
