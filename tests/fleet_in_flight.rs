@@ -907,17 +907,29 @@ async fn a_request_held_up_by_its_key_is_refused_as_by_its_key() {
         );
         holding_app(limit, |_, _| 1000)
     };
+    refused_behind_a_waiter(app, A, A, &[A], StatusCode::TOO_MANY_REQUESTS).await;
+}
+
+/// Another instance's request from `remote`, then this instance's from
+/// `waiter` (which waits), then one from each of `newcomers`, each
+/// answered `refused` at once; the first two are served.
+async fn refused_behind_a_waiter(
+    mut app: impl FnMut() -> Router,
+    remote: [u8; 4],
+    waiter: [u8; 4],
+    newcomers: &[[u8; 4]],
+    refused: StatusCode,
+) {
     let other = Arrivals::new(&app());
-    let remote = other.send_from("other", A);
+    let remote = other.send_from("other", remote);
     tokio::time::sleep(Duration::from_millis(50)).await;
     let sent = Arrivals::new(&app());
-    let a1 = sent.send_from("A1", A);
+    let waiting = sent.send_from("waiter", waiter);
     tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(
-        sent.send_from("A2", A).await.unwrap(),
-        StatusCode::TOO_MANY_REQUESTS
-    );
-    assert_eq!(a1.await.unwrap(), StatusCode::OK);
+    for &from in newcomers {
+        assert_eq!(sent.send_from("newcomer", from).await.unwrap(), refused);
+    }
+    assert_eq!(waiting.await.unwrap(), StatusCode::OK);
     assert_eq!(remote.await.unwrap(), StatusCode::OK);
 }
 
@@ -1431,20 +1443,7 @@ async fn a_newcomer_behind_its_key_refused_in_all_is_refused_as_in_all() {
         .wait(1, Duration::from_secs(5));
         holding_app(limit, |_, _| 800)
     };
-    let other = Arrivals::new(&app());
-    let remote = other.send_from("other", X);
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    let sent = Arrivals::new(&app());
-    let a1 = sent.send_from("A1", A);
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    for from in [A, B] {
-        assert_eq!(
-            sent.send_from("refused", from).await.unwrap(),
-            StatusCode::SERVICE_UNAVAILABLE
-        );
-    }
-    assert_eq!(a1.await.unwrap(), StatusCode::OK);
-    assert_eq!(remote.await.unwrap(), StatusCode::OK);
+    refused_behind_a_waiter(app, X, A, &[A, B], StatusCode::SERVICE_UNAVAILABLE).await;
 }
 
 /// Found in review: a newcomer whose first ask was out when this process
