@@ -16,9 +16,15 @@ use crate::{Algorithm, Decision, Initial, Nanos, Policy, TokenBucket};
 ///
 /// | algorithm      | `level`                        | `prior`                  | `at`                    |
 /// |----------------|--------------------------------|--------------------------|-------------------------|
-/// | token bucket   | credit in `1/denominator` units | 1: held until `at`, else 0 | time of that credit   |
+/// | token bucket   | credit in `1/denominator` units | a hold, see below        | time of that credit     |
 /// | fixed window   | admitted cost in the window    | 0                        | window start            |
 /// | sliding window | admitted cost, current window  | admitted cost, previous  | current window's start  |
+///
+/// A token bucket's `prior` says whether a request is held for later
+/// (shaping, [`charge_at`]) and until when: 0 when none is, else 1 plus
+/// how long after `at` the last held request is released. Every write of
+/// the bucket keeps it until then, so that no conversion to other numbers
+/// ([`carry_over`]) can release new requests alongside the held ones.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct State {
     /// See the table above.
@@ -44,6 +50,42 @@ pub struct Step {
     /// When the state to keep (the new one, or the old one when unchanged)
     /// becomes indistinguishable from no state at all, so it can be dropped.
     pub idle_at: Nanos,
+}
+
+/// How long an initially-empty token bucket ([`Initial::Empty`]) is kept
+/// once it has refilled to full: 60 s. A bucket that starts full is the
+/// same as no state once full, and is forgotten then; one that starts
+/// empty is not (a key never seen starts empty), so forgetting it at once
+/// would refuse a client that waited exactly its `Retry-After` (which is
+/// rounded up to whole seconds, so the bucket may have filled meanwhile)
+/// and start it empty again, forever for a cost equal to the capacity. A
+/// key away for longer than this after its bucket filled starts empty
+/// again, as a new key does: a finite memory, and finite Redis TTLs.
+pub const EMPTY_KEPT_FULL: Nanos = 60_000_000_000;
+
+/// When the last request a token bucket's state holds for later is
+/// released (see [`State`]), if any.
+pub fn hold_end(state: State) -> Option<Nanos> {
+    (state.prior != 0).then(|| state.at.saturating_add(state.prior - 1))
+}
+
+/// A token bucket's `prior` for a state dated `at` whose held requests are
+/// released at `hold` (none once that is not after `now`). A hold ending
+/// before `at` is kept as ending at `at`: later, never earlier.
+fn hold_prior(hold: Option<Nanos>, at: Nanos, now: Nanos) -> u64 {
+    match hold {
+        Some(end) if end > now => end.saturating_sub(at).saturating_add(1),
+        _ => 0,
+    }
+}
+
+/// The `prior` a token bucket's new state dated `at` keeps from `state`.
+#[inline(always)]
+fn kept_hold(state: Option<State>, at: Nanos, now: Nanos) -> u64 {
+    match state {
+        Some(s) if s.prior != 0 => hold_prior(hold_end(s), at, now),
+        _ => 0,
+    }
 }
 
 fn ns(n: u128) -> Duration {
@@ -162,8 +204,15 @@ pub fn idle_at(policy: &Policy, state: Option<State>, now: Nanos) -> Nanos {
 pub(crate) fn idle_since(algorithm: &Algorithm, s: State) -> Nanos {
     match *algorithm {
         Algorithm::TokenBucket(p) => {
-            let level = s.level.min(p.cap());
-            s.at.saturating_add(p.time_to_full(level))
+            let full = p.full_at(s);
+            let idle = match p.initial {
+                Initial::Full => full,
+                Initial::Empty => full.saturating_add(EMPTY_KEPT_FULL),
+            };
+            match hold_end(s) {
+                Some(end) => idle.max(end),
+                None => idle,
+            }
         }
         Algorithm::FixedWindow(w) => s.at.saturating_add(w.window),
         Algorithm::SlidingWindow(w) => {
@@ -217,7 +266,13 @@ pub fn charge_at(policy: &Policy, state: Option<State>, now: Nanos, at: Nanos, c
     // (negative when the bucket will have filled up by `at`).
     let refill = i128::try_from(u128::from(at - t) * u128::from(p.numerator)).unwrap_or(i128::MAX);
     let held = i128::from(credit).min(i128::from(p.cap()).saturating_sub(refill));
-    let next = match u64::try_from(held - i128::from(need)) {
+    // Requests are held until `at`, or until an earlier reservation's
+    // later release: every state written until then says so (see `State`).
+    let hold = Some(match state.and_then(hold_end) {
+        Some(end) => end.max(at),
+        None => at,
+    });
+    let mut next = match u64::try_from(held - i128::from(need)) {
         Ok(left) => State {
             level: left,
             prior: 0,
@@ -225,16 +280,17 @@ pub fn charge_at(policy: &Policy, state: Option<State>, now: Nanos, at: Nanos, c
         },
         Err(_) => {
             // A debt: empty until it has refilled, which is when the
-            // request is released; marked as holding requests until then
-            // (see `carry_over`).
+            // request is released (or earlier, when the bucket would be
+            // full before then).
             let debt = i128::from(need).saturating_sub(held).unsigned_abs();
             State {
                 level: 0,
-                prior: HELD,
+                prior: 0,
                 at: t.saturating_add(sat(debt.div_ceil(u128::from(p.numerator)))),
             }
         }
     };
+    next.prior = hold_prior(hold, next.at, now);
     Step {
         decision: describe(policy, Some(next), now),
         next: Some(next),
@@ -242,10 +298,87 @@ pub fn charge_at(policy: &Policy, state: Option<State>, now: Nanos, at: Nanos, c
     }
 }
 
-/// A token bucket's `prior` when the state was written by a reservation
-/// ([`charge_at`]) whose bucket is empty until `at`: requests are held
-/// until then.
-const HELD: u64 = 1;
+/// Gives `cost` back to `policy`'s `state` at `now`, for an admission that
+/// turned out not to count (a charge made only for some outcomes, whose
+/// outcome did not match): the state to keep (`None`: no state).
+/// `window` is where the admission was counted (its state's `at`: a
+/// window's start; unused for token buckets).
+///
+/// Exact: the budget is then what it would be had that admission never
+/// been made, as far as its rule can tell:
+///
+/// - a token bucket gets `cost` back, up to its capacity, as of `now`: a
+///   state dated later (a debt) has that much less of it. A bucket that
+///   holds requests for later (shaping) gives nothing back while it holds
+///   them: its credit until then is theirs;
+/// - a fixed window gives `cost` back only while the window it was counted
+///   in is open;
+/// - a sliding window gives it back to the window it was counted in, while
+///   that is the current or the previous one.
+///
+/// Otherwise the state stays as it is (conservative: nothing is minted).
+pub fn refund(
+    policy: &Policy,
+    state: Option<State>,
+    now: Nanos,
+    cost: u64,
+    window: Nanos,
+) -> Option<State> {
+    let s = state?;
+    match *policy.algorithm() {
+        Algorithm::TokenBucket(p) => {
+            if hold_end(s).is_some_and(|end| end > now) || p.unless_idle(state, now).is_none() {
+                return state;
+            }
+            // Credit as a signed amount at `now`: a state dated later
+            // lacks the refill until then.
+            let num = i128::from(p.numerator);
+            let credit = if s.at > now {
+                i128::from(s.level.min(p.cap())) - i128::from(s.at - now) * num
+            } else {
+                i128::from(p.refilled(s.level, s.at, now).0)
+            };
+            let back = credit
+                .saturating_add(i128::from(cost).saturating_mul(i128::from(p.denominator)))
+                .min(i128::from(p.cap()));
+            let next = match u64::try_from(back) {
+                Ok(level) => State {
+                    level,
+                    prior: 0,
+                    at: now,
+                },
+                Err(_) => State {
+                    level: 0,
+                    prior: 0,
+                    at: now.saturating_add(sat(back.unsigned_abs().div_ceil(num.unsigned_abs()))),
+                },
+            };
+            (next.level < p.cap() || p.initial == Initial::Empty).then_some(next)
+        }
+        Algorithm::FixedWindow(w) => {
+            let open = now < s.at.saturating_add(w.window);
+            if s.at != window || !open || s.level < cost {
+                return state;
+            }
+            let level = s.level - cost;
+            (level > 0).then_some(State { level, ..s })
+        }
+        Algorithm::SlidingWindow(w) => {
+            let (cur, prev) = if s.at == window && s.level >= cost {
+                (s.level - cost, s.prior)
+            } else if s.at == window.saturating_add(w.window) && s.prior >= cost {
+                (s.level, s.prior - cost)
+            } else {
+                return state;
+            };
+            (cur + prev > 0).then_some(State {
+                level: cur,
+                prior: prev,
+                at: s.at,
+            })
+        }
+    }
+}
 
 /// The longest debt a carried-over bucket keeps (about 23 days): what a key
 /// has spent beyond a new, smaller bucket's capacity is kept as time before
@@ -272,11 +405,13 @@ pub const MAX_CARRIED_DEBT: Nanos = 2_000_000_000_000_000;
 ///   credit starts to grow (at most [`MAX_CARRIED_DEBT`]). So lowering a
 ///   capacity never gives a burst, raising it never forgets what was spent,
 ///   and switching back and forth never mints credit. A bucket holding
-///   requests for later (shaping: `prior` is 1 and `at` is after `now`)
-///   stays empty until then under the new numbers too, so a faster rate
-///   never releases new requests alongside the ones already held; a debt
-///   that holds no request is carried as tokens, so a raised limit admits
-///   its new room at once.
+///   requests for later (shaping: a hold in `prior` that ends after
+///   `now`) stays empty under the new numbers until the later of that end
+///   and the debt carried over, and keeps the hold until then, through any
+///   number of further changes: a held request's units are spent, and no
+///   rate, however fast, releases new requests alongside it or repays
+///   them before it is released. A debt that holds no request is carried
+///   as tokens, so a raised limit admits its new room at once.
 /// - Fixed window to fixed window: the count and the window's start are
 ///   kept; the window ends at that start plus the new length.
 /// - Sliding window to sliding window of the same length: the counts are
@@ -304,6 +439,11 @@ pub fn carry_over(from: &Algorithm, state: State, to: &Algorithm, now: Nanos) ->
         return None;
     }
     let t = now.max(state.at);
+    // Requests held for later (shaping) under `from`: until when.
+    let held = match from {
+        Algorithm::TokenBucket(_) => hold_end(state).filter(|&end| end > now),
+        _ => None,
+    };
     match (*from, *to) {
         (Algorithm::FixedWindow(_), Algorithm::FixedWindow(_)) => Some(state),
         (Algorithm::SlidingWindow(a), Algorithm::SlidingWindow(b)) if a.window == b.window => {
@@ -313,15 +453,16 @@ pub fn carry_over(from: &Algorithm, state: State, to: &Algorithm, now: Nanos) ->
             let carried = into_bucket(&b, a.spent(state, now), u128::from(a.denominator), now);
             // Requests held until later (shaping): the new bucket stays
             // empty until then too, or a faster rate would release new
-            // requests alongside the ones already held for that instant.
-            Some(if state.prior == HELD && state.at > carried.at {
-                State {
+            // requests alongside the ones already held for that instant;
+            // and it keeps the hold, or a later change to a faster rate
+            // would repay the debt before they are released.
+            Some(match held {
+                Some(end) => State {
                     level: 0,
-                    prior: HELD,
-                    at: state.at,
-                }
-            } else {
-                carried
+                    prior: 1,
+                    at: carried.at.max(end),
+                },
+                None => carried,
             })
         }
         (_, Algorithm::TokenBucket(b)) => Some(into_bucket(
@@ -332,10 +473,12 @@ pub fn carry_over(from: &Algorithm, state: State, to: &Algorithm, now: Nanos) ->
         )),
         (_, Algorithm::FixedWindow(_) | Algorithm::SlidingWindow(_)) => {
             let spent = spent_units(from, state, now);
+            // A window counting held requests opens no earlier than their
+            // release (a window dated later counts as open until then).
             (spent > 0).then_some(State {
                 level: spent,
                 prior: 0,
-                at: t,
+                at: held.map_or(t, |end| t.max(end)),
             })
         }
     }
@@ -454,6 +597,12 @@ impl TokenBucket {
         per(self.cap() - credit, self.numerator)
     }
 
+    /// When the bucket `s` describes is full.
+    #[inline(always)]
+    fn full_at(&self, s: State) -> Nanos {
+        s.at.saturating_add(self.time_to_full(s.level.min(self.cap())))
+    }
+
     /// Scaled units missing from the bucket at `now`: the capacity less the
     /// credit refilled to `now`, or, for a state dated after `now` (a debt
     /// carried over, or a clock that stepped back), less the credit it will
@@ -479,18 +628,19 @@ impl TokenBucket {
         }
     }
 
-    /// `state`, or `None` when it is idle (refilled to full) at `now`: an
-    /// idle bucket is indistinguishable from one never seen, whether or not
-    /// a store has dropped it yet. Only an initially-empty bucket can tell
-    /// the two apart (a new one starts empty), so only it needs the check.
+    /// `state`, or `None` when it is idle at `now`: an idle bucket decides
+    /// as one never seen, whether or not a store has dropped it yet. A
+    /// bucket that starts full is idle once full, and then decides alike
+    /// either way, so only an initially-empty one needs the check: it is
+    /// idle [`EMPTY_KEPT_FULL`] after it filled (see there), and until then
+    /// it is full, not new.
     #[inline(always)]
     fn unless_idle(&self, state: Option<State>, now: Nanos) -> Option<State> {
         match state {
             Some(s)
                 if self.initial == Initial::Empty
-                    && s.at
-                        .saturating_add(self.time_to_full(s.level.min(self.cap())))
-                        <= now =>
+                    && self.full_at(s).saturating_add(EMPTY_KEPT_FULL) <= now
+                    && hold_end(s).is_none_or(|end| end <= now) =>
             {
                 None
             }
@@ -535,20 +685,33 @@ fn token_bucket(p: &TokenBucket, state: Option<State>, now: Nanos, cost: u64) ->
     if credit >= need {
         let left = credit - need;
         let full_in = p.time_to_full(left);
+        let next = State {
+            level: left,
+            prior: kept_hold(state, t, now),
+            at: t,
+        };
         Step {
             decision: Decision::Admitted {
                 remaining: p.tokens(left),
                 reset: Duration::from_nanos(lead.saturating_add(full_in)),
             },
-            next: Some(State {
-                level: left,
-                prior: 0,
-                at: t,
-            }),
-            idle_at: t.saturating_add(full_in),
+            next: Some(next),
+            idle_at: if next.prior == 0 && p.initial == Initial::Full {
+                t.saturating_add(full_in)
+            } else {
+                idle_since(&Algorithm::TokenBucket(*p), next)
+            },
         }
     } else {
         let full_in = p.time_to_full(credit);
+        let next = match (state, p.initial) {
+            (None, Initial::Empty) => Some(State {
+                level: 0,
+                prior: 0,
+                at: now,
+            }),
+            _ => None,
+        };
         Step {
             decision: Decision::Denied {
                 retry_after: Duration::from_nanos(
@@ -557,15 +720,11 @@ fn token_bucket(p: &TokenBucket, state: Option<State>, now: Nanos, cost: u64) ->
                 remaining: p.tokens(credit),
                 reset: Duration::from_nanos(lead.saturating_add(full_in)),
             },
-            next: match (state, p.initial) {
-                (None, Initial::Empty) => Some(State {
-                    level: 0,
-                    prior: 0,
-                    at: now,
-                }),
-                _ => None,
+            next,
+            idle_at: match next.or(state) {
+                Some(kept) => idle_since(&Algorithm::TokenBucket(*p), kept),
+                None => t.saturating_add(full_in),
             },
-            idle_at: t.saturating_add(full_in),
         }
     }
 }

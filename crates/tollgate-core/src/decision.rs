@@ -31,6 +31,8 @@ pub struct Charge {
     /// The longest the request may be held for this charge to fit
     /// ([`Charge::shaped`]); `None`: fit now or be refused.
     max_delay: Option<Duration>,
+    /// Whether the caller may give it back ([`Charge::refundable`]).
+    refundable: bool,
 }
 
 /// A charge whose cost was zero.
@@ -53,6 +55,7 @@ impl Charge {
             policy,
             cost,
             max_delay: None,
+            refundable: false,
         })
     }
 
@@ -71,6 +74,24 @@ impl Charge {
     pub fn shaped(mut self, max_delay: Duration) -> Self {
         self.max_delay = (!max_delay.is_zero()).then(|| max_delay.min(Self::MAX_DELAY));
         self
+    }
+
+    /// The same charge, to be given back if it turns out not to count: an
+    /// admitted call with refundable charges carries a [`Receipt`]
+    /// ([`Outcome::receipt`]) with which [`Store::refund`](crate::Store::refund)
+    /// gives them back (e.g. a charge only for failed logins, reserved when
+    /// the request is checked and given back when it succeeds). A store
+    /// that cannot refund ([`Store::can_refund`](crate::Store::can_refund))
+    /// answers no receipt.
+    #[must_use]
+    pub fn refundable(mut self) -> Self {
+        self.refundable = true;
+        self
+    }
+
+    /// Whether this charge is [`Charge::refundable`].
+    pub fn is_refundable(&self) -> bool {
+        self.refundable
     }
 
     /// The longest a shaped charge may wait: 2·10^15 ns, about 23 days,
@@ -182,6 +203,41 @@ pub struct Outcome {
     /// to hold the request, and what was reserved.
     delay: Duration,
     reservation: Option<Box<Reservation>>,
+    /// For an admitted call with refundable charges: what to give back.
+    receipt: Option<Box<Receipt>>,
+}
+
+/// What an admitted call spent, for giving its refundable charges back
+/// ([`Charge::refundable`], [`Store::refund`](crate::Store::refund)): per
+/// charge, in charge order, where its admission was counted in the
+/// store's own time (a window's start; unused for token buckets), so that
+/// a refund never comes out of a window the admission was not counted in.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Receipt {
+    windows: Vec<crate::Nanos>,
+}
+
+impl Receipt {
+    /// A receipt with one window per charge of the call, in charge order.
+    pub fn new(windows: Vec<crate::Nanos>) -> Self {
+        Self { windows }
+    }
+
+    /// Per charge, in charge order, where its admission was counted.
+    pub fn windows(&self) -> &[crate::Nanos] {
+        &self.windows
+    }
+
+    /// The receipt of the charges at `indices` only, in that order: to
+    /// give back some charges of a call, pass those charges and this.
+    pub fn only(&self, indices: impl IntoIterator<Item = usize>) -> Self {
+        Self {
+            windows: indices
+                .into_iter()
+                .filter_map(|i| self.windows.get(i).copied())
+                .collect(),
+        }
+    }
 }
 
 /// What a store reserved for a delayed [`Outcome`], so that it can give the
@@ -253,6 +309,7 @@ impl Outcome {
                 limits: Limits::Many(limits),
                 delay: Duration::ZERO,
                 reservation: None,
+                receipt: None,
             },
         }
     }
@@ -263,6 +320,7 @@ impl Outcome {
             limits: Limits::One(decision),
             delay: Duration::ZERO,
             reservation: None,
+            receipt: None,
         }
     }
 
@@ -286,6 +344,20 @@ impl Outcome {
     /// What a delayed outcome reserved ([`Outcome::delayed`]).
     pub fn reservation(&self) -> Option<&Reservation> {
         self.reservation.as_deref()
+    }
+
+    /// The same outcome with `receipt`, for a store's admitted call with
+    /// refundable charges ([`Charge::refundable`]).
+    #[must_use]
+    pub fn with_receipt(mut self, receipt: Receipt) -> Self {
+        self.receipt = Some(Box::new(receipt));
+        self
+    }
+
+    /// What an admitted call with refundable charges spent, to give them
+    /// back ([`Store::refund`](crate::Store::refund)); `None` otherwise.
+    pub fn receipt(&self) -> Option<&Receipt> {
+        self.receipt.as_deref()
     }
 
     /// The answer every store gives a call in which some charge can never

@@ -56,7 +56,9 @@ mod policy;
 mod store;
 
 pub use clock::{Clock, ManualClock, Nanos, SystemClock};
-pub use decision::{Charge, Decision, InvalidCharge, Outcome, Reservation, Reserved, Verdict};
+pub use decision::{
+    Charge, Decision, InvalidCharge, Outcome, Receipt, Reservation, Reserved, Verdict,
+};
 pub use key::{InvalidKey, Key};
 pub use lease::{Acquired, Lease, LeaseRequest, LeaseStore};
 pub use memory::{MemoryStore, MemoryStoreBuilder, MemoryStoreStats, OnKeyCap};

@@ -79,11 +79,17 @@ impl Unit {
 }
 
 /// Credit a token bucket starts with, for a key it has never seen (or that
-/// expired because it was idle).
+/// stores forgot because it was idle).
 ///
-/// A bucket that has refilled to full is idle: stores may drop it, and it
-/// decides exactly like a key never seen. So an initially-empty bucket
-/// left untouched until it is full starts empty again.
+/// A bucket that starts full and has refilled to full is idle: stores may
+/// drop it, and it decides exactly like a key never seen. A bucket that
+/// starts empty and has refilled to full is *not* the same as one never
+/// seen (that one would start empty): stores keep it, full, for
+/// [`EMPTY_KEPT_FULL`](crate::algorithm::EMPTY_KEPT_FULL) (a minute) after
+/// it filled, and only a key that stays away longer starts empty again, as
+/// a new one. So a client that waits the `Retry-After` it was given is
+/// admitted (the wait is rounded up by at most a second), and memory stays
+/// bounded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub enum Initial {
     /// Start with `capacity` tokens: an immediate burst is allowed (default).

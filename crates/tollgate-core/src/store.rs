@@ -6,7 +6,7 @@ use std::future::Future;
 use std::pin::Pin;
 use std::sync::Arc;
 
-use crate::{Charge, Outcome, Policy, Reservation};
+use crate::{Charge, Outcome, Policy, Receipt, Reservation};
 
 /// A boxed, sendable future, as returned by [`DynStore`].
 pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -109,6 +109,36 @@ pub trait Store: Send + Sync + 'static {
         let _ = (charges, reservation);
         std::future::ready(Ok(()))
     }
+
+    /// Whether [`Store::refund`] is implemented, and admitted calls with
+    /// refundable charges carry a [`Receipt`] (the default: no). The HTTP
+    /// layer refuses, when it is built, rules charged by outcome on a
+    /// store without it.
+    fn can_refund(&self) -> bool {
+        false
+    }
+
+    /// Gives back `charges`, admitted earlier as [`Charge::refundable`]
+    /// ones, with `receipt` their part of that call's
+    /// [`Outcome::receipt`] ([`Receipt::only`]): each budget is then as if
+    /// that admission had never been made, as far as its rule can tell
+    /// ([`crate::algorithm::refund`]: a window gives back only while the
+    /// admission's window counts, a bucket that holds requests for later
+    /// gives nothing back). Never more than was charged; a refund that
+    /// fails leaves the charge spent.
+    ///
+    /// The default answers [`StoreErrorKind::Unsupported`].
+    fn refund<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        receipt: &'a Receipt,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        let _ = (charges, receipt);
+        std::future::ready(Err(StoreError::new(
+            StoreErrorKind::Unsupported,
+            "this store cannot give charges back",
+        )))
+    }
 }
 
 /// The object-safe form of [`Store`], implemented for every `Store`.
@@ -142,6 +172,16 @@ pub trait DynStore: Send + Sync + 'static {
         &'a self,
         charges: &'a [Charge],
         reservation: &'a Reservation,
+    ) -> StoreFuture<'a, Result<(), StoreError>>;
+
+    /// [`Store::can_refund`].
+    fn can_refund_dyn(&self) -> bool;
+
+    /// [`Store::refund`], boxed.
+    fn refund_boxed<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        receipt: &'a Receipt,
     ) -> StoreFuture<'a, Result<(), StoreError>>;
 }
 
@@ -183,6 +223,18 @@ impl<S: Store> DynStore for S {
     ) -> StoreFuture<'a, Result<(), StoreError>> {
         Box::pin(self.cancel(charges, reservation))
     }
+
+    fn can_refund_dyn(&self) -> bool {
+        self.can_refund()
+    }
+
+    fn refund_boxed<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        receipt: &'a Receipt,
+    ) -> StoreFuture<'a, Result<(), StoreError>> {
+        Box::pin(self.refund(charges, receipt))
+    }
 }
 
 impl Store for Arc<dyn DynStore> {
@@ -223,6 +275,18 @@ impl Store for Arc<dyn DynStore> {
     ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
         (**self).cancel_boxed(charges, reservation)
     }
+
+    fn can_refund(&self) -> bool {
+        (**self).can_refund_dyn()
+    }
+
+    fn refund<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        receipt: &'a Receipt,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        (**self).refund_boxed(charges, receipt)
+    }
 }
 
 impl<S: Store> Store for Arc<S> {
@@ -262,6 +326,18 @@ impl<S: Store> Store for Arc<S> {
         reservation: &'a Reservation,
     ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
         (**self).cancel(charges, reservation)
+    }
+
+    fn can_refund(&self) -> bool {
+        (**self).can_refund()
+    }
+
+    fn refund<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        receipt: &'a Receipt,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        (**self).refund(charges, receipt)
     }
 }
 

@@ -191,7 +191,23 @@ impl OverLimitCache {
         );
     }
 
+    /// Forgets what is remembered of `charge` on `key`: credit was given
+    /// back to it ([`Store::refund`](tollgate_core::Store::refund)), so a
+    /// refusal remembered before may no longer be Redis's answer.
+    pub(crate) fn forget(&self, key: &str, charge: &Charge) {
+        let digest = self.digest(key, charge.policy());
+        let mut set = self.set(digest);
+        for slot in set.iter_mut().filter(|s| s.digest == digest) {
+            slot.until = 0;
+        }
+    }
+
     fn keep(&self, key: &str, charge: &Charge, until: u64, full_at: u64, remaining: u64) {
+        // A charge that may be given back is never remembered: its credit
+        // can come back before any deadline computed now.
+        if charge.is_refundable() {
+            return;
+        }
         let cost = charge.cost();
         let seen = Slot {
             digest: self.digest(key, charge.policy()),

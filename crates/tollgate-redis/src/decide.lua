@@ -32,8 +32,10 @@
 -- by the rule of tollgate_core's algorithm::carry_over, implemented in
 -- `carry` below. States of 32 bytes, or text "level:prior:era:offset",
 -- carry no numbers and are read as written under the charge's own. A
--- token bucket's prior is 1 when a reservation wrote it empty until its
--- time (requests are held until then), else 0.
+-- token bucket's prior is 0, or, while a request is held for later
+-- (shaping), 1 plus how long after the state's time the last held request
+-- is released: tollgate_core's algorithm::State. Every write of the bucket
+-- keeps it until then.
 --
 -- Reply: per charge {admitted 1/0, remaining, reset ns, retry ns, era, offset,
 -- remaining before, reset before}: the last two describe the budget as it
@@ -228,6 +230,35 @@ end
 local MAX_DEBT = 2000000000000000
 local MAX_COUNT = 9007199254740991
 
+-- How long an initially-empty bucket is kept once full (tollgate_core's
+-- algorithm::EMPTY_KEPT_FULL): until then it is full, not new.
+local KEEP = 60000000000
+
+-- When the last request a bucket's state holds is released (nil: none).
+local function hold_end(prior, se, so)
+  if prior ~= nil and prior >= 1 then return add(se, so, prior - 1) end
+end
+
+-- The prior of a bucket's state dated (ae, ao) that keeps a hold ending at
+-- (he, ho): none once that is not after now; one ending before the state's
+-- time is kept as ending then.
+local function hold_prior(he, ho, ae, ao)
+  if he == nil or not before(NE, NO, he, ho) then return 0 end
+  if before(he, ho, ae, ao) then return 1 end
+  return 1 + diff(he, ho, ae, ao)
+end
+
+-- When a bucket's state (capacity cap, num units per ns, full_start 1 if
+-- it starts full) is idle: full, a minute later for one that starts empty,
+-- and never before its hold ends.
+local function bucket_idle(level, prior, se, so, cap, num, full_start)
+  local ie, io = add(se, so, cdiv(cap - math.min(level, cap), num))
+  if full_start ~= 1 then ie, io = add(ie, io, KEEP) end
+  local he, ho = hold_end(prior, se, so)
+  if he ~= nil and before(ie, io, he, ho) then ie, io = he, ho end
+  return ie, io
+end
+
 -- Under injected time Redis still expires keys on its own clock, which the
 -- injected clock does not follow (a test may hold it still while real time
 -- passes): a key could vanish before the injected clock reaches its idle
@@ -265,7 +296,7 @@ local function carry(oa, o1, o2, o3, o4, level, prior, se, so, a, q1, q2, q3, q4
   -- Brought to now under the numbers that wrote it: idle is no state.
   local ie, io
   if oa == 1 then
-    ie, io = add(se, so, cdiv(o1 - math.min(level, o1), o2))
+    ie, io = bucket_idle(level, prior, se, so, o1, o2, o4)
   elseif oa == 2 then
     ie, io = add(se, so, o2)
   elseif level > 0 then
@@ -279,6 +310,12 @@ local function carry(oa, o1, o2, o3, o4, level, prior, se, so, a, q1, q2, q3, q4
   if (oa == 2 and a == 2) or (oa == 3 and a == 3 and o2 == q2) then
     return level, prior, se, so
   end
+  -- Requests held for later under the old numbers: until when.
+  local he, ho
+  if oa == 1 then
+    he, ho = hold_end(prior, se, so)
+    if he ~= nil and not before(NE, NO, he, ho) then he, ho = nil, nil end
+  end
   -- What was spent, in full: a bucket's missing units (for a state dated
   -- after now, the refill until then too), else whole units.
   local spent_units, spent
@@ -289,10 +326,13 @@ local function carry(oa, o1, o2, o3, o4, level, prior, se, so, a, q1, q2, q3, q4
       spent_units = big(o1 - refill(level, o1, o2, diff(NE, NO, se, so)))
     end
     if a == 1 then
-      -- Requests held until later (prior 1: written by a reservation)
-      -- keep the new bucket empty until then.
+      -- Requests held until later keep the new bucket empty until the
+      -- later of their release and the debt, and keep the hold.
       local l, p, e, o = into_bucket(spent_units, o3, q1, q2, q3)
-      if prior == 1 and before(e, o, se, so) then return 0, 1, se, so end
+      if he ~= nil then
+        if before(e, o, he, ho) then e, o = he, ho end
+        return 0, 1, e, o
+      end
       return l, p, e, o
     end
     spent = least(MAX_COUNT, function(z) return bcmp(bmul(big(z), o3), spent_units) >= 0 end)
@@ -309,6 +349,8 @@ local function carry(oa, o1, o2, o3, o4, level, prior, se, so, a, q1, q2, q3, q4
     return into_bucket(big(spent), 1, q1, q2, q3)
   end
   if spent == 0 then return end
+  -- A window counting held requests opens no earlier than their release.
+  if he ~= nil and before(te, to, he, ho) then te, to = he, ho end
   return spent, 0, te, to
 end
 
@@ -368,7 +410,7 @@ if mode == "cancel" then
         and level == wl and prior == wp and se == we_ and so == wo_ then
       if had == 1 then
         redis.call("SET", key, state(bl, bp, be, bo, oa, o1, o2, o3, o4), "PX",
-                   ttl(add(be, bo, cdiv(p1 - math.min(bl, p1), p2))))
+                   ttl(bucket_idle(bl, bp, be, bo, p1, p2, o4)))
       else
         redis.call("DEL", key)
       end
@@ -408,11 +450,15 @@ for i = 1, n do
     -- p3 = units per token, p4 = 1 if a new bucket starts full.
     local cap, num, den = p1, p2, p3
     local credit
-    if level ~= nil and p4 == 0 and not before(NE, NO, add(se, so, cdiv(cap - math.min(level, cap), num))) then
-      -- Idle (refilled to full): an initially-empty bucket starts afresh,
+    if level ~= nil and p4 == 0 and not before(NE, NO, bucket_idle(level, prior, se, so, cap, num, 0)) then
+      -- Idle (full for a minute): an initially-empty bucket starts afresh,
       -- as one never seen (or expired) would.
       level = nil
     end
+    -- Requests this bucket holds for later, until when (nil: none).
+    local he, ho
+    if level ~= nil then he, ho = hold_end(prior, se, so) end
+    local stored_level = level
     if level == nil then
       if p4 == 1 then credit = cap else credit = 0 end
       se, so = NE, NO
@@ -432,18 +478,37 @@ for i = 1, n do
                     need = need, wait = re, numbers = {algo, p1, p2, p3, p4}, found = found}
     end
     if mode == "refund" then
-      credit = math.min(cap, credit + need)
-      -- Refilled to full: no state, as if never charged (NONE deletes).
-      write = NONE
-      if credit < cap then write = state(credit, 0, te, to, algo, p1, p2, p3, p4) end
-      idle_e, idle_o = add(te, to, cdiv(cap - credit, num))
+      -- tollgate_core's algorithm::refund: the cost back as of now, up to
+      -- the capacity (a state dated later, a debt, owes less); nothing
+      -- for no state, nor while requests are held for later.
       ok = 1
+      if stored_level ~= nil and not (he ~= nil and before(NE, NO, he, ho)) then
+        local back = need
+        local le, lo = NE, NO
+        if lead > 0 then
+          -- credit now = level - lead * num, in time: what comes back
+          -- covers `idiv(level + back, num)` ns of the debt.
+          local covers = idiv(math.min(stored_level, cap) + back, num)
+          if covers >= lead then
+            back = math.min(cap, math.min(stored_level, cap) + back - lead * num)
+          else
+            le, lo = add(NE, NO, lead - covers)
+            back = 0
+          end
+        else
+          back = math.min(cap, credit + back)
+        end
+        write = NONE
+        if back < cap or p4 == 0 then write = state(back, 0, le, lo, algo, p1, p2, p3, p4) end
+        idle_e, idle_o = bucket_idle(back, 0, le, lo, cap, num, p4)
+      end
     elseif credit >= need then
       local left = credit - need
       local full_in = cdiv(cap - left, num)
+      local kept = hold_prior(he, ho, te, to)
       ok, remaining, reset = 1, idiv(left, den), lead + full_in
-      write = state(left, 0, te, to, algo, p1, p2, p3, p4)
-      idle_e, idle_o = add(te, to, full_in)
+      write = state(left, kept, te, to, algo, p1, p2, p3, p4)
+      idle_e, idle_o = bucket_idle(left, kept, te, to, cap, num, p4)
       we, wo = te, to
     else
       remaining = idiv(credit, den)
@@ -456,7 +521,7 @@ for i = 1, n do
         local created = state(0, 0, NE, NO, algo, p1, p2, p3, p4)
         pending[key] = created
         if mode == "charge" then
-          redis.call("SET", key, created, "PX", ttl(add(NE, NO, cdiv(cap, num))))
+          redis.call("SET", key, created, "PX", ttl(bucket_idle(0, 0, NE, NO, cap, num, 0)))
           created_now[key] = true
         end
       end
@@ -600,9 +665,7 @@ if mode == "charge" and not all and not repeated and next(buckets) ~= nil then
     for i, b in pairs(buckets) do
       local span = 0
       if before(b.te, b.to, re_e, re_o) then span = diff(re_e, re_o, b.te, b.to) end
-      -- held: 1 when the bucket is empty until the release (a debt), the
-      -- mark tollgate_core's charge_at writes in `prior`.
-      local level, ae, ao, held = 0, b.te, b.to, 0
+      local level, ae, ao = 0, b.te, b.to
       if span > idiv(b.cap - b.credit, b.num) then
         -- Full before the release: what it may use now is the capacity
         -- less the refill still to come.
@@ -610,17 +673,27 @@ if mode == "charge" and not all and not repeated and next(buckets) ~= nil then
           level = b.cap - span * b.num - b.need
         else
           ae, ao = add(b.te, b.to, span - idiv(b.cap - b.need, b.num))
-          held = 1
         end
       elseif b.credit >= b.need then
         level = b.credit - b.need
       else
         ae, ao = add(b.te, b.to, cdiv(b.need - b.credit, b.num))
-        held = 1
       end
+      -- Held until the release, or an earlier reservation's later one:
+      -- the hold tollgate_core's charge_at writes in `prior`.
+      -- (A release not after the bucket's own time, a clock behind it, is
+      -- decided as now: only the hold it had.)
+      local he, ho
+      if span > 0 then he, ho = re_e, re_o end
+      local f = b.found
+      if f[1] ~= nil then
+        local fe, fo = hold_end(f[2], f[3], f[4])
+        if fe ~= nil and (he == nil or before(he, ho, fe, fo)) then he, ho = fe, fo end
+      end
+      local held = hold_prior(he, ho, ae, ao)
       local nb = b.numbers
       local w = {KEYS[i], state(level, held, ae, ao, nb[1], nb[2], nb[3], nb[4], nb[5]),
-                 add(ae, ao, cdiv(b.cap - level, b.num))}
+                 bucket_idle(level, held, ae, ao, b.cap, b.num, nb[5])}
       if wrote[i] then writes[wrote[i]] = w else writes[#writes + 1] = w end
       local lead = 0
       if before(NE, NO, ae, ao) then lead = diff(ae, ao, NE, NO) end
@@ -679,7 +752,7 @@ for _, c in ipairs(converted) do
       local a, q1, q2 = c[7], c[8], c[9]
       local ie, io
       if a == 1 then
-        ie, io = add(se, so, cdiv(q1 - level, q2))
+        ie, io = bucket_idle(level, prior, se, so, q1, q2, c[11])
       elseif a == 2 or level == 0 then
         ie, io = add(se, so, q2)
       else

@@ -101,7 +101,7 @@ use redis::cluster_async::ClusterConnection;
 use tokio::sync::OnceCell;
 use tollgate_core::algorithm::State;
 use tollgate_core::{
-    Charge, Decision, Nanos, Outcome, Policy, Reservation, Reserved, Store, StoreError,
+    Charge, Decision, Nanos, Outcome, Policy, Receipt, Reservation, Reserved, Store, StoreError,
     StoreErrorKind,
 };
 
@@ -841,18 +841,25 @@ impl RedisStore {
         } else {
             prepared
         };
+        // Refundable charges get a receipt: where each was counted.
+        let refundable = charges.iter().any(Charge::is_refundable);
         if let [one] = &prepared[..] {
             if one.is_one_bucket() {
                 if let Some(outcome) = self
                     .charge_one_bucket(one, &keys[0], &charges[0], deadline)
                     .await?
                 {
+                    // A token bucket's refund needs no window.
+                    if refundable && outcome.is_admitted() {
+                        return Ok(outcome.with_receipt(Receipt::new(vec![0])));
+                    }
                     return Ok(outcome);
                 }
             }
         }
         let mut decisions = vec![Decision::Unevaluated; charges.len()];
         let mut before = vec![Decision::Unevaluated; charges.len()];
+        let mut windows = vec![0; charges.len()];
         let mut admitted: Vec<(Prepared, Vec<i64>)> = Vec::new();
         let mut groups = groups.into_iter().zip(prepared);
         while let Some((group, prepared)) = groups.next() {
@@ -885,6 +892,11 @@ impl RedisStore {
                 all &= d.is_admitted();
                 decisions[i] = d;
                 before[i] = b;
+                windows[i] = match charges[i].policy().algorithm() {
+                    // A bucket's refund needs no window.
+                    tollgate_core::Algorithm::TokenBucket(_) => 0,
+                    _ => script::window(values),
+                };
             }
             if shaping {
                 let reserved: Vec<(usize, (Duration, State))> = group
@@ -951,7 +963,11 @@ impl RedisStore {
                 return Ok(Outcome::new(decisions));
             }
         }
-        Ok(Outcome::new(decisions))
+        let outcome = Outcome::new(decisions);
+        if refundable {
+            return Ok(outcome.with_receipt(Receipt::new(windows)));
+        }
+        Ok(outcome)
     }
 
     /// The common call decided by the one-bucket script; `None` when it
@@ -983,7 +999,7 @@ impl RedisStore {
         };
         // As `charge_all` remembers a single unshaped charge (not when
         // charging slot by slot: a refund could undo what it saw).
-        if let (Some(cache), false) = (&inner.cache, inner.split) {
+        if let (Some(cache), false, false) = (&inner.cache, inner.split, charge.is_refundable()) {
             if decision.is_admitted() {
                 cache.remember_spent(key, charge, Instant::now(), decision);
             } else {
@@ -1223,6 +1239,21 @@ impl Store for RedisStore {
         true
     }
 
+    /// Gives refundable charges back: one `refund` script per slot group
+    /// (the decision script's own refund, as for a call charged slot by
+    /// slot), and forgets what the over-limit cache remembered of them.
+    fn can_refund(&self) -> bool {
+        true
+    }
+
+    fn refund<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        receipt: &'a Receipt,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        self.refund_receipt(charges, receipt)
+    }
+
     /// One `cancel` script for the reservation's charges (they share a
     /// slot: a delayed call was one script).
     fn cancel<'a>(
@@ -1235,6 +1266,40 @@ impl Store for RedisStore {
 }
 
 impl RedisStore {
+    /// [`Store::refund`]: one `refund` script per slot group. A group that
+    /// fails leaves its charges spent (never more given back than was
+    /// charged); the first error is answered after every group was tried.
+    async fn refund_receipt(
+        &self,
+        charges: &[Charge],
+        receipt: &Receipt,
+    ) -> Result<(), StoreError> {
+        let n = charges.len().min(receipt.windows().len());
+        let (charges, windows) = (&charges[..n], &receipt.windows()[..n]);
+        let keys: Vec<String> = charges.iter().map(|c| self.redis_key(c)).collect();
+        if let Some(cache) = &self.inner.cache {
+            for (key, charge) in keys.iter().zip(charges) {
+                cache.forget(key, charge);
+            }
+        }
+        let groups = if self.inner.split {
+            script::slot_groups(&keys)
+        } else {
+            vec![(0..n).collect()]
+        };
+        let deadline = self.deadline();
+        let mut first_error = None;
+        for group in groups {
+            let prepared = Prepared::new(group.iter().map(|&i| (&keys[i], &charges[i])))?;
+            let windows: Vec<Nanos> = group.iter().map(|&i| windows[i]).collect();
+            let refund = prepared.with_receipt(&windows);
+            if let Err(e) = self.invoke(&refund, Mode::Refund, deadline).await {
+                first_error.get_or_insert(e);
+            }
+        }
+        first_error.map_or(Ok(()), Err)
+    }
+
     /// [`Store::cancel`]: one `cancel` script for the reservation's
     /// charges.
     async fn cancel_reserved(

@@ -56,8 +56,11 @@ local v = redis.call("GET", key)
 local credit, te, to, lead = cap, ne, no, 0
 if v then
   if #v ~= 72 then return "" end
-  local level, _, se, so, oa, o1, o2, o3, o4 = struct.unpack("<ddddddddd", v)
-  if oa ~= 1 or o1 ~= cap or o2 ~= num or o3 ~= den or o4 ~= 1 or se > ne then return "" end
+  local level, prior, se, so, oa, o1, o2, o3, o4 = struct.unpack("<ddddddddd", v)
+  -- (A bucket holding requests for later keeps its hold: decide.lua.)
+  if oa ~= 1 or o1 ~= cap or o2 ~= num or o3 ~= den or o4 ~= 1 or se > ne or prior ~= 0 then
+    return ""
+  end
   local el
   if se < ne then
     -- decide.lua's diff: more than an era apart is HUGE (refills fully).

@@ -274,6 +274,15 @@ impl Prepared {
         Ok(p)
     }
 
+    /// The same charges, to be refunded against `windows` (a receipt's,
+    /// in the store's time: nanoseconds since its epoch).
+    pub(crate) fn with_receipt(mut self, windows: &[Nanos]) -> Self {
+        for (w, &at) in self.windows.iter_mut().zip(windows) {
+            *w = era_offset(at);
+        }
+        self
+    }
+
     /// The same charges, to be refunded against the windows `reply` reported.
     pub(crate) fn with_windows(mut self, reply: &[i64]) -> Self {
         for (i, w) in self.windows.iter_mut().enumerate() {
@@ -348,6 +357,13 @@ fn era_offset(at: Nanos) -> (i64, i64) {
 
 /// Reply values per charge.
 pub(crate) const REPLY: usize = 8;
+
+/// Where an admitted charge was counted (its window's start), from its
+/// [`REPLY`] values, in nanoseconds since the store's epoch.
+pub(crate) fn window(values: &[i64]) -> Nanos {
+    let n = |i: usize| u64::try_from(values[i]).unwrap_or(0);
+    n(4).saturating_mul(ERA_NS).saturating_add(n(5))
+}
 
 /// Nanoseconds per era of the script's (era, offset) time.
 pub(crate) const ERA_NS: u64 = 4_000_000_000_000_000;

@@ -232,6 +232,9 @@ async fn the_one_bucket_script_decides_and_writes_as_the_full_script() {
         };
         let other = next() % 10 == 0;
         let old = next() % 12 == 0;
+        // A bucket holding requests for later (a hold in `prior`) is the
+        // full script's: it keeps the hold on admission.
+        let prior = u64::from(next() % 5 == 0);
         let value = at.map(|at| {
             if old {
                 doubles(&[
@@ -248,7 +251,7 @@ async fn the_one_bucket_script_decides_and_writes_as_the_full_script() {
                 }
                 .state(level, 0, at)
             } else {
-                b.state(level, next() % 2, at)
+                b.state(level, prior, at)
             }
         });
         let cost = 1 + next() % (tokens + 1);
@@ -260,7 +263,8 @@ async fn the_one_bucket_script_decides_and_writes_as_the_full_script() {
         let (one, full) = s.both(&k2, &k1, &charge, now).await;
         let took = sent.elapsed();
         let later_era = at.is_some_and(|at| at / ERA_NS > now / ERA_NS);
-        let covered = at.is_none() || !(old || other || later_era);
+        let held = !old && !other && prior != 0;
+        let covered = at.is_none() || !(old || other || later_era || held);
         let what = format!("step {step}: {b:?} cost {cost} now {now} state {at:?} level {level}");
         if !covered {
             assert_eq!(one, b"", "{what}: handed over");

@@ -6,7 +6,7 @@ use parking_lot::MutexGuard;
 use super::MemoryStore;
 use super::shard::{Id, Shard};
 use crate::algorithm::{self, State, Step};
-use crate::{Charge, Decision, Nanos, Outcome, Policy, Reservation, Reserved, StoreError};
+use crate::{Charge, Decision, Nanos, Outcome, Policy, Receipt, Reservation, Reserved, StoreError};
 
 /// Scratch of one call, inline for up to four charges.
 type Few<T> = smallvec::SmallVec<[T; 4]>;
@@ -33,7 +33,7 @@ impl MemoryStore {
         let inner = &*self.inner;
         let now = inner.clock.now();
         if let [charge] = charges {
-            if charge.max_delay().is_none() && charge.can_fit() {
+            if charge.max_delay().is_none() && charge.can_fit() && !charge.is_refundable() {
                 return self.charge_one(charge, now);
             }
         }
@@ -102,6 +102,18 @@ impl MemoryStore {
             } else {
                 outcome = unspent(charges, &before, outcome, now);
             }
+        }
+        // Refundable charges of an admitted call: where each was counted.
+        if admitted && outcome.delay().is_zero() && charges.iter().any(Charge::is_refundable) {
+            let windows = steps
+                .iter()
+                .map(|d| match (d.policy.algorithm(), d.step.next) {
+                    // A bucket's refund needs no window.
+                    (crate::Algorithm::TokenBucket(_), _) | (_, None) => 0,
+                    (_, Some(next)) => next.at,
+                })
+                .collect();
+            outcome = outcome.with_receipt(Receipt::new(windows));
         }
         // Admissions are written only together; a refusal's state (the
         // creation of an initially-empty bucket) is written regardless.
@@ -219,6 +231,33 @@ impl MemoryStore {
                 }
             }
         }
+    }
+
+    /// Gives back `charges`, admitted earlier as refundable ones, with
+    /// `receipt` their part of that call's receipt
+    /// ([`Store::refund`](crate::Store::refund)), synchronously: each
+    /// key's state (carried over to the charge's numbers, if a policy
+    /// changed meanwhile) gets the cost back by
+    /// [`algorithm::refund`]. Charges without a window in `receipt` are
+    /// left alone.
+    pub fn refund_now(&self, charges: &[Charge], receipt: &Receipt) -> Result<(), StoreError> {
+        let inner = &*self.inner;
+        let now = inner.clock.now();
+        for (charge, &window) in charges.iter().zip(receipt.windows()) {
+            let id = inner.id(charge)?;
+            let mut shard = inner.lock(inner.shard_of(&id));
+            let (state, from) = inner.state(&mut shard, &id, charge.policy(), now);
+            let back = algorithm::refund(charge.policy(), state, now, charge.cost(), window);
+            match (from, back) {
+                (Some(from), _) => inner.convert_in_place(&mut shard, &id, from, back),
+                (None, _) if back == state => {}
+                (None, Some(back)) => inner.write(&mut shard, &id, back),
+                (None, None) => {
+                    shard.remove(&id);
+                }
+            }
+        }
+        Ok(())
     }
 
     /// What [`MemoryStore::charge_now`] would answer now, without spending
