@@ -23,14 +23,20 @@
 //! - `GET /`: public, the address rule only;
 //! - `GET /slow?ms=N` (needs a principal): sleeps N ms (default 1000, at most
 //!   10000), then streams a short body; at most 2 in flight per account and 8
-//!   in all (429 / 503 beyond), held until the body has been sent; with
+//!   in all (429 / 503 beyond), held until the body has been sent (a body
+//!   that makes no progress for 5 s, a client that stopped reading, is ended
+//!   and its slots released); with
 //!   `--store` these limits hold across every quickstart on that Redis
 //!   (leases of 2 s: a killed instance's slots are free again within 2 s);
 //! - `POST /login`: 200 when the bearer key is known, 401 otherwise; besides
 //!   the address rule, per address `login-failures`: 3, refilled 1 per 20
-//!   seconds, checked before and charged only for 401 answers (three wrong
-//!   keys, then 429 even for a right key);
-//! - `GET /healthz`: exempt from every rule (200 even while `--store` is down);
+//!   seconds, reserved when the request is checked and kept only for 401
+//!   answers (three wrong keys, then 429 even for a right key; at most 3
+//!   logins of one address at once). Every 401 on a route that needs a
+//!   principal spends it too, and once it is spent those routes answer
+//!   429 to that address, whatever key it sends;
+//! - `GET /healthz` (and `HEAD`): exempt from every rule (200 even while
+//!   `--store` is down); other methods on it are charged like any request;
 //! - `GET /shaped` (needs a principal): also per account a token bucket of 1,
 //!   refilled 2 per second, *shaped* up to 2 s with at most 4 waiting per
 //!   account: a burst is released 0.5 s apart instead of refused, and what
@@ -38,8 +44,9 @@
 //! - admitted requests get 200 and a short text body.
 //!
 //! Flags: `--exempt CIDR` (repeatable) lets clients in those networks skip
-//! the per-address rule; `--dry-run` makes every rule dry-run (nothing is
-//! refused for lack of budget; would-be refusals are logged);
+//! the per-address rule; `--dry-run` makes every rule and both in-flight
+//! limits dry-run (nothing is refused for lack of budget or room; would-be
+//! refusals are logged; 401, 411, 413 and 400 are answered as without it);
 //! `--log-refusals LEVEL` (`error`, `warn`, `info`, `debug`, `trace`; off by
 //! default) logs every refusal of both layers on stderr at that level, as
 //! an operator would see it: policy, key shape, key fingerprint, never the
@@ -80,6 +87,14 @@ use tracing_subscriber::util::SubscriberInitExt as _;
 
 /// How long `/slow`'s shared in-flight leases last unless renewed.
 const SLOW_LEASE: Duration = Duration::from_secs(2);
+
+/// How long a `/slow` response body may make no progress before it is
+/// ended and its slots released.
+const SLOW_BODY_IDLE: Duration = Duration::from_secs(5);
+
+/// The routes whose 401s spend the address's `login-failures` budget: the
+/// login route, and every route that needs a principal.
+const GUESSED: [&str; 5] = ["/login", "/export", "/upload", "/slow", "/shaped"];
 
 const USAGE: &str = "usage: quickstart [--addr HOST:PORT] [--trust-proxy CIDR]... [--exempt CIDR]... [--dry-run] [--log-refusals LEVEL] [--store redis://HOST:PORT|rediss://HOST:PORT] [--redis-ca FILE] [--redis-cert FILE --redis-key FILE] [--demo]";
 
@@ -319,8 +334,12 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
             options.trusted,
             ForwardedHeader::XForwardedFor,
         )?)
-        // The health check answers even while the store is down.
-        .exempt(Exemption::when(|req| req.uri.path() == "/healthz"))
+        // The health check answers even while the store is down (GET and
+        // HEAD only: other methods are charged like any request).
+        .exempt(Exemption::when(|req| {
+            req.uri.path() == "/healthz"
+                && (req.method == http::Method::GET || req.method == http::Method::HEAD)
+        }))
         .dry_run(options.dry_run)
         .try_rule(Rule::per_client_ip(per_ip).exempt(Exemption::networks(options.exempt)?))?
         .try_rule(
@@ -328,10 +347,14 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
                 .on_route("/export")
                 .try_plan("pro", export_pro)?,
         )?
-        // Failed logins only: checked before, charged after a 401.
+        // Failed logins, and every other 401 of a route that needs a
+        // principal: reserved with the request, kept only for a 401.
         .try_rule(
-            Rule::per_client_ip(login_failures)
-                .on_route("/login")
+            GUESSED
+                .iter()
+                .fold(Rule::per_client_ip(login_failures), |rule, route| {
+                    rule.on_route(route)
+                })
                 .charge_only_when(|status| status == StatusCode::UNAUTHORIZED),
         )?
         // Held up to 2 s instead of refused, at most 4 waiting per account.
@@ -357,7 +380,10 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
             NonZeroUsize::new(2).ok_or("2 is not zero")?,
             [KeyPart::Account],
         )
-        .global(NonZeroUsize::new(8).ok_or("8 is not zero")?);
+        .global(NonZeroUsize::new(8).ok_or("8 is not zero")?)
+        // A client that stops reading frees its slots after 5 s.
+        .body_idle_timeout(SLOW_BODY_IDLE)
+        .dry_run(options.dry_run);
     // With `--store`, the limits hold across every instance on that Redis:
     // leases of 2 s, renewed every 2/3 s, so a dead instance's slots are
     // free again at most 2 s after its last renewal.
@@ -416,8 +442,12 @@ async fn main() -> ExitCode {
         .finish()
         .with(only)
         .init();
+    let redis: Option<RedisStore>;
     let (store, leases): (Arc<dyn DynStore>, Option<Arc<dyn LeaseStore>>) = match &args.store {
-        None => (Arc::new(MemoryStore::new()), None),
+        None => {
+            redis = None;
+            (Arc::new(MemoryStore::new()), None)
+        }
         Some(url) => match RedisStore::builder(url).and_then(|b| {
             let b = match args.redis_ca.clone() {
                 Some(ca) => b.tls_root_certificate(ca),
@@ -435,7 +465,10 @@ async fn main() -> ExitCode {
             }
             .build()
         }) {
-            Ok(store) => (Arc::new(store.clone()), Some(Arc::new(store))),
+            Ok(store) => {
+                redis = Some(store.clone());
+                (Arc::new(store.clone()), Some(Arc::new(store)))
+            }
             Err(e) => {
                 eprintln!(
                     "--store {}: {}",
@@ -446,6 +479,21 @@ async fn main() -> ExitCode {
             }
         },
     };
+    // Connected (TCP, TLS, AUTH) and the scripts loaded before listening, so
+    // that the first requests are answered like every later one. A Redis
+    // that does not answer yet is reported; the store keeps trying, and
+    // requests are answered 503 until it answers.
+    let connected = match &redis {
+        Some(redis) => redis.connect().await,
+        None => Ok(()),
+    };
+    if let (Some(url), Err(e)) = (&args.store, connected) {
+        eprintln!(
+            "--store {}: {} (serving anyway: 503 until Redis answers)",
+            tollgate::redis::redact_url(url),
+            chain(&e)
+        );
+    }
     let options = Options {
         trusted: args.trusted,
         exempt: args.exempt,

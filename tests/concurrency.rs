@@ -428,3 +428,165 @@ async fn nested_layers_all_count_an_upgraded_connection() {
     KEPT.lock().unwrap().clear();
     assert_eq!((outer.stats().in_flight, inner.stats().in_flight), (0, 0));
 }
+
+/// A body that makes no progress for the layer's idle time is ended, and
+/// its slot released, even while the server does not poll it; a body that
+/// keeps yielding frames is not, however long it runs.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_body_that_makes_no_progress_frees_its_slot() {
+    let limit = ConcurrencyLimitLayer::new("stream")
+        .unwrap()
+        .global(n(1))
+        .body_idle_timeout(Duration::from_millis(300));
+    let (app, senders) = streaming_app(limit.clone());
+    let a = serve(app).await;
+    // A body that yields a frame every 100 ms for a second keeps its slot.
+    let close = [("Connection", "close")];
+    let (mut stream, head) = open(a, ip("127.0.36.1"), "/stream", &close, 6).await;
+    assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+    let body_tx = senders.lock().unwrap().try_recv().unwrap();
+    for _ in 0..10 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        body_tx.send(Bytes::from_static(b"tick\n")).await.unwrap();
+        assert_eq!(limit.stats().in_flight, 1);
+    }
+    drop(body_tx);
+    let all = read_all(&mut stream).await;
+    assert!(all.ends_with("0\r\n\r\n"), "{all}");
+    assert_eq!(limit.stats().bodies_stalled, 0);
+    wait_until(|| limit.stats().in_flight == 0).await;
+
+    // A body that yields nothing after its first frame: its slot comes
+    // back once 300 ms have passed without progress (within a quarter
+    // more), and the response is cut short, not completed.
+    let (mut stream, _) = open(a, ip("127.0.36.2"), "/stream", &close, 6).await;
+    let _quiet = senders.lock().unwrap().try_recv().unwrap();
+    let started = Instant::now();
+    assert_eq!(
+        send(a, ip("127.0.36.3"), "GET", "/quick", &[], b"")
+            .await
+            .status,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    wait_until(|| limit.stats().in_flight == 0).await;
+    assert!(started.elapsed() >= Duration::from_millis(300));
+    assert_eq!(limit.stats().bodies_stalled, 1);
+    assert_eq!(
+        send(a, ip("127.0.36.3"), "GET", "/quick", &[], b"")
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let rest = read_all(&mut stream).await;
+    assert!(!rest.ends_with("0\r\n\r\n"), "{rest}");
+}
+
+/// What is left on `stream` until the server closes it (within 10 s).
+async fn read_all(stream: &mut tokio::net::TcpStream) -> String {
+    let mut all = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut all));
+    let _ = read
+        .await
+        .expect("the server closes the connection within 10 s");
+    String::from_utf8_lossy(&all).into_owned()
+}
+
+/// Opens an HTTP/2 connection from `from` whose flow-control window is
+/// zero (`SETTINGS_INITIAL_WINDOW_SIZE = 0`): the server can send response
+/// heads but no body, and never hears that one ended. Sends `count`
+/// requests for `path` as `who`, and gives back their statuses with the
+/// connection (kept open while it is held).
+async fn stalled_h2(
+    server: std::net::SocketAddr,
+    from: &str,
+    path: &str,
+    who: (&str, &str),
+    count: usize,
+) -> (Vec<StatusCode>, impl Drop) {
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(std::net::SocketAddr::new(ip(from), 0)).unwrap();
+    let stream = socket.connect(server).await.unwrap();
+    let (sender, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .initial_stream_window_size(0)
+            .handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    let conn = tokio::spawn(conn);
+    let mut statuses = Vec::new();
+    let mut bodies = Vec::new();
+    for _ in 0..count {
+        let req = http::Request::get(format!("http://{server}{path}"))
+            .header(who.0, who.1)
+            .body(http_body_util::Empty::<Bytes>::new())
+            .unwrap();
+        let r = sender.clone().send_request(req).await.unwrap();
+        statuses.push(r.status());
+        bodies.push(r.into_body());
+    }
+    /// The connection, and the bodies never read: held open, then closed.
+    struct Held<S, B> {
+        connection: tokio::task::JoinHandle<S>,
+        _bodies: Vec<B>,
+    }
+    impl<S, B> Drop for Held<S, B> {
+        fn drop(&mut self) {
+            self.connection.abort();
+        }
+    }
+    let held = Held {
+        connection: conn,
+        _bodies: bodies,
+    };
+    (statuses, held)
+}
+
+/// Found where features meet: over HTTP/2 with a window of zero, the
+/// quickstart's `/slow` answered its head and never its body, and held its
+/// in-flight slots for as long as the client kept the connection open.
+/// Now a body that makes no progress for 5 s ends and frees its slots:
+/// bob is refused while his two stalled streams hold his slots, and
+/// admitted again once they have been idle for 5 s, the connection still
+/// open. With `--store`, the same for the fleet's leases.
+async fn stalled_streams_free_their_slots(args: &[&str]) {
+    const BOB: (&str, &str) = ("Authorization", "Bearer bob-key");
+    let q = quickstart(args);
+    let started = Instant::now();
+    let (statuses, _connection) = stalled_h2(q.addr, "127.0.37.1", "/slow?ms=0", BOB, 2).await;
+    assert_eq!(statuses, [StatusCode::OK, StatusCode::OK]);
+    let bob = |from: &'static str| async move {
+        send(q.addr, ip(from), "GET", "/slow?ms=0", &[BOB], b"")
+            .await
+            .status
+    };
+    assert_eq!(bob("127.0.37.2").await, StatusCode::TOO_MANY_REQUESTS);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(bob("127.0.37.3").await, StatusCode::TOO_MANY_REQUESTS);
+    // Idle for 5 s, found within a second more: free by ~6.5 s.
+    let deadline = started + Duration::from_secs(15);
+    let mut from = 4;
+    while bob(Box::leak(format!("127.0.37.{from}").into_boxed_str())).await != StatusCode::OK {
+        assert!(
+            Instant::now() < deadline,
+            "bob's stalled streams still hold his slots"
+        );
+        from += 1;
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    assert!(started.elapsed() >= Duration::from_secs(5));
+    let log = q.log.lock().unwrap().clone();
+    assert!(log.contains("a response body made no progress"), "{log}");
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stalled_http2_streams_free_their_slots_in_memory() {
+    stalled_streams_free_their_slots(&[]).await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn stalled_http2_streams_free_their_leases_in_redis() {
+    let Some(redis) = tollgate_redis::testing::RedisServer::start() else {
+        return;
+    };
+    stalled_streams_free_their_slots(&["--store", &redis.url()]).await;
+}

@@ -219,10 +219,14 @@ async fn layer_wide_dry_run_refuses_nothing_and_shows_the_spent_budget() {
         remaining.push(param(&fields[0], "r").unwrap());
     }
     assert_eq!(remaining, [1, 0, 0, 0]);
-    // A cost that can never fit (8 KiB against 4) is let through as well.
+    // A cost that can never fit (8 KiB against 4) is about the request, not
+    // the budget: refused as without dry-run (413), and charged to the
+    // address rule (1 of its 2 spent).
     let big = vec![b'x'; 8 * 1024];
     let r = send(addr, ip("127.0.35.2"), "POST", "/upload", &[], &big).await;
-    assert_eq!(r.status, OK);
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    let fields = sf_list(&r.header_joined("ratelimit").unwrap());
+    assert_eq!(param(&fields[0], "r"), Some(1));
 }
 
 /// Enforced and dry-run rules in one request: a dry-run limit that would

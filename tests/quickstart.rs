@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::{Reply, ip, param, quickstart, send, sf_list};
+use common::{Reply, ip, param, quickstart, send, send_raw, sf_list};
 use http::StatusCode;
 
 const ALICE: (&str, &str) = ("Authorization", "Bearer alice-key-1");
@@ -248,7 +248,9 @@ async fn refusal_headers_parse_as_structured_fields() {
 
     let policies = sf_list(r.header("ratelimit-policy").unwrap());
     let names: Vec<&str> = policies.iter().map(|m| m.0.as_str()).collect();
-    assert_eq!(names, ["per-ip", "export"]);
+    // The failed-login budget is reserved by every request to a route
+    // that needs a principal, so it is described too.
+    assert_eq!(names, ["per-ip", "export", "login-failures"]);
     assert_eq!(
         (param(&policies[0], "q"), param(&policies[0], "w")),
         (Some(5), Some(5))
@@ -261,9 +263,12 @@ async fn refusal_headers_parse_as_structured_fields() {
     let export_now = current.iter().find(|m| m.0 == "export").unwrap();
     assert_eq!(param(export_now, "r"), Some(0));
     assert!(param(export_now, "t").unwrap() >= 1);
-    // The refused request spent nothing from the address budget (3 of 5 used).
+    // The refused request spent nothing from the address budget (3 of 5
+    // used), and the three right keys' reservations were given back.
     let per_ip = current.iter().find(|m| m.0 == "per-ip").unwrap();
     assert_eq!(param(per_ip, "r"), Some(2));
+    let failures = current.iter().find(|m| m.0 == "login-failures").unwrap();
+    assert_eq!(param(failures, "r"), Some(3));
 
     // Admitted responses carry the fields too.
     let ok = send(q.addr, ip("127.0.6.2"), "GET", "/", &[], b"").await;
@@ -386,15 +391,48 @@ async fn dry_run_refuses_nothing_shows_spent_budgets_and_logs() {
             StatusCode::OK
         );
     }
-    // Refusals about the request itself are still given.
+    // Refusals about the request itself are still given: 401, and, found
+    // where features meet, 413 for an upload that can never fit (it was
+    // answered 200 in dry-run) and 411 without a length.
     assert_eq!(
         export(q.addr, "127.0.63.3", &[]).await.status,
         StatusCode::UNAUTHORIZED
     );
+    let big = vec![b'x'; 3 * 512 * 1024];
+    let r = send(q.addr, ip("127.0.63.4"), "POST", "/upload", &[BOB], &big).await;
+    assert_eq!(r.status, StatusCode::PAYLOAD_TOO_LARGE);
+    let r = send_raw(
+        q.addr,
+        ip("127.0.63.4"),
+        b"POST /upload HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer bob-key\r\n\
+          Transfer-Encoding: chunked\r\nConnection: close\r\n\r\n1\r\nx\r\n0\r\n\r\n",
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::LENGTH_REQUIRED);
+    // Both in-flight limits are dry-run too (found where features meet:
+    // `/slow` still refused): bob's third at once is let through.
+    let slow: Vec<_> = (5..8)
+        .map(|host| {
+            let addr = q.addr;
+            tokio::spawn(async move {
+                let from = ip(&format!("127.0.63.{host}"));
+                send(addr, from, "GET", "/slow?ms=300", &[BOB], b"")
+                    .await
+                    .status
+            })
+        })
+        .collect();
+    for task in slow {
+        assert_eq!(task.await.unwrap(), StatusCode::OK);
+    }
     tokio::time::sleep(std::time::Duration::from_millis(100)).await;
     let log = q.log.lock().unwrap().clone();
     assert!(log.contains("dry run"), "{log}");
     assert!(log.contains("per-ip"), "{log}");
+    assert!(
+        log.contains("dry run: this request would have been refused: too many in flight"),
+        "{log}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -38,3 +38,37 @@ async fn the_quickstart_shares_budgets_through_a_tls_redis() {
     let keys = server.query(&["KEYS", "tollgate:*"]).unwrap();
     assert!(keys.contains("per-ip"), "{keys}");
 }
+
+/// The quickstart connects to Redis (and loads the scripts) before it
+/// listens, so its first requests over TLS are answered as later ones are:
+/// thirty at once, right after it starts, from thirty addresses, all 200.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_quickstart_connects_before_it_listens() {
+    let Some(certs) = TestCertificates::generate() else {
+        return;
+    };
+    let tls_port = free_loopback_port();
+    let args = certs.server_args(tls_port, "server.pem");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let Some(server) = RedisServer::start_with(&args) else {
+        return;
+    };
+    let url = format!("rediss://127.0.0.1:{tls_port}");
+    let ca = certs.path("ca.pem").to_string_lossy().into_owned();
+    let q = quickstart(&["--store", &url, "--redis-ca", &ca]);
+    // Listening means connected, with the scripts loaded.
+    let sha = tollgate::RedisStore::script_sha();
+    assert_eq!(server.query(&["SCRIPT", "EXISTS", &sha]).unwrap(), "1");
+    let first: Vec<_> = (1..=30)
+        .map(|host| {
+            let addr = q.addr;
+            tokio::spawn(async move {
+                let from = ip(&format!("127.0.86.{host}"));
+                send(addr, from, "GET", "/", &[], b"").await.status
+            })
+        })
+        .collect();
+    for task in first {
+        assert_eq!(task.await.unwrap(), StatusCode::OK);
+    }
+}

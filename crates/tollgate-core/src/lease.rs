@@ -57,6 +57,19 @@ pub enum Acquired {
     BothFull,
 }
 
+/// The answer to a renewal ([`LeaseStore::renew`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Renewed {
+    /// The lease was held, and now lasts its `ttl` from now.
+    Extended,
+    /// The lease was gone (it expired while its holder was paused or cut
+    /// off for longer than the lease, or the store lost it: flushed,
+    /// restarted, failed over without it) and was taken again, even above
+    /// the bounds: its request is still in flight, and the count must say
+    /// so. Until this renewal, others may have been admitted in its place.
+    Restored,
+}
+
 /// Where in-flight leases live when a limit must hold across processes
 /// (the Redis store implements it). Object-safe: use it as
 /// `Arc<dyn LeaseStore>`.
@@ -72,9 +85,12 @@ pub trait LeaseStore: Send + Sync + 'static {
         id: u128,
     ) -> StoreFuture<'a, Result<Acquired, StoreError>>;
 
-    /// Extends `lease` by its `ttl` from now; `false` when it had expired
-    /// (it is not taken again: the slots may be someone else's now).
-    fn renew<'a>(&'a self, lease: &'a Lease) -> StoreFuture<'a, Result<bool, StoreError>>;
+    /// Extends `lease` by its `ttl` from now. A lease that is gone (expired,
+    /// or lost by the store) is taken again, even above the bounds
+    /// ([`Renewed::Restored`]): the holder's request still runs, so the
+    /// shared count is again at least what is in flight, and newcomers are
+    /// refused until it drops below the bounds.
+    fn renew<'a>(&'a self, lease: &'a Lease) -> StoreFuture<'a, Result<Renewed, StoreError>>;
 
     /// Gives `lease` back (nothing if it had expired).
     fn release<'a>(&'a self, lease: &'a Lease) -> StoreFuture<'a, Result<(), StoreError>>;

@@ -60,7 +60,7 @@ pub use decision::{
     Charge, Decision, InvalidCharge, Outcome, Receipt, Reservation, Reserved, Verdict,
 };
 pub use key::{InvalidKey, Key};
-pub use lease::{Acquired, Lease, LeaseRequest, LeaseStore};
+pub use lease::{Acquired, Lease, LeaseRequest, LeaseStore, Renewed};
 pub use memory::{MemoryStore, MemoryStoreBuilder, MemoryStoreStats, OnKeyCap};
 pub use policy::{
     Algorithm, Initial, InvalidName, InvalidPolicy, Policy, Rate, TokenBucket, Unit, Window,

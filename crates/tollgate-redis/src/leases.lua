@@ -11,7 +11,9 @@
 -- ARGV[5]  acquire: at most this many per key (0: no bound)
 --
 -- Replies: acquire 0 granted, 1 the key is full, 2 the limit is full,
--- 3 both are full; renew 1 renewed, 0 expired; release 1.
+-- 3 both are full; renew 1 renewed, 2 taken again (it had expired or was
+-- lost: its request still runs, so it counts again, even above the
+-- bounds); release 1.
 --
 -- Every step first drops the leases that have expired, so a holder that
 -- died stops counting one time to live after its last renewal. A set lives
@@ -57,14 +59,15 @@ if op == "acquire" then
   return 0
 elseif op == "renew" then
   local score = redis.call("ZSCORE", KEYS[1], id)
-  if not score or tonumber(score) <= now then return 0 end
-  redis.call("ZADD", KEYS[1], "XX", now + ttl, id)
+  local held = score and tonumber(score) > now
+  redis.call("ZADD", KEYS[1], now + ttl, id)
   keep(KEYS[1])
   if keyed then
-    redis.call("ZADD", KEYS[2], "XX", now + ttl, id)
+    redis.call("ZADD", KEYS[2], now + ttl, id)
     keep(KEYS[2])
   end
-  return 1
+  if held then return 1 end
+  return 2
 elseif op == "release" then
   redis.call("ZREM", KEYS[1], id)
   if keyed then redis.call("ZREM", KEYS[2], id) end

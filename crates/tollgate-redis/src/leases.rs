@@ -11,7 +11,7 @@ use std::sync::LazyLock;
 use std::time::Duration;
 
 use tollgate_core::{
-    Acquired, Lease, LeaseRequest, LeaseStore, StoreError, StoreErrorKind, StoreFuture,
+    Acquired, Lease, LeaseRequest, LeaseStore, Renewed, StoreError, StoreErrorKind, StoreFuture,
 };
 
 use crate::RedisStore;
@@ -131,14 +131,14 @@ impl LeaseStore for RedisStore {
         })
     }
 
-    fn renew<'a>(&'a self, lease: &'a Lease) -> StoreFuture<'a, Result<bool, StoreError>> {
+    fn renew<'a>(&'a self, lease: &'a Lease) -> StoreFuture<'a, Result<Renewed, StoreError>> {
         Box::pin(async move {
             match self
                 .lease_call(&lease.request, "renew", lease.id, (0, 0))
                 .await?
             {
-                0 => Ok(false),
-                1 => Ok(true),
+                1 => Ok(Renewed::Extended),
+                2 => Ok(Renewed::Restored),
                 other => Err(unexpected("renew", other)),
             }
         })

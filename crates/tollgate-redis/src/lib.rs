@@ -157,11 +157,17 @@ pub struct RedisStoreBuilder {
     tls: Option<redis::TlsCertificates>,
     prefix: String,
     timeout: Duration,
+    connect_timeout: Duration,
     time: TimeSource,
     split: bool,
     cache: Option<usize>,
     sentinel_check: Duration,
 }
+
+/// How long [`RedisStore::connect`] (and each connection the store makes)
+/// may take unless told otherwise
+/// ([`RedisStoreBuilder::connect_timeout`]): 2 s.
+pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
 
 enum Target {
     Single(redis::Client),
@@ -185,12 +191,13 @@ impl fmt::Debug for RedisStoreBuilder {
     }
 }
 
-/// How the store's own connections time out and reconnect: a call never
-/// waits longer than the decision's time limit, and reconnects in the
-/// background.
-fn manager_config(timeout: Duration) -> redis::aio::ConnectionManagerConfig {
+/// How the store's own connections time out and reconnect: making a
+/// connection (TCP, TLS, `AUTH`) may take `connect`, an answer `timeout`
+/// (a call never waits longer than the decision's time limit either way),
+/// and reconnects happen in the background.
+fn manager_config(connect: Duration, timeout: Duration) -> redis::aio::ConnectionManagerConfig {
     redis::aio::ConnectionManagerConfig::new()
-        .set_connection_timeout(Some(timeout))
+        .set_connection_timeout(Some(connect))
         .set_response_timeout(Some(timeout))
         .set_number_of_retries(1)
         .set_min_delay(Duration::from_millis(20))
@@ -262,11 +269,24 @@ impl RedisStoreBuilder {
         self
     }
 
-    /// The time limit for each decision, connection included (default
-    /// 200 ms), also when its keys span slots: refunds still owed when it
-    /// runs out are sent in the background.
+    /// The time limit for each decision (default 200 ms), also when its
+    /// keys span slots: refunds still owed when it runs out are sent in
+    /// the background. A call that has to wait for a connection to be
+    /// made waits within it too: connect first ([`RedisStore::connect`])
+    /// so that the first requests do not pay for the TCP connection, the
+    /// TLS handshake and `AUTH`.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
+        self
+    }
+
+    /// How long making a connection may take: [`RedisStore::connect`], and
+    /// each reconnection in the background (default
+    /// [`DEFAULT_CONNECT_TIMEOUT`], 2 s). Separate from the per-call
+    /// [`timeout`](Self::timeout): a TLS handshake on a busy machine can
+    /// take longer than a decision may.
+    pub fn connect_timeout(mut self, timeout: Duration) -> Self {
+        self.connect_timeout = timeout;
         self
     }
 
@@ -384,8 +404,11 @@ impl RedisStoreBuilder {
         let target = self.target;
         let conn = match target {
             Target::Single(client) => Conn::Single(
-                ConnectionManager::new_lazy_with_config(client, manager_config(self.timeout))
-                    .map_err(|e| config_error(e, "creating the Redis connection manager"))?,
+                ConnectionManager::new_lazy_with_config(
+                    client,
+                    manager_config(self.connect_timeout, self.timeout),
+                )
+                .map_err(|e| config_error(e, "creating the Redis connection manager"))?,
             ),
             Target::Cluster(client) => Conn::Cluster(Box::new(ClusterConn {
                 client: Some(client),
@@ -395,7 +418,7 @@ impl RedisStoreBuilder {
             Target::Sentinel(client, name) => Conn::Sentinel(Arc::new(SentinelConn::new(
                 client,
                 name,
-                manager_config(self.timeout),
+                manager_config(self.connect_timeout, self.timeout),
                 self.timeout,
                 self.sentinel_check,
             ))),
@@ -421,6 +444,7 @@ impl RedisStoreBuilder {
                 scripts: ScriptCounters::default(),
                 prefix: self.prefix,
                 timeout: self.timeout,
+                connect_timeout: self.connect_timeout,
                 time: self.time,
                 split,
                 cache: cache.map(|n| OverLimitCache::new(n, self.timeout)),
@@ -463,6 +487,7 @@ struct Inner {
     scripts: ScriptCounters,
     prefix: String,
     timeout: Duration,
+    connect_timeout: Duration,
     time: TimeSource,
     split: bool,
     cache: Option<OverLimitCache>,
@@ -644,10 +669,66 @@ impl RedisStore {
             tls: None,
             prefix: "tollgate".to_owned(),
             timeout: Duration::from_millis(200),
+            connect_timeout: DEFAULT_CONNECT_TIMEOUT,
             time: TimeSource::Server,
             split: false,
             cache: None,
             sentinel_check: DEFAULT_SENTINEL_CHECK,
+        }
+    }
+
+    /// Connects now, within the [connect
+    /// timeout](RedisStoreBuilder::connect_timeout), and loads the
+    /// decision, one-bucket and lease scripts, so that the first requests
+    /// are answered like every later one (a store built with
+    /// [`build`](RedisStoreBuilder::build) connects on its first call
+    /// otherwise, within that call's 200 ms, TCP, TLS handshake and `AUTH`
+    /// included). Call it before serving; an error says why Redis cannot
+    /// be used (refused, a TLS certificate not trusted, `NOAUTH`, no such
+    /// master), and the store still works, connecting in the background,
+    /// once Redis answers.
+    ///
+    /// For a cluster, connects to the cluster (the scripts are loaded on
+    /// each node when it first answers `NOSCRIPT`).
+    pub async fn connect(&self) -> Result<(), StoreError> {
+        let inner = &*self.inner;
+        let work = async {
+            match &inner.conn {
+                Conn::Single(manager) => load_scripts(&mut manager.clone()).await,
+                Conn::Sentinel(sentinel) => load_scripts(&mut sentinel.master().await?).await,
+                Conn::Cluster(cluster) => {
+                    let conn = cluster
+                        .conn
+                        .get_or_try_init(|| async {
+                            match &cluster.client {
+                                Some(client) => client.get_async_connection().await,
+                                None => Err(redis::RedisError::from((
+                                    redis::ErrorKind::Io,
+                                    "the given cluster connection is gone",
+                                ))),
+                            }
+                        })
+                        .await?;
+                    redis::cmd("PING")
+                        .query_async::<()>(&mut conn.clone())
+                        .await
+                }
+            }
+        };
+        match tokio::time::timeout(inner.connect_timeout, work).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(StoreError::new(
+                classify(e.clone()).kind(),
+                "connecting to Redis failed",
+            )
+            .with_source(e)),
+            Err(_) => Err(StoreError::new(
+                StoreErrorKind::Unavailable,
+                format!(
+                    "could not connect to Redis within {:?} (the connect timeout)",
+                    inner.connect_timeout
+                ),
+            )),
         }
     }
 
@@ -1072,6 +1153,19 @@ impl RedisStore {
             tracing::warn!(error = %e, "refund after a cross-slot refusal failed");
         }
     }
+}
+
+/// Loads every script the store calls (`SCRIPT LOAD`), which also makes
+/// the connection.
+async fn load_scripts(conn: &mut impl redis::aio::ConnectionLike) -> redis::RedisResult<()> {
+    for source in [script::SOURCE, script::ONE_BUCKET_SOURCE, leases::SOURCE] {
+        redis::cmd("SCRIPT")
+            .arg("LOAD")
+            .arg(source)
+            .query_async::<String>(conn)
+            .await?;
+    }
+    Ok(())
 }
 
 /// Sends the script to the node an `ASK` redirection names, after

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tollgate_core::{Acquired, Lease, LeaseRequest, LeaseStore};
+use tollgate_core::{Acquired, Lease, LeaseRequest, LeaseStore, Renewed};
 use tollgate_redis::RedisStore;
 use tollgate_redis::testing::{RedisCluster, RedisServer};
 
@@ -87,8 +87,10 @@ async fn a_cluster_holds_the_bounds_in_one_slot() {
 }
 
 /// A lease not renewed expires on Redis's clock and frees its slot; a
-/// renewal keeps it; an expired lease is not renewed (its slot may be
-/// someone else's), and its sets do not outlive their leases.
+/// renewal keeps it; a lease found gone at a renewal (expired while its
+/// holder was paused, or lost by the store) is taken again, even above the
+/// bound, since its request still runs; and its sets do not outlive their
+/// leases.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_expire_unless_renewed() {
     let Some(server) = RedisServer::start() else {
@@ -99,16 +101,25 @@ async fn leases_expire_unless_renewed() {
     let kept = granted(&store, &r, 1).await;
     for _ in 0..4 {
         tokio::time::sleep(Duration::from_millis(150)).await;
-        assert!(store.renew(&kept).await.unwrap(), "renewed in time");
+        assert_eq!(
+            store.renew(&kept).await.unwrap(),
+            Renewed::Extended,
+            "renewed in time"
+        );
     }
     // 600 ms after the first acquire, renewed: still held (one per key
     // and one in all: both full).
     assert_eq!(store.acquire(&r, 2).await.unwrap(), Acquired::BothFull);
     tokio::time::sleep(Duration::from_millis(400)).await;
-    assert!(!store.renew(&kept).await.unwrap(), "expired, not renewed");
+    // Expired: the slot is free, and another holder takes it.
     let next = granted(&store, &r, 2).await;
-    // The old holder cannot take it back by renewing.
-    assert!(!store.renew(&kept).await.unwrap());
+    // The old holder's request still runs: its renewal takes the lease
+    // again, above the bound of one, and newcomers are refused.
+    assert_eq!(store.renew(&kept).await.unwrap(), Renewed::Restored);
+    assert_eq!(store.renew(&kept).await.unwrap(), Renewed::Extended);
+    assert_eq!(store.acquire(&r, 3).await.unwrap(), Acquired::BothFull);
+    store.release(&kept).await.unwrap();
+    assert_eq!(store.acquire(&r, 3).await.unwrap(), Acquired::BothFull);
     store.release(&next).await.unwrap();
     tokio::time::sleep(Duration::from_millis(400)).await;
     for key in store.lease_keys(&r) {
@@ -276,7 +287,7 @@ async fn the_lease_script_can_be_preloaded() {
     let store = RedisStore::builder(&server.url()).unwrap().build().unwrap();
     let r = request("preload", Some("a"), 1, 1, Duration::from_secs(30));
     let lease = granted(&store, &r, 1).await;
-    assert!(store.renew(&lease).await.unwrap());
+    assert_eq!(store.renew(&lease).await.unwrap(), Renewed::Extended);
     store.release(&lease).await.unwrap();
     let stats = server.query(&["INFO", "commandstats"]).unwrap();
     let calls = |cmd: &str| {

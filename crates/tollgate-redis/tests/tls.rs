@@ -267,3 +267,71 @@ async fn a_tls_cluster_with_a_private_ca() {
         chain(&plain)
     );
 }
+
+/// Found where features meet: two instances restarted on `rediss://`
+/// answered 503 to most of their first requests now and then, since the
+/// connection was made on the first call and its 200 ms included the TCP
+/// connection and the TLS handshake. `connect` makes it (within its own
+/// timeout) and loads every script before any request: the first call is
+/// then a round trip like every later one, and a bad CA is a clear error
+/// at start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connect_makes_the_connection_and_loads_the_scripts_first() {
+    let Some(certs) = TestCertificates::generate() else {
+        return;
+    };
+    let Some((server, url)) = tls_server(&certs, "server.pem") else {
+        return;
+    };
+    let store = RedisStore::builder(&url)
+        .unwrap()
+        .tls_root_certificate(certs.read("ca.pem"))
+        .build()
+        .unwrap();
+    let loaded = |sha: String| server.query(&["SCRIPT", "EXISTS", &sha]).unwrap();
+    assert_eq!(loaded(RedisStore::script_sha()), "0");
+    store.connect().await.unwrap();
+    for sha in [
+        RedisStore::script_sha(),
+        RedisStore::one_bucket_script_sha(),
+        RedisStore::lease_script_sha(),
+    ] {
+        assert_eq!(loaded(sha), "1");
+    }
+    // The test's own inspection goes through the plain port: the store's
+    // connection is the one TLS client.
+    let clients = server.query(&["CLIENT", "LIST"]).unwrap();
+    assert!(clients.lines().count() >= 2, "{clients}");
+    let c = charge("warm");
+    assert!(
+        store
+            .charge(std::slice::from_ref(&c))
+            .await
+            .unwrap()
+            .is_admitted()
+    );
+
+    // A CA that does not sign the server's certificate: a clear error,
+    // within the connect timeout, not a hang.
+    let other = TestCertificates::generate().unwrap();
+    let untrusted = RedisStore::builder(&url)
+        .unwrap()
+        .tls_root_certificate(other.read("ca.pem"))
+        .connect_timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let e = untrusted.connect().await.unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Unavailable, "{}", chain(&e));
+    assert!(
+        chain(&e).contains("connecting to Redis failed"),
+        "{}",
+        chain(&e)
+    );
+    // Nothing listening: refused at once, also a clear error.
+    let nobody = RedisStore::builder(&format!("redis://127.0.0.1:{}", free_loopback_port()))
+        .unwrap()
+        .build()
+        .unwrap();
+    let e = nobody.connect().await.unwrap_err();
+    assert_eq!(e.kind(), StoreErrorKind::Unavailable, "{}", chain(&e));
+}

@@ -9,12 +9,13 @@
 //!   did not charge because of an exemption;
 //! - `tollgate_dry_run_denied_cost_total{policy}`: cost a dry-run rule would
 //!   have refused (and let through);
-//! - `tollgate_late_refused_cost_total{policy}`: cost of a rule charged
-//!   after the response that found its budget spent (see
-//!   `Rule::charge_only_when`);
+//! - `tollgate_refunded_cost_total{policy}`: cost reserved by a rule
+//!   charged by outcome and given back because the response did not
+//!   match (see `Rule::charge_only_when`);
 //! - `tollgate_store_errors_total{kind,outcome}`: store failures and the
 //!   outcome applied (`fail_closed`, `fail_open`, `fallback`,
-//!   `late_charge_lost`);
+//!   `refund_lost`: a reservation that could not be given back stays
+//!   spent);
 //! - `tollgate_store_seconds`: store decision latency histogram.
 
 use std::sync::OnceLock;
@@ -270,23 +271,15 @@ pub(crate) fn dry_run_denied(
     count("tollgate_dry_run_denied_cost_total", policy.name(), cost);
 }
 
-/// A rule charged after its response: admitted, or refused because
-/// requests in flight at the same time spent the budget after the check.
-pub(crate) fn late_charge(charge: &Charge, result: Result<Outcome, StoreError>) {
-    let name = charge.policy().name();
-    match result {
-        Ok(outcome) if outcome.is_admitted() => {
-            count("tollgate_admitted_cost_total", name, charge.cost());
-        }
-        Ok(_) => {
-            tracing::info!(
-                policy = name,
-                cost = charge.cost(),
-                "charged after the response, but the budget was spent meanwhile: not counted"
-            );
-            count("tollgate_late_refused_cost_total", name, charge.cost());
-        }
-        Err(error) => store_error(&error, "late_charge_lost"),
+/// Reservations of rules charged by outcome, given back because the
+/// response did not match.
+pub(crate) fn refunded(charges: &[Charge]) {
+    for charge in charges {
+        count(
+            "tollgate_refunded_cost_total",
+            charge.policy().name(),
+            charge.cost(),
+        );
     }
 }
 
@@ -354,19 +347,19 @@ pub(crate) fn key_refused(error: &crate::identity::KeyError, by: Refuser<'_>, le
     }
 }
 
-/// A shared in-flight lease of `limit` found expired while its request
-/// still ran: logged once and then at most once per ten seconds (a pause
-/// or an outage expires every lease at once).
-pub(crate) fn lease_expired(limit: &str) {
+/// A shared in-flight lease of `limit` found gone while its request still
+/// ran, and taken again: logged once and then at most once per ten seconds
+/// (a pause or a flushed store loses every lease at once).
+pub(crate) fn lease_restored(limit: &str) {
     static THROTTLE: Throttle = Throttle::new();
     if let Some(suppressed) = THROTTLE.admit() {
         tracing::warn!(
             limit,
             suppressed,
-            "an in-flight lease expired while its request was still running \
-             (this process was paused, or the store unreachable, for longer \
-             than the lease): the limit may be exceeded until it ends \
-             ({suppressed} more not logged since the last)"
+            "an in-flight lease was gone while its request was still running (this process \
+             was paused, or the store unreachable, for longer than the lease, or the store \
+             lost it: flushed, restarted): taken again, above the limit if others took its \
+             place meanwhile ({suppressed} more not logged since the last)"
         );
     }
 }

@@ -1,5 +1,5 @@
 //! [`PermitBody`]: a response body that holds its in-flight permit until
-//! the body ends (or is dropped).
+//! the body ends, is dropped, or makes no progress for too long.
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
@@ -7,51 +7,106 @@ use std::task::{Context, Poll};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use super::in_flight::Held;
+use super::stall::Guard;
+
+/// The error type of a [`PermitBody`]: the inner body's error, or
+/// [`BodyStalled`](super::BodyStalled).
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 
 pin_project! {
     /// A response body that keeps its request counted as in flight until the
-    /// body has ended, failed, or been dropped (e.g. the client went away).
+    /// body has ended, failed, or been dropped (e.g. the client went away),
+    /// or has made no progress for the layer's
+    /// [`body_idle_timeout`](super::ConcurrencyLimitLayer::body_idle_timeout):
+    /// then the slot is released at once, and the body ends with
+    /// [`BodyStalled`](super::BodyStalled) when it is next polled.
     pub struct PermitBody<B> {
         #[pin]
         inner: B,
-        // Released when the last frame or an error is yielded, or on drop.
-        permit: Option<Held>,
+        // Released when the last frame or an error is yielded, on drop
+        // (with the guard), or by the layer's watchdog when the body
+        // stalls.
+        guard: Option<Guard>,
+        // Ended by the watchdog: the error has been yielded.
+        ended: bool,
     }
 }
 
 impl<B> PermitBody<B> {
-    pub(crate) fn new(inner: B, permit: Option<Held>) -> Self {
-        Self { inner, permit }
+    pub(crate) fn new(inner: B, guard: Option<Guard>) -> Self {
+        Self {
+            inner,
+            guard,
+            ended: false,
+        }
     }
 }
 
 impl<B> std::fmt::Debug for PermitBody<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PermitBody")
-            .field("holds_permit", &self.permit.is_some())
+            .field("holds_permit", &self.guard.is_some())
             .finish_non_exhaustive()
     }
 }
 
-impl<B: Body> Body for PermitBody<B> {
+/// Lets go of `guard`'s slot now.
+fn release(guard: &mut Option<Guard>) {
+    if let Some(Guard::Watched(watched)) = guard.take() {
+        watched.release();
+    }
+}
+
+impl<B> Body for PermitBody<B>
+where
+    B: Body,
+    B::Error: Into<BoxError>,
+{
     type Data = B::Data;
-    type Error = B::Error;
+    type Error = BoxError;
 
     fn poll_frame(
         self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
         let this = self.project();
-        let polled = this.inner.poll_frame(cx);
-        if let Poll::Ready(None | Some(Err(_))) = &polled {
-            this.permit.take();
+        if *this.ended {
+            return Poll::Ready(None);
         }
-        polled
+        if let Some(Guard::Watched(watched)) = this.guard.as_ref() {
+            if watched.is_stalled() {
+                let error = watched.error();
+                this.guard.take();
+                *this.ended = true;
+                return Poll::Ready(Some(Err(error.into())));
+            }
+        }
+        match this.inner.poll_frame(cx) {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(Guard::Watched(watched)) = this.guard.as_ref() {
+                    watched.progress();
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(error))) => {
+                release(this.guard);
+                Poll::Ready(Some(Err(error.into())))
+            }
+            Poll::Ready(None) => {
+                release(this.guard);
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                if let Some(Guard::Watched(watched)) = this.guard.as_ref() {
+                    watched.pending(cx.waker());
+                }
+                Poll::Pending
+            }
+        }
     }
 
     fn is_end_stream(&self) -> bool {
-        self.inner.is_end_stream()
+        self.ended || self.inner.is_end_stream()
     }
 
     fn size_hint(&self) -> SizeHint {

@@ -16,7 +16,9 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use tollgate_core::{Acquired, Lease, LeaseRequest, LeaseStore, StoreError, StoreErrorKind};
+use tollgate_core::{
+    Acquired, Lease, LeaseRequest, LeaseStore, Renewed, StoreError, StoreErrorKind,
+};
 
 use super::limiter::{Limiter, Permit, Saturated};
 use super::release::{Releases, give_back};
@@ -78,7 +80,8 @@ pub(crate) struct Fleet {
     /// This process's requests waiting for a lease, in arrival order.
     line: Mutex<Line>,
     peak_waiting: AtomicUsize,
-    expired: AtomicU64,
+    /// Leases found gone at a renewal, and taken again.
+    restored: AtomicU64,
     /// Releases that failed, to be tried again.
     pub(crate) releases: Releases,
 }
@@ -194,7 +197,7 @@ impl Fleet {
             held: AtomicUsize::new(0),
             line: Mutex::new(Line::default()),
             peak_waiting: AtomicUsize::new(0),
-            expired: AtomicU64::new(0),
+            restored: AtomicU64::new(0),
             releases: Releases::default(),
         }
     }
@@ -208,14 +211,15 @@ impl Fleet {
     }
 
     /// Leases held by this process, requests of it waiting, the most ever
-    /// waiting, leases that expired while their request still ran, and
-    /// leases left to expire because too many releases were pending.
+    /// waiting, leases found gone while their request still ran (and taken
+    /// again), and leases left to expire because too many releases were
+    /// pending.
     pub(crate) fn counts(&self) -> (usize, usize, usize, u64, u64) {
         (
             self.held.load(Ordering::Relaxed),
             self.line().waiting.len(),
             self.peak_waiting.load(Ordering::Relaxed),
-            self.expired.load(Ordering::Relaxed),
+            self.restored.load(Ordering::Relaxed),
             self.releases.abandoned(),
         )
     }
@@ -276,8 +280,12 @@ impl Drop for FleetPermit {
 }
 
 /// Renews `lease` every third of its time to live, until aborted. A lease
-/// found expired is not taken again (its slot may be someone else's now):
-/// the request runs on uncounted, which is logged and counted.
+/// found gone (expired during a pause, or lost by the store: flushed,
+/// restarted) is taken again, even above the bounds, so that the shared
+/// count is again at least what is in flight within one renewal period;
+/// logged and counted. Between the loss and that renewal others may be
+/// admitted in its place: the one window in which the fleet can exceed
+/// the limit.
 async fn renew(fleet: Arc<Fleet>, lease: Lease) {
     let every = lease.request.ttl / 3;
     let mut next = tokio::time::Instant::now() + every;
@@ -285,17 +293,16 @@ async fn renew(fleet: Arc<Fleet>, lease: Lease) {
         tokio::time::sleep_until(next).await;
         next += every;
         match fleet.sharing.store.renew(&lease).await {
-            Ok(true) => {}
-            Ok(false) => {
-                fleet.expired.fetch_add(1, Ordering::Relaxed);
-                crate::observe::lease_expired(&lease.request.limit);
+            Ok(Renewed::Extended) => {}
+            Ok(Renewed::Restored) => {
+                fleet.restored.fetch_add(1, Ordering::Relaxed);
+                crate::observe::lease_restored(&lease.request.limit);
                 #[cfg(feature = "metrics")]
                 metrics::counter!(
-                    "tollgate_lease_expired_total",
+                    "tollgate_lease_restored_total",
                     "layer" => lease.request.limit.to_string()
                 )
                 .increment(1);
-                return;
             }
             Err(error) => {
                 static THROTTLE: Throttle = Throttle::new();
@@ -402,7 +409,7 @@ pub(crate) async fn acquire(
     // it has to wait, it waits at that place: two newcomers whose first
     // asks were answered in the other order (the replies' tasks woken in
     // either order) still wait in the order they came.
-    let (place, behind, freed) = if limits.waiting.is_some() {
+    let (place, behind, freed) = if limits.waits().is_some() {
         let mut line = fleet.line();
         let place = line.next;
         line.next += 1;
@@ -419,7 +426,7 @@ pub(crate) async fn acquire(
             Err(error) => return failed(&limiter, &fleet, key, error).await,
         },
     };
-    let Some((max_waiters, max_wait)) = limits.waiting else {
+    let Some((max_waiters, max_wait)) = limits.waits() else {
         return Err(limiter.refused(full, key.as_deref()));
     };
     let deadline = later(tokio::time::Instant::now(), max_wait);

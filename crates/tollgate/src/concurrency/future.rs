@@ -18,6 +18,7 @@ use super::in_flight::{Held, hold};
 use super::layer::Config;
 use super::limiter::Saturated;
 use super::service::refusal;
+use super::stall::Stalls;
 use crate::ResponseBody;
 use crate::response::Protocol;
 
@@ -53,9 +54,11 @@ pin_project! {
         Calling {
             #[pin]
             future: S::Future,
-            // Moves into the response body when the head arrives; dropped
-            // with this future if the request is abandoned or fails.
+            // Moves into the response body when the head arrives, watched
+            // for stalls from then on; dropped with this future if the
+            // request is abandoned or fails.
             permit: Option<Held>,
+            stalls: Arc<Stalls>,
         },
         Refused {
             response: Option<Response<FullBody<Bytes>>>,
@@ -67,12 +70,18 @@ impl<S, ReqB> ResponseFuture<S, ReqB>
 where
     S: Service<Request<ReqB>>,
 {
-    pub(crate) fn calling(mut inner: S, mut req: Request<ReqB>, permit: Slot) -> Self {
+    pub(crate) fn calling(
+        mut inner: S,
+        mut req: Request<ReqB>,
+        permit: Slot,
+        stalls: Arc<Stalls>,
+    ) -> Self {
         let permit = hold(permit, &mut req);
         Self {
             state: State::Calling {
                 future: inner.call(req),
                 permit: Some(permit),
+                stalls,
             },
         }
     }
@@ -163,6 +172,7 @@ where
                             State::Calling {
                                 future: inner.call(req),
                                 permit: Some(permit),
+                                stalls: config.stalls.clone(),
                             }
                         }
                         _ => State::Refused {
@@ -171,11 +181,15 @@ where
                     };
                     this.state.set(next);
                 }
-                StateProj::Calling { future, permit } => {
+                StateProj::Calling {
+                    future,
+                    permit,
+                    stalls,
+                } => {
                     let response = ready!(future.poll(cx))?;
-                    let permit = permit.take();
+                    let guard = permit.take().map(|permit| stalls.guard(permit));
                     return Poll::Ready(Ok(
-                        response.map(|b| ResponseBody::inner(PermitBody::new(b, permit)))
+                        response.map(|b| ResponseBody::inner(PermitBody::new(b, guard)))
                     ));
                 }
                 StateProj::Refused { response } => {

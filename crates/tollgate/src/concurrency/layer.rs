@@ -12,6 +12,7 @@ use tower_layer::Layer;
 use super::ConcurrencyLimit;
 use super::fleet::{Fleet, MAX_LEASE, MIN_LEASE, OnLeaseError, Sharing};
 use super::limiter::{ConcurrencyStats, Limiter, Limits};
+use super::stall::{DEFAULT_BODY_IDLE_TIMEOUT, Stalls};
 use crate::ClientIpResolver;
 use crate::identity::{KeyPart, MissingPrincipal};
 
@@ -26,6 +27,10 @@ pub(crate) struct Config {
     pub(crate) key: Vec<KeyPart>,
     pub(crate) missing: MissingPrincipal,
     pub(crate) resolver: ClientIpResolver,
+    /// How long a response body may make no progress.
+    pub(crate) body_idle: Duration,
+    /// The watch over response bodies in flight (made with `limiter`).
+    pub(crate) stalls: Arc<Stalls>,
 }
 
 /// A shared limit's lease: how long, how often waiters poll, what a store
@@ -122,6 +127,7 @@ impl fmt::Debug for ConcurrencyLimitLayer {
             .field("waiting", &l.waiting)
             .field("shared", &self.config.lease_store.is_some())
             .field("lease", &self.config.lease)
+            .field("body_idle_timeout", &self.config.body_idle)
             .finish_non_exhaustive()
     }
 }
@@ -131,14 +137,18 @@ impl ConcurrencyLimitLayer {
     /// yet. Names follow the rule of policy names ([`check_name`]).
     pub fn new(name: &str) -> Result<Self, InvalidName> {
         check_name(name)?;
+        let name: Arc<str> = name.into();
         Ok(Self {
             config: Arc::new(Config {
+                stalls: Arc::new(Stalls::new(name.clone(), DEFAULT_BODY_IDLE_TIMEOUT)),
+                body_idle: DEFAULT_BODY_IDLE_TIMEOUT,
                 limiter: Arc::new(Limiter::new(Limits {
-                    name: name.into(),
+                    name,
                     global_max: None,
                     per_key_max: None,
                     waiting: None,
                     log_level: tracing::Level::DEBUG,
+                    dry_run: false,
                 })),
                 lease_store: None,
                 lease: LeaseOptions::default(),
@@ -157,6 +167,7 @@ impl ConcurrencyLimitLayer {
         let config = Arc::make_mut(&mut self.config);
         let mut limits = config.limiter.limits.clone();
         f(config, &mut limits);
+        config.stalls = Arc::new(Stalls::new(limits.name.clone(), config.body_idle));
         config.limiter = Arc::new(Limiter::new(limits));
         config.fleet = config.lease_store.clone().map(|store| {
             Arc::new(Fleet::new(Sharing {
@@ -180,12 +191,16 @@ impl ConcurrencyLimitLayer {
     ///   (`kill -9`, a lost host) stops holding its slots at most one lease
     ///   after its last renewal.
     /// - Never more than the limit in flight while leases are renewed in
-    ///   time. A process paused (or cut off from the store) for longer than
-    ///   a lease loses its leases while its requests still run: others may
-    ///   take those slots, so the fleet can exceed the limit by the paused
-    ///   requests until they end. The renewal finds the lease expired, does
-    ///   not take it again, and logs and counts it
-    ///   ([`ConcurrencyStats::leases_expired`]).
+    ///   time. A lease lost while its request still runs (the process was
+    ///   paused or cut off from the store for longer than the lease, or the
+    ///   store lost it: `FLUSHALL`, a restart without persistence) is taken
+    ///   again at its next renewal, even above the limit, so within a third
+    ///   of a lease after the store answers again the shared count is at
+    ///   least what is in flight, and newcomers are refused until it drops
+    ///   below the limit. Between the loss and that renewal others may take
+    ///   those slots: the one window in which the fleet can exceed the
+    ///   limit. Logged and counted ([`ConcurrencyStats::leases_restored`],
+    ///   `tollgate_lease_restored_total{layer}`).
     /// - Waiting ([`wait`](Self::wait)) works across instances by polling:
     ///   the first waiter of this instance asks again every
     ///   [`poll_every`](Self::poll_every) (50 ms by default), one store
@@ -278,6 +293,40 @@ impl ConcurrencyLimitLayer {
         self.edit(|_, l| l.log_level = level)
     }
 
+    /// How long a response body may make no progress before it is ended
+    /// and its slot (and fleet lease) released (default
+    /// [`DEFAULT_BODY_IDLE_TIMEOUT`](super::DEFAULT_BODY_IDLE_TIMEOUT), a
+    /// minute; at least 1 ms). Progress is a frame the server takes from
+    /// the body; the time counts from the response head. A client that
+    /// stops reading (an HTTP/2 window left at zero, a full TCP window)
+    /// stops the server from polling the body at all: the layer's
+    /// watchdog releases the slot anyway, within a quarter of this time
+    /// more (at most a second), and the body ends with
+    /// [`BodyStalled`](super::BodyStalled) when it is next polled (the
+    /// stream is reset, or the connection closed). Counted in
+    /// [`ConcurrencyStats::bodies_stalled`] and
+    /// `tollgate_stalled_bodies_total{layer}`, and logged. Raise it for
+    /// streams that are quiet for longer by design (server-sent events
+    /// with rare heartbeats, long polls).
+    pub fn body_idle_timeout(self, idle: Duration) -> Self {
+        let idle = idle.max(Duration::from_millis(1));
+        self.edit(|c, _| c.body_idle = idle)
+    }
+
+    /// Dry-run: a full limit refuses nothing. The request that would have
+    /// been refused is logged at `INFO` ("dry run: this request would have
+    /// been refused"), counted in `tollgate_dry_run_refused_total{layer,scope}`,
+    /// and let through at once, counted in flight (so
+    /// [`ConcurrencyStats::in_flight`] can go above the limit); nothing
+    /// waits. A shared limit's request let through holds no lease: it is
+    /// counted in this process only. Refusals that are not about a full
+    /// limit are still given: `401` for a missing principal, `400` for an
+    /// unusable address, `503` when a shared limit's store fails and the
+    /// layer fails closed.
+    pub fn dry_run(self, yes: bool) -> Self {
+        self.edit(|_, l| l.dry_run = yes)
+    }
+
     /// What to do when the per-key parts need a principal and there is none
     /// (default: 401).
     pub fn when_no_principal(self, what: MissingPrincipal) -> Self {
@@ -297,12 +346,13 @@ impl ConcurrencyLimitLayer {
         if let Some(fleet) = &self.config.fleet {
             // Leases held count in `limiter` too (as do requests counted
             // locally when the store fails, OnLeaseError::Local).
-            let (_held, waiting, peak, expired, abandoned) = fleet.counts();
+            let (_held, waiting, peak, restored, abandoned) = fleet.counts();
             stats.waiting += waiting;
             stats.peak_waiting = stats.peak_waiting.max(peak);
-            stats.leases_expired = expired;
+            stats.leases_restored = restored;
             stats.releases_abandoned = abandoned;
         }
+        stats.bodies_stalled = self.config.stalls.stalled();
         stats
     }
 }

@@ -89,14 +89,18 @@ pub struct ConcurrencyStats {
     /// a [shared](crate::ConcurrencyLimitLayer::shared) limit) a failed
     /// lease store.
     pub refused_global: u64,
-    /// Shared limits: leases that expired while their request still ran
-    /// (the process was paused, or the store unreachable, for longer than
-    /// the lease).
-    pub leases_expired: u64,
+    /// Shared limits: leases found gone while their request still ran (the
+    /// process was paused, or the store unreachable, for longer than the
+    /// lease; or the store lost them: flushed, restarted), and taken again
+    /// at their next renewal. Until then others could take their slots.
+    pub leases_restored: u64,
     /// Shared limits: leases whose release was given up because too many
     /// releases were waiting to be retried while the store failed; each
     /// holds its slot until its time to live runs out.
     pub releases_abandoned: u64,
+    /// Response bodies ended because they made no progress for the layer's
+    /// [`body_idle_timeout`](crate::ConcurrencyLimitLayer::body_idle_timeout).
+    pub bodies_stalled: u64,
 }
 
 /// What a limiter bounds.
@@ -109,6 +113,17 @@ pub(crate) struct Limits {
     pub(crate) waiting: Option<(usize, Duration)>,
     /// The level refusals are logged at.
     pub(crate) log_level: tracing::Level,
+    /// Refuse nothing for a full limit: log and count what would have
+    /// been refused, and let it through (counted) at once.
+    pub(crate) dry_run: bool,
+}
+
+impl Limits {
+    /// How many may wait, and how long: never in dry-run (a full limit
+    /// lets the request through at once).
+    pub(crate) fn waits(&self) -> Option<(usize, Duration)> {
+        self.waiting.filter(|_| !self.dry_run)
+    }
 }
 
 pub(crate) struct Limiter {
@@ -182,6 +197,12 @@ impl Limiter {
     /// A slot taken without checking the limits: a shared limit's lease,
     /// counted here too so that falling back to this process's counts sees
     /// it.
+    /// Whether a refusal for `full` lets the request through instead: in
+    /// dry-run, for a full limit (not for a failed lease store).
+    pub(crate) fn dry_run_admits(&self, full: Saturated) -> bool {
+        self.limits.dry_run && full != Saturated::Unavailable
+    }
+
     pub(crate) fn take_unchecked(self: &Arc<Self>, key: Option<&str>) -> Permit {
         self.lock().take(key);
         self.gauges();
@@ -203,7 +224,7 @@ impl Limiter {
         self: Arc<Self>,
         key: Option<Box<str>>,
     ) -> Result<Permit, Saturated> {
-        let Some((max_waiters, max_wait)) = self.limits.waiting else {
+        let Some((max_waiters, max_wait)) = self.limits.waits() else {
             return self
                 .try_acquire(key.as_deref())
                 .map_err(|full| self.refused(full, key.as_deref()));
@@ -280,6 +301,23 @@ impl Limiter {
             Saturated::Queue => "queue",
             Saturated::Unavailable => "store_unavailable",
         };
+        if self.dry_run_admits(full) {
+            tracing::info!(
+                layer = &*self.limits.name,
+                scope,
+                key = %key.map_or_else(|| "-".to_owned(), crate::observe::key_shape_text),
+                key_fingerprint = %key.map_or_else(|| "-".to_owned(), |k| crate::observe::fingerprint_text(k.as_bytes())),
+                "dry run: this request would have been refused: too many in flight"
+            );
+            #[cfg(feature = "metrics")]
+            metrics::counter!(
+                "tollgate_dry_run_refused_total",
+                "layer" => self.limits.name.to_string(),
+                "scope" => scope
+            )
+            .increment(1);
+            return full;
+        }
         crate::observe::event_at!(
             self.limits.log_level,
             layer = &*self.limits.name,
@@ -322,8 +360,9 @@ impl Limiter {
             peak_waiting: self.peak_waiters.load(Ordering::Relaxed),
             refused_per_key: self.refused_per_key.load(Ordering::Relaxed),
             refused_global: self.refused_global.load(Ordering::Relaxed),
-            leases_expired: 0,
+            leases_restored: 0,
             releases_abandoned: 0,
+            bodies_stalled: 0,
         }
     }
 }
@@ -357,6 +396,7 @@ mod tests {
             per_key_max: Some(1),
             waiting: Some((waiting, Duration::from_secs(60))),
             log_level: tracing::Level::DEBUG,
+            dry_run: false,
         }))
     }
 

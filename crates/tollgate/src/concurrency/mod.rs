@@ -19,10 +19,15 @@
 //!   serves it to count it for its whole life.
 //!
 //! It composes with [`RateLimitLayer`](crate::RateLimitLayer) in either
-//! order. Put a timeout inside it, so a stuck request cannot hold a slot
-//! forever: `tower_http::timeout::TimeoutLayer` bounds the time to the
-//! response head, and `tower_http::timeout::ResponseBodyTimeoutLayer` the
-//! gaps in a streaming body.
+//! order. A response body that makes no progress for
+//! [`ConcurrencyLimitLayer::body_idle_timeout`] (a minute by default) is
+//! ended and its slot released at once, even when the client has stopped
+//! reading and the server no longer polls it (an HTTP/2 stream whose
+//! window stays at zero, a full TCP window); counted in
+//! [`ConcurrencyStats::bodies_stalled`] and
+//! `tollgate_stalled_bodies_total{layer}`. Put a timeout inside it too,
+//! so a stuck request cannot hold a slot before its response head:
+//! `tower_http::timeout::TimeoutLayer` bounds that time.
 //!
 //! By default the counts are this process's. With
 //! [`ConcurrencyLimitLayer::shared`] they hold across a fleet: every
@@ -52,11 +57,13 @@ mod layer;
 mod limiter;
 mod release;
 mod service;
+mod stall;
 
-pub use body::PermitBody;
+pub use body::{BoxError, PermitBody};
 pub use fleet::OnLeaseError;
 pub use future::ResponseFuture;
 pub use in_flight::InFlight;
 pub use layer::{ConcurrencyLimitLayer, InvalidLease, MIN_LEASE_PER_STORE_TIMEOUT};
 pub use limiter::ConcurrencyStats;
 pub use service::ConcurrencyLimit;
+pub use stall::{BodyStalled, DEFAULT_BODY_IDLE_TIMEOUT};

@@ -144,12 +144,28 @@ where
         };
         let req = Request::from_parts(parts, body);
         if let Some(fleet) = &config.fleet {
-            let acquire = Box::pin(fleet::acquire(config.limiter.clone(), fleet.clone(), key));
+            let (limiter, fleet) = (config.limiter.clone(), fleet.clone());
+            let acquire = Box::pin(async move {
+                match fleet::acquire(limiter.clone(), fleet, key.clone()).await {
+                    // Refused, and logged as such, in dry-run: let through.
+                    Err(full) if limiter.dry_run_admits(full) => {
+                        Ok(Slot::local(limiter.take_unchecked(key.as_deref())))
+                    }
+                    acquired => acquired,
+                }
+            });
             return ResponseFuture::waiting(acquire, inner, req, config.clone(), protocol);
         }
         match config.limiter.try_acquire(key.as_deref()) {
-            Ok(permit) => ResponseFuture::calling(inner, req, Slot::local(permit)),
-            Err(_) if config.limiter.limits.waiting.is_some() => {
+            Ok(permit) => {
+                ResponseFuture::calling(inner, req, Slot::local(permit), config.stalls.clone())
+            }
+            Err(full) if config.limiter.dry_run_admits(full) => {
+                config.limiter.refused(full, key.as_deref());
+                let permit = config.limiter.take_unchecked(key.as_deref());
+                ResponseFuture::calling(inner, req, Slot::local(permit), config.stalls.clone())
+            }
+            Err(_) if config.limiter.limits.waits().is_some() => {
                 let limiter = config.limiter.clone();
                 let waiting = Box::pin(async move { limiter.acquire(key).await.map(Slot::local) });
                 ResponseFuture::waiting(waiting, inner, req, config.clone(), protocol)

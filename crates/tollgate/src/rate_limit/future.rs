@@ -1,6 +1,7 @@
 //! [`ResponseFuture`] of the rate-limit layer: the store's pending decision,
-//! then the inner response (with the `RateLimit` fields, and the charges
-//! made after the response) or a refusal.
+//! then the inner response (with the `RateLimit` fields, and the
+//! reservations of rules charged by outcome settled by its status) or a
+//! refusal.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -63,7 +64,6 @@ struct Deciding<S, ReqB> {
     pending: Option<(S, Request<ReqB>)>,
     protocol: Protocol,
     shape: Option<Shape>,
-    after: Option<AfterResponse>,
 }
 
 pin_project! {
@@ -116,7 +116,6 @@ where
         req: Request<ReqB>,
         protocol: Protocol,
         shape: Option<Shape>,
-        after: Option<AfterResponse>,
     ) -> Self {
         Self {
             state: State::Deciding {
@@ -125,7 +124,6 @@ where
                     pending: Some((inner, req)),
                     protocol,
                     shape,
-                    after,
                 }),
             },
         }
@@ -144,10 +142,16 @@ where
 
     /// Admitted for later: held until shaping rules release it, then made
     /// ready and called on `idle`, a clone of the inner service.
-    pub(crate) fn waiting(wait: Wait, idle: S, req: Request<ReqB>, fields: Fields) -> Self {
+    pub(crate) fn waiting(
+        wait: Wait,
+        idle: S,
+        req: Request<ReqB>,
+        fields: Fields,
+        after: Option<AfterResponse>,
+    ) -> Self {
         Self {
             state: State::Waiting {
-                held: Held::new(wait, idle, req, fields, None),
+                held: Held::new(wait, idle, req, fields, after),
             },
         }
     }
@@ -190,17 +194,23 @@ where
                     let result = ready!(deciding.decision.as_mut().poll(cx));
                     let next =
                         match (result, deciding.pending.take()) {
-                            (Ok(Admit { fields, wait: None }), Some((mut inner, req))) => {
-                                State::Calling {
-                                    future: inner.call(req),
+                            (
+                                Ok(Admit {
                                     fields,
-                                    after: deciding.after.take(),
-                                }
-                            }
+                                    wait: None,
+                                    settle,
+                                }),
+                                Some((mut inner, req)),
+                            ) => State::Calling {
+                                future: inner.call(req),
+                                fields,
+                                after: settle,
+                            },
                             (
                                 Ok(Admit {
                                     fields,
                                     wait: Some(wait),
+                                    settle,
                                 }),
                                 Some((inner, req)),
                             ) => {
@@ -209,7 +219,7 @@ where
                                 let idle = inner.clone();
                                 drop(inner);
                                 State::Waiting {
-                                    held: Held::new(wait, idle, req, fields, deciding.after.take()),
+                                    held: Held::new(wait, idle, req, fields, settle),
                                 }
                             }
                             (Err(answer), _) => State::Refused {

@@ -310,8 +310,8 @@ impl<St: Store> RateLimitLayer<St> {
 }
 
 /// A rule the layer's store cannot serve (a policy it cannot hold, or a
-/// [`Rule::charge_only_when`] on a store that cannot check without
-/// charging), refused by [`RateLimitLayer::try_rule`] (or, as a panic,
+/// [`Rule::charge_only_when`] on a store that cannot give charges back),
+/// refused by [`RateLimitLayer::try_rule`] (or, as a panic,
 /// [`RateLimitLayer::rule`]).
 #[derive(Debug, thiserror::Error)]
 #[error("rule {policy:?} cannot be added to this store: {source}")]
@@ -329,7 +329,7 @@ impl UnsupportedRule {
 }
 
 /// Whether `store` can serve `rule`: every policy of it (plans and
-/// overrides too), and [`Rule::charge_only_when`]'s check.
+/// overrides too), and [`Rule::charge_only_when`]'s refunds.
 pub(crate) fn check(store: &(impl Store + ?Sized), rule: &Rule) -> Result<(), UnsupportedRule> {
     let refuse = |source| UnsupportedRule {
         policy: rule.policy().name().to_owned(),
@@ -338,11 +338,12 @@ pub(crate) fn check(store: &(impl Store + ?Sized), rule: &Rule) -> Result<(), Un
     for policy in rule.policies() {
         store.check_policy(policy).map_err(refuse)?;
     }
-    if rule.charge_when.is_some() && !store.can_check() {
+    if rule.charge_when.is_some() && !store.can_refund() {
         return Err(refuse(StoreError::new(
             StoreErrorKind::Unsupported,
-            "charge_only_when needs a store that can check a budget without charging it \
-             (Store::check)",
+            "charge_only_when needs a store that can give a charge back (Store::refund): \
+             it reserves when the request is checked and gives back when the response \
+             does not match",
         )));
     }
     if let Some(shaping) = &rule.shaping {

@@ -63,9 +63,8 @@
 //!
 //! A dry-run rule ([`Rule::dry_run`], or [`RateLimitLayer::dry_run`] for
 //! all) is decided and charged like any other while its budget lasts, but
-//! it never refuses for lack of budget or for a cost that can never fit:
-//! the would-be refusal is logged and counted instead. Mixed with enforced
-//! rules in one request:
+//! it never refuses for lack of budget: the would-be refusal is logged and
+//! counted instead. Mixed with enforced rules in one request:
 //!
 //! - the store is asked for all of them at once, all-or-nothing;
 //! - if the call is refused and a dry-run limit is among those refusing,
@@ -79,8 +78,9 @@
 //!
 //! The `RateLimit` fields describe every limit, dry-run ones included
 //! (`r=0` once a dry-run budget is spent). Refusals about the request
-//! itself (no principal, no `Content-Length`, an invalid cost) are given
-//! by dry-run rules too: they do not depend on the limit being tried.
+//! itself (no principal, no `Content-Length`, an invalid cost, a cost
+//! above the policy's capacity, which no budget could ever take) are given
+//! by dry-run rules too: they do not depend on how much budget is left.
 //!
 //! # Shaping: delay instead of refusing
 //!

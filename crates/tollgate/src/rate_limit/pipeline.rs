@@ -16,7 +16,9 @@ use std::time::Duration;
 use http::request::Parts;
 use http::{HeaderValue, StatusCode};
 use smallvec::SmallVec;
-use tollgate_core::{Algorithm, Charge, Decision, DynStore, Outcome, Store, StoreError, Verdict};
+use tollgate_core::{
+    Algorithm, Charge, Decision, DynStore, Outcome, Receipt, Store, StoreError, Verdict,
+};
 
 use super::exempt::any_matches;
 use super::layer::{Config, OnStoreError};
@@ -36,12 +38,10 @@ pub(crate) type Fields = Option<Box<(HeaderValue, HeaderValue)>>;
 /// inline without an allocation.
 pub(crate) type Charges = SmallVec<[Charge; 2]>;
 
-/// A charge made only after a response whose status matches.
-pub(crate) struct Deferred {
-    pub(crate) charge: Charge,
-    pub(crate) when: StatusFilter,
-    pub(crate) dry_run: bool,
-}
+/// The charges of rules charged by outcome ([`Rule::charge_only_when`]):
+/// each reserved (made refundable) with the request's other charges, and
+/// kept only if the response's status matches.
+pub(crate) type Settled = SmallVec<[(Charge, StatusFilter); 1]>;
 
 /// What the head of a request asks of the store.
 pub(crate) struct Plan {
@@ -50,9 +50,9 @@ pub(crate) struct Plan {
     pub(crate) charges: Charges,
     /// How many of `charges` (from the start) are enforced.
     pub(crate) enforced: usize,
-    /// Rules charged only after the response ([`Rule::charge_only_when`]),
-    /// checked before the request: the enforced ones first.
-    pub(crate) after: Vec<Deferred>,
+    /// The charges of rules charged by outcome, reserved among `charges`
+    /// (refundable), with the statuses that keep them.
+    pub(crate) settled: Settled,
     /// The layer's own refusal, given once the charges are admitted: the
     /// first in rule order.
     pub(crate) refusal: Option<Answer>,
@@ -96,18 +96,21 @@ impl ShapePlan {
     }
 }
 
-/// What an admitted request gets: the `RateLimit` fields, and the wait
-/// before it goes on when shaping rules hold it.
+/// What an admitted request gets: the `RateLimit` fields, the wait before
+/// it goes on when shaping rules hold it, and what its response's status
+/// settles (the reservations of rules charged by outcome).
 pub(crate) struct Admit {
     pub(crate) fields: Fields,
     pub(crate) wait: Option<Wait>,
+    pub(crate) settle: Option<AfterResponse>,
 }
 
 pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
     let mut who = RequestIdentity::new(parts, &config.resolver);
     let mut charges = Charges::new();
     let mut dry = Charges::new();
-    let mut after: Vec<Deferred> = Vec::new();
+    // Rules charged by outcome: (charge, statuses, dry-run).
+    let mut by_outcome: SmallVec<[(Charge, StatusFilter, bool); 1]> = SmallVec::new();
     let mut refusal: Option<Answer> = None;
     // Charges of shaping rules, by index, with how they shape.
     let mut shaped: SmallVec<[(usize, Shaping); 1]> = SmallVec::new();
@@ -174,10 +177,9 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
                 continue;
             }
         };
-        if cost > policy.capacity() && dry_run {
-            observe::dry_run_denied(policy, cost, None);
-            continue;
-        }
+        // A cost that can never fit is refused by dry-run rules too: it
+        // says the request is too large for the policy, not that a budget
+        // is spent.
         if cost > policy.capacity() {
             // Waiting cannot help: this rule is not charged, the others are.
             let answered = refusal.is_none();
@@ -188,11 +190,7 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
             continue;
         }
         match (Charge::new(key, policy.clone(), cost), &rule.charge_when) {
-            (Ok(charge), Some(when)) => after.push(Deferred {
-                charge,
-                when: when.clone(),
-                dry_run,
-            }),
+            (Ok(charge), Some(when)) => by_outcome.push((charge, when.clone(), dry_run)),
             (Ok(charge), None) if dry_run => dry.push(charge),
             (Ok(charge), None) => {
                 if let Some(shaping) = rule.shaping {
@@ -217,17 +215,36 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
             .map(|&(i, s)| (i, longest_wait(&charges[i], s)))
             .collect();
     }
+    // Rules charged by outcome: where the layer answers on its own account
+    // the outcome is known now, and they are charged only if it matches,
+    // with no reservation; otherwise they are reserved with the rest and
+    // settled by the response (see `settle`).
+    let own = refusal.as_ref().map(|answer| answer.refusal.status());
+    let mut settled = Settled::new();
+    for (charge, when, dry_run) in by_outcome {
+        let charge = match own {
+            Some(status) if when.matches(status) => charge,
+            Some(_) => continue,
+            None => {
+                let charge = charge.refundable();
+                settled.push((charge.clone(), when));
+                charge
+            }
+        };
+        if dry_run {
+            dry.push(charge);
+        } else {
+            charges.push(charge);
+        }
+    }
     let enforced = charges.len();
     if !dry.is_empty() {
         charges.extend(dry);
     }
-    if after.len() > 1 {
-        after.sort_by_key(|d| d.dry_run);
-    }
     Plan {
         charges,
         enforced,
-        after,
+        settled,
         refusal,
         shaping,
     }
@@ -290,11 +307,12 @@ pub(crate) enum Now {
 /// Decides at once when the store can ([`Store::try_charge_now`]). A
 /// request held by shaping takes `place` into its wait.
 pub(crate) fn decide_now<St: Store>(
-    config: &Config<St>,
+    config: &Arc<Config<St>>,
     charges: &[Charge],
     enforced: usize,
     refusal: &mut Option<Answer>,
     place: &mut Option<Place>,
+    settled: &mut Settled,
 ) -> Now {
     let started = observe::start();
     match config.store.try_charge_now(charges) {
@@ -309,6 +327,7 @@ pub(crate) fn decide_now<St: Store>(
                 Ok(wait) => wait,
                 Err(answer) => return Now::Decided(Err(answer)),
             };
+            let settle = settle(&config.store, charges, &outcome, std::mem::take(settled));
             Now::Decided(conclude(
                 config,
                 charges,
@@ -316,6 +335,7 @@ pub(crate) fn decide_now<St: Store>(
                 &Shadowed::default(),
                 refusal.take(),
                 wait,
+                settle,
             ))
         }
         Some(Err(error)) => Now::Later(Some(error)),
@@ -332,12 +352,9 @@ pub(crate) async fn decide<St: Store>(
     enforced: usize,
     mut failed: Option<StoreError>,
     refusal: Option<Answer>,
-    checks: Checks,
+    settled: Settled,
     mut place: Option<Place>,
 ) -> Result<Admit, Answer> {
-    if !checks.charges.is_empty() {
-        check_first(&config, &checks).await?;
-    }
     let mut shadowed = Shadowed::default();
     let mut on_fallback: Option<&Arc<dyn DynStore>> = None;
     let outcome = loop {
@@ -363,7 +380,7 @@ pub(crate) async fn decide<St: Store>(
             }
             Err(error) => match after_error(&config, &error) {
                 AfterError::Refuse(answer) => return Err(answer),
-                AfterError::Open => return admitted(None, refusal, None),
+                AfterError::Open => return admitted(None, refusal, None, None),
                 AfterError::Fallback(fallback) => {
                     on_fallback = Some(fallback);
                     continue;
@@ -375,11 +392,17 @@ pub(crate) async fn decide<St: Store>(
         }
     };
     // A reservation is given back where it was made.
-    let wait = match on_fallback {
-        None => hold(&config, &config.store, &charges, &outcome, &mut place)?,
-        Some(fallback) => hold(&config, fallback, &charges, &outcome, &mut place)?,
+    let (wait, settle) = match on_fallback {
+        None => (
+            hold(&config, &config.store, &charges, &outcome, &mut place)?,
+            settle(&config.store, &charges, &outcome, settled),
+        ),
+        Some(fallback) => (
+            hold(&config, fallback, &charges, &outcome, &mut place)?,
+            settle(fallback, &charges, &outcome, settled),
+        ),
     };
-    conclude(&config, &charges, outcome, &shadowed, refusal, wait)
+    conclude(&config, &charges, outcome, &shadowed, refusal, wait, settle)
 }
 
 /// For an outcome the store delayed: the request's wait, holding its
@@ -411,95 +434,77 @@ fn hold<St, S: Store + Clone>(
     }
 }
 
-/// The budgets of the rules charged after the response, checked before
-/// the request: the enforced ones first, `enforced` of them.
-#[derive(Default)]
-pub(crate) struct Checks {
-    pub(crate) charges: Charges,
-    pub(crate) enforced: usize,
-}
-
-impl Checks {
-    pub(crate) fn of(after: &[Deferred]) -> Self {
-        Self {
-            charges: after.iter().map(|d| d.charge.clone()).collect(),
-            enforced: after.iter().filter(|d| !d.dry_run).count(),
-        }
-    }
-}
-
-/// Checks, without spending, the rules charged after the response: `429`
-/// when an enforced one has no budget left (a dry-run one is logged).
-async fn check_first<St: Store>(config: &Config<St>, checks: &Checks) -> Result<(), Answer> {
-    let charges = &checks.charges;
-    let outcome = match config.store.check(charges).await {
-        Ok(outcome) => outcome,
-        Err(error) => match after_error(config, &error) {
-            AfterError::Refuse(answer) => return Err(answer),
-            AfterError::Open => return Ok(()),
-            AfterError::Fallback(fallback) => {
-                fallback.check_boxed(charges).await.map_err(|second| {
-                    observe::store_error(&second, "fail_closed");
-                    unavailable()
-                })?
-            }
-        },
-    };
-    let (enforced, trial) = outcome
-        .limits()
-        .split_at(checks.enforced.min(charges.len()));
-    for (charge, decision) in charges[enforced.len()..].iter().zip(trial) {
-        if !decision.is_admitted() {
-            observe::dry_run_denied(charge.policy(), charge.cost(), decision.retry_after());
-        }
-    }
-    let enforced_charges = &charges[..enforced.len()];
-    let enforced = Outcome::new(enforced.to_vec());
-    match enforced.verdict() {
-        Verdict::Admitted => Ok(()),
-        verdict => {
-            observe::outcome(enforced_charges, &enforced, verdict, config.log_level);
-            Err(Answer::from_outcome(enforced_charges, &enforced, verdict))
-        }
-    }
-}
-
-/// What to do once the inner service's response head is known: charge
-/// the rules whose status filter matches it.
+/// What to do once the inner service's response head is known: settle
+/// the reservations of rules charged by outcome.
 pub(crate) type AfterResponse = Box<dyn FnOnce(StatusCode) + Send>;
 
-pub(crate) fn after_response<St: Store>(
-    config: Arc<Config<St>>,
-    after: Vec<Deferred>,
-) -> AfterResponse {
-    Box::new(move |status| {
-        for deferred in after {
-            if deferred.when.matches(status) {
-                charge_late(&config, deferred.charge);
-            }
+/// How the response settles an admitted call's reservations of rules
+/// charged by outcome, in `store` (where they were made): each is kept if
+/// the status matches its rule, else given back ([`Store::refund`]).
+/// `None` when there is nothing to settle (no such rule, or a call that
+/// spent nothing: refused, or let through by failing open). A response
+/// that never comes (the request is dropped, the service fails) keeps
+/// every reservation: the attempt counts.
+fn settle<S: Store + Clone>(
+    store: &S,
+    charges: &[Charge],
+    outcome: &Outcome,
+    settled: Settled,
+) -> Option<AfterResponse> {
+    if settled.is_empty() || !outcome.is_admitted() {
+        return None;
+    }
+    let receipt = outcome.receipt()?.clone();
+    // Where each reserved charge is in the call (dry-run limits that
+    // would have refused were left out of it, and spent nothing).
+    let mut used = vec![false; charges.len()];
+    let reserved: Vec<(usize, StatusFilter)> = settled
+        .into_iter()
+        .filter_map(|(charge, when)| {
+            let i = (0..charges.len()).find(|&i| !used[i] && charges[i] == charge)?;
+            used[i] = true;
+            Some((i, when))
+        })
+        .collect();
+    if reserved.is_empty() {
+        return None;
+    }
+    let (store, charges) = (store.clone(), charges.to_vec());
+    Some(Box::new(move |status| {
+        let back: Vec<usize> = reserved
+            .iter()
+            .filter(|(_, when)| !when.matches(status))
+            .map(|&(i, _)| i)
+            .collect();
+        if back.is_empty() {
+            return;
         }
-    })
+        let refunds: Vec<Charge> = back.iter().map(|&i| charges[i].clone()).collect();
+        give_back(store, refunds, receipt.only(back));
+    }))
 }
 
-/// Charges `charge` after the response: at once when the store can, else
-/// on a spawned task so that the response is not held up.
-fn charge_late<St: Store>(config: &Arc<Config<St>>, charge: Charge) {
-    let one = [charge];
-    if let Some(result) = config.store.try_charge_now(&one) {
-        observe::late_charge(&one[0], result);
+/// Gives `charges` back: at once when the store needs no I/O, else on a
+/// spawned task (the response is not held up). A refund that fails leaves
+/// the charge spent (logged and counted).
+fn give_back<S: Store>(store: S, charges: Vec<Charge>, receipt: Receipt) {
+    let work = async move {
+        match store.refund(&charges, &receipt).await {
+            Ok(()) => observe::refunded(&charges),
+            Err(error) => observe::store_error(&error, "refund_lost"),
+        }
+    };
+    let mut boxed = Box::pin(work);
+    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+    if boxed.as_mut().poll(&mut cx).is_ready() {
         return;
     }
     match tokio::runtime::Handle::try_current() {
         Ok(runtime) => {
-            let config = config.clone();
-            runtime.spawn(async move {
-                let result = config.store.charge(&one).await;
-                observe::late_charge(&one[0], result);
-            });
+            runtime.spawn(boxed);
         }
         Err(_) => tracing::error!(
-            policy = one[0].policy().name(),
-            "no tokio runtime to charge a rule after its response: not charged"
+            "no tokio runtime to give back a charge made by outcome: it stays spent"
         ),
     }
 }
@@ -591,6 +596,7 @@ fn conclude<St>(
     shadowed: &Shadowed,
     refusal: Option<Answer>,
     wait: Option<Wait>,
+    settle: Option<AfterResponse>,
 ) -> Result<Admit, Answer> {
     let verdict = outcome.verdict();
     observe::outcome(charges, &outcome, verdict, config.log_level);
@@ -612,7 +618,7 @@ fn conclude<St>(
             if let Some(wait) = &wait {
                 observe::shaped(charges, wait.delay);
             }
-            admitted(fields, refusal, wait)
+            admitted(fields, refusal, wait, settle)
         }
         _ => {
             let mut answer = Answer::from_outcome(charges, &outcome, verdict);
@@ -626,9 +632,18 @@ fn conclude<St>(
 
 /// Admitted by the store: pass, or give the layer's own refusal, which
 /// then carries the fields of the limits it was charged to.
-fn admitted(fields: Fields, refusal: Option<Answer>, wait: Option<Wait>) -> Result<Admit, Answer> {
+fn admitted(
+    fields: Fields,
+    refusal: Option<Answer>,
+    wait: Option<Wait>,
+    settle: Option<AfterResponse>,
+) -> Result<Admit, Answer> {
     match refusal {
-        None => Ok(Admit { fields, wait }),
+        None => Ok(Admit {
+            fields,
+            wait,
+            settle,
+        }),
         Some(mut answer) => {
             // (A request the layer refuses is never shaped: no wait.)
             answer.fields = fields;

@@ -502,13 +502,13 @@ impl Rule {
     }
 
     /// Dry-run (shadow) mode: the rule is decided and, while its budget
-    /// lasts, charged as usual, but a request it would refuse (for lack of
-    /// budget, or a cost that can never fit) goes through, spends nothing
-    /// from this rule, and is logged and counted in
-    /// `tollgate_dry_run_denied_cost_total{policy}` (see [dry-run
-    /// rules](super#dry-run-rules) for how they mix with enforced ones).
-    /// Refusals about the request itself (no principal, no
-    /// `Content-Length`, an invalid cost) are still given.
+    /// lasts, charged as usual, but a request it would refuse for lack of
+    /// budget goes through, spends nothing from this rule, and is logged
+    /// and counted in `tollgate_dry_run_denied_cost_total{policy}` (see
+    /// [dry-run rules](super#dry-run-rules) for how they mix with enforced
+    /// ones). Refusals about the request itself (no principal, no
+    /// `Content-Length`, an invalid cost, a cost above the policy's
+    /// capacity, which no budget could ever take) are still given.
     #[must_use]
     pub fn dry_run(mut self, yes: bool) -> Self {
         self.dry_run = yes;
@@ -517,27 +517,41 @@ impl Rule {
 
     /// Charges the rule only for requests whose response status satisfies
     /// `charged` (e.g. failed logins:
-    /// `|status| status == StatusCode::UNAUTHORIZED`).
+    /// `|status| status == StatusCode::UNAUTHORIZED`), and never admits
+    /// more of them than its budget, however many arrive at once.
     ///
-    /// Before the request, the budget is *checked* ([`Store::check`](tollgate_core::Store::check)):
-    /// when it is spent, the request is refused with `429` (and, like every
-    /// refusal for lack of budget, spends nothing anywhere). After the
-    /// inner service's response head, the rule is charged if the status
-    /// matches. The statuses are those of the inner service's response,
-    /// never of a refusal this layer makes.
+    /// When the request is checked, the rule's cost is **reserved**: charged
+    /// in the same all-or-nothing store decision as the request's other
+    /// rules, so when its budget is spent the request is refused with
+    /// `429` (spending nothing anywhere, like every refusal for lack of
+    /// budget). When the inner service's response head comes and its status
+    /// does not match, the reservation is given back
+    /// ([`Store::refund`](tollgate_core::Store::refund)): a successful login
+    /// costs nothing. So at most as many requests of one key can be in
+    /// flight on the rule as its budget has units left (a budget of 3
+    /// failed logins lets 3 logins per key run at once; the fourth is
+    /// `429` until one of them answers), and no matching response ever
+    /// goes unpaid, whether the requests come one at a time, pipelined or
+    /// as HTTP/2 streams.
     ///
-    /// **The race between check and charge.** Requests of one key that are
-    /// in flight at the same time all pass the check against the same
-    /// budget, so of `n` such requests at most `n - remaining` matching
-    /// responses find the budget spent when they are charged; they are
-    /// counted in `tollgate_late_refused_cost_total` and logged, not
-    /// charged. With one request at a time per key, none slips. The charge
-    /// after a response from a store that needs I/O (Redis) runs on a
-    /// spawned tokio task, so that the response is not delayed.
+    /// - Where the layer answers on its own account (its `401` for a
+    ///   missing principal, `411`, `413`, `400`), the outcome is known
+    ///   before anything is called: the rule is charged at once if that
+    ///   status matches, with no reservation, and not at all otherwise.
+    /// - A request whose response never comes (the client went away, the
+    ///   future was dropped, the inner service failed) keeps its
+    ///   reservation: the attempt counts.
+    /// - The statuses are those of the inner service's response (or of this
+    ///   layer's own refusals, above), never of a `429` for lack of budget.
+    /// - Dry-run and exemptions apply as to any rule; a rule charged by
+    ///   outcome does not shape.
+    /// - A refund that fails (Redis unreachable) leaves the charge spent,
+    ///   counted as `tollgate_store_errors_total{outcome="refund_lost"}`;
+    ///   refunds are counted in `tollgate_refunded_cost_total{policy}`.
     ///
-    /// The store must implement [`Store::check`](tollgate_core::Store::check)
-    /// ([`MemoryStore`](tollgate_core::MemoryStore) and the Redis store
-    /// do); [`RateLimitLayer::try_rule`](crate::RateLimitLayer::try_rule)
+    /// The store must give charges back ([`Store::can_refund`](tollgate_core::Store::can_refund):
+    /// [`MemoryStore`](tollgate_core::MemoryStore) and the Redis store do);
+    /// [`RateLimitLayer::try_rule`](crate::RateLimitLayer::try_rule)
     /// refuses the rule otherwise.
     #[must_use]
     pub fn charge_only_when(

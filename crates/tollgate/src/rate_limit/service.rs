@@ -11,7 +11,7 @@ use tower_service::Service;
 
 use super::ResponseFuture;
 use super::layer::Config;
-use super::pipeline::{self, Admit, Checks, Now, Plan};
+use super::pipeline::{self, Admit, Now, Plan};
 use crate::response::Protocol;
 
 /// Rate-limits requests to an inner service; made by
@@ -81,40 +81,11 @@ where
         let Plan {
             mut charges,
             enforced,
-            after,
+            mut settled,
             mut refusal,
             shaping,
         } = pipeline::plan(&self.config, &parts);
         let config = &self.config;
-        if !after.is_empty() {
-            // Rules charged after the response are checked first, which
-            // needs the store's answer: always the deciding path.
-            let place = if shaping.is_empty() {
-                None
-            } else {
-                shaping.take_place(&mut config.waiters.lock(), config.max_waiting, &mut charges)
-            };
-            let checks = Checks::of(&after);
-            let after = pipeline::after_response(config.clone(), after);
-            let decision = Box::pin(pipeline::decide(
-                config.clone(),
-                charges,
-                enforced,
-                None,
-                refusal,
-                checks,
-                place,
-            ));
-            let protocol = Protocol::of(&parts.headers);
-            return ResponseFuture::deciding(
-                decision,
-                take_ready(&mut self.inner),
-                Request::from_parts(parts, body),
-                protocol,
-                config.shape.clone(),
-                Some(after),
-            );
-        }
         if charges.is_empty() {
             return match refusal {
                 Some(answer) => ResponseFuture::refused(
@@ -136,7 +107,14 @@ where
             Some(line) => shaping.take_place(line, config.max_waiting, &mut charges),
             None => None,
         };
-        match pipeline::decide_now(config, &charges, enforced, &mut refusal, &mut place) {
+        match pipeline::decide_now(
+            config,
+            &charges,
+            enforced,
+            &mut refusal,
+            &mut place,
+            &mut settled,
+        ) {
             Now::Decided(result) => {
                 // Not held: the place is given up, under the same lock.
                 if let (Some(line), Some(place)) = (&mut line, place.take()) {
@@ -146,10 +124,14 @@ where
                 match result {
                     // Decided in `call`: the ready inner service takes the
                     // request now (no clone needed).
-                    Ok(Admit { fields, wait: None }) => ResponseFuture::calling(
+                    Ok(Admit {
+                        fields,
+                        wait: None,
+                        settle,
+                    }) => ResponseFuture::calling(
                         self.inner.call(Request::from_parts(parts, body)),
                         fields,
-                        None,
+                        settle,
                     ),
                     // Held: the ready service stays here for the next
                     // request, the held one gets a clone made ready when
@@ -157,11 +139,13 @@ where
                     Ok(Admit {
                         fields,
                         wait: Some(wait),
+                        settle,
                     }) => ResponseFuture::waiting(
                         wait,
                         self.inner.clone(),
                         Request::from_parts(parts, body),
                         fields,
+                        settle,
                     ),
                     Err(answer) => {
                         ResponseFuture::refused(answer.into_shaped_response(
@@ -181,7 +165,7 @@ where
                     enforced,
                     failed,
                     refusal,
-                    Checks::default(),
+                    settled,
                     place,
                 ));
                 let protocol = Protocol::of(&parts.headers);
@@ -191,7 +175,6 @@ where
                     Request::from_parts(parts, body),
                     protocol,
                     config.shape.clone(),
-                    None,
                 )
             }
         }

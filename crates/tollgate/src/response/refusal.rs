@@ -36,7 +36,7 @@ pub(crate) enum Refusal {
 }
 
 impl Refusal {
-    fn status(self) -> StatusCode {
+    pub(crate) fn status(self) -> StatusCode {
         match self {
             Refusal::RateLimited | Refusal::TooManyInFlight => StatusCode::TOO_MANY_REQUESTS,
             Refusal::Overloaded => StatusCode::SERVICE_UNAVAILABLE,
