@@ -25,6 +25,14 @@ use crate::{Algorithm, Decision, Initial, Nanos, Policy, TokenBucket};
 /// how long after `at` the last held request is released. Every write of
 /// the bucket keeps it until then, so that no conversion to other numbers
 /// ([`carry_over`]) can release new requests alongside the held ones.
+///
+/// A token bucket's `reserved` units are charges made to be settled later
+/// ([`reserve`]: a charge kept only for some outcomes), already taken
+/// from `level`, not yet confirmed ([`confirm`]) or given back
+/// ([`refund`]); until they are, or until `reserved_until` (when they
+/// lapse, as confirmed), the bucket refills to its capacity less them,
+/// so that giving them back never returns units the capacity has cut
+/// off meanwhile. Zero for every other state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct State {
     /// See the table above.
@@ -33,6 +41,11 @@ pub struct State {
     pub prior: u64,
     /// See the table above.
     pub at: Nanos,
+    /// A token bucket's units reserved and not yet settled, in
+    /// `1/denominator` units (see above).
+    pub reserved: u64,
+    /// When the `reserved` units lapse, as confirmed.
+    pub reserved_until: Nanos,
 }
 
 /// The result of one decision.
@@ -62,6 +75,13 @@ pub struct Step {
 /// key away for longer than this after its bucket filled starts empty
 /// again, as a new key does: a finite memory, and finite Redis TTLs.
 pub const EMPTY_KEPT_FULL: Nanos = 60_000_000_000;
+
+/// How long a reservation ([`reserve`]) may wait to be settled: 60 s
+/// after the charge. Units still reserved then lapse, as confirmed (they
+/// stay spent, and the bucket refills to its whole capacity again): a
+/// request in flight for longer keeps its charge whatever its outcome, and
+/// a caller that dies before it settles holds nothing for longer.
+pub const MAX_RESERVATION: Nanos = 60_000_000_000;
 
 /// When the last request a token bucket's state holds for later is
 /// released (see [`State`]), if any.
@@ -161,10 +181,10 @@ pub fn describe(policy: &Policy, state: Option<State>, now: Nanos) -> Decision {
     };
     match *policy.algorithm() {
         Algorithm::TokenBucket(p) => {
-            let (credit, t) = p.refilled(s.level, s.at, now);
+            let l = p.level_at(s, now);
             Decision::Admitted {
-                remaining: p.tokens(credit),
-                reset: Duration::from_nanos((t - now).saturating_add(p.time_to_full(credit))),
+                remaining: p.tokens(l.credit),
+                reset: Duration::from_nanos(p.full_of(l) - now),
             }
         }
         Algorithm::FixedWindow(w) => {
@@ -204,7 +224,7 @@ pub fn idle_at(policy: &Policy, state: Option<State>, now: Nanos) -> Nanos {
 pub(crate) fn idle_since(algorithm: &Algorithm, s: State) -> Nanos {
     match *algorithm {
         Algorithm::TokenBucket(p) => {
-            let full = p.full_at(s);
+            let full = p.full_of(p.level_at(s, s.at));
             let idle = match p.initial {
                 Initial::Full => full,
                 Initial::Empty => full.saturating_add(EMPTY_KEPT_FULL),
@@ -231,7 +251,7 @@ pub fn earliest_fit(policy: &Policy, state: Option<State>, now: Nanos, cost: u64
     let Algorithm::TokenBucket(p) = *policy.algorithm() else {
         return None;
     };
-    if cost > p.capacity || p.numerator > p.denominator {
+    if cost > p.capacity || p.numerator > p.denominator || p.reserving(state) {
         return None;
     }
     let (credit, t) = p.credit_at(state, now);
@@ -258,7 +278,10 @@ pub fn charge_at(policy: &Policy, state: Option<State>, now: Nanos, at: Nanos, c
     };
     let (credit, t) = p.credit_at(state, now);
     let need = cost.saturating_mul(p.denominator);
-    if at <= t || credit.saturating_add((at - t).saturating_mul(p.numerator)) < need {
+    if at <= t
+        || credit.saturating_add((at - t).saturating_mul(p.numerator)) < need
+        || p.reserving(state)
+    {
         return decide(policy, state, now, cost);
     }
     // What the bucket holds at `at` is at most its capacity: seen from `t`,
@@ -275,8 +298,8 @@ pub fn charge_at(policy: &Policy, state: Option<State>, now: Nanos, at: Nanos, c
     let mut next = match u64::try_from(held - i128::from(need)) {
         Ok(left) => State {
             level: left,
-            prior: 0,
             at: t,
+            ..State::default()
         },
         Err(_) => {
             // A debt: empty until it has refilled, which is when the
@@ -284,9 +307,8 @@ pub fn charge_at(policy: &Policy, state: Option<State>, now: Nanos, at: Nanos, c
             // full before then).
             let debt = i128::from(need).saturating_sub(held).unsigned_abs();
             State {
-                level: 0,
-                prior: 0,
                 at: t.saturating_add(sat(debt.div_ceil(u128::from(p.numerator)))),
+                ..State::default()
             }
         }
     };
@@ -298,19 +320,78 @@ pub fn charge_at(policy: &Policy, state: Option<State>, now: Nanos, at: Nanos, c
     }
 }
 
-/// Gives `cost` back to `policy`'s `state` at `now`, for an admission that
-/// turned out not to count (a charge made only for some outcomes, whose
-/// outcome did not match): the state to keep (`None`: no state).
-/// `window` is where the admission was counted (its state's `at`: a
-/// window's start; unused for token buckets).
+/// Decides `cost` as [`decide`] does, as a charge to be settled later
+/// ([`confirm`] or [`refund`]: kept only for some outcomes). A token
+/// bucket's admission is also *reserved*: taken from the credit as usual,
+/// and counted in the state's `reserved` units (see [`State`]) until it is
+/// settled, or lapses [`MAX_RESERVATION`] after the charge, as confirmed.
+/// Windows count it as usual (what a refund takes back is known by the
+/// window it was counted in).
+pub fn reserve(policy: &Policy, state: Option<State>, now: Nanos, cost: u64) -> Step {
+    let mut step = decide(policy, state, now, cost);
+    if let (Algorithm::TokenBucket(p), Decision::Admitted { .. }, Some(next)) =
+        (policy.algorithm(), step.decision, step.next.as_mut())
+    {
+        next.reserved = next
+            .reserved
+            .saturating_add(cost.saturating_mul(p.denominator));
+        next.reserved_until = next
+            .reserved_until
+            .max(next.at.saturating_add(MAX_RESERVATION));
+        step.decision = describe(policy, Some(*next), now);
+        step.idle_at = idle_since(policy.algorithm(), *next);
+    }
+    step
+}
+
+/// `state` as it stands at `now`, spending nothing: for a token bucket,
+/// the same credit from now on, dated now (or at its own later time);
+/// other states unchanged. A refused call writes this for the
+/// initially-empty buckets it found with room: an idle one is forgotten
+/// [`EMPTY_KEPT_FULL`] after it filled, and a client that was refused by
+/// another limit and told to come back must not find it forgotten (and
+/// empty) then. So such a bucket is kept at least a minute after it was
+/// last asked for.
+pub fn as_of(policy: &Policy, state: Option<State>, now: Nanos) -> Option<State> {
+    let Algorithm::TokenBucket(p) = *policy.algorithm() else {
+        return state;
+    };
+    let s = p.unless_idle(state, now)?;
+    let l = p.level_at(s, now);
+    Some(State {
+        level: l.credit,
+        prior: kept_hold(Some(s), l.t, now),
+        at: l.t,
+        reserved: l.reserved,
+        reserved_until: if l.reserved > 0 { l.until } else { 0 },
+    })
+}
+
+/// Where a charge admitted with `step` ([`decide`], [`reserve`]) was
+/// counted, for a [`crate::Receipt`]: a window's start, or, for a token
+/// bucket, until when its reservation can be settled (the charge's time
+/// plus [`MAX_RESERVATION`]).
+pub fn receipt(policy: &Policy, step: &Step) -> Nanos {
+    match (policy.algorithm(), step.next) {
+        (_, None) => 0,
+        (Algorithm::TokenBucket(_), Some(next)) => next.at.saturating_add(MAX_RESERVATION),
+        (_, Some(next)) => next.at,
+    }
+}
+
+/// Gives back `cost`, admitted with [`reserve`] and counted at `counted`
+/// ([`receipt`]), to `policy`'s `state` at `now`: the charge did not
+/// count (its outcome did not match). The state to keep (`None`: no
+/// state).
 ///
-/// Exact: the budget is then what it would be had that admission never
-/// been made, as far as its rule can tell:
+/// Exact: the budget is then what it would be had that charge never been
+/// made, as far as its rule can tell:
 ///
-/// - a token bucket gets `cost` back, up to its capacity, as of `now`: a
-///   state dated later (a debt) has that much less of it. A bucket that
-///   holds requests for later (shaping) gives nothing back while it holds
-///   them: its credit until then is theirs;
+/// - a token bucket gets `cost` back from its reserved units, while they
+///   have not lapsed (before `counted`); it has refilled no higher than
+///   its capacity less them meanwhile, so that is exactly the credit it
+///   would have without the charge. A bucket that holds requests for later
+///   (shaping) gives nothing back while it holds them;
 /// - a fixed window gives `cost` back only while the window it was counted
 ///   in is open;
 /// - a sliding window gives it back to the window it was counted in, while
@@ -322,51 +403,66 @@ pub fn refund(
     state: Option<State>,
     now: Nanos,
     cost: u64,
-    window: Nanos,
+    counted: Nanos,
+) -> Option<State> {
+    settle(policy, state, now, cost, counted, true)
+}
+
+/// Confirms `cost`, admitted with [`reserve`] and counted at `counted`
+/// ([`receipt`]): the charge counts (its outcome matched). A token bucket's
+/// reserved units lose it (the credit stays spent, and the bucket refills
+/// to its capacity again); other algorithms are unchanged.
+pub fn confirm(
+    policy: &Policy,
+    state: Option<State>,
+    now: Nanos,
+    cost: u64,
+    counted: Nanos,
+) -> Option<State> {
+    settle(policy, state, now, cost, counted, false)
+}
+
+fn settle(
+    policy: &Policy,
+    state: Option<State>,
+    now: Nanos,
+    cost: u64,
+    counted: Nanos,
+    back: bool,
 ) -> Option<State> {
     let s = state?;
     match *policy.algorithm() {
         Algorithm::TokenBucket(p) => {
-            if hold_end(s).is_some_and(|end| end > now) || p.unless_idle(state, now).is_none() {
+            let need = cost.saturating_mul(p.denominator);
+            let l = p.level_at(s, now);
+            let held = hold_end(s).is_some_and(|end| end > now);
+            if l.reserved < need || l.t >= counted || (back && held) {
                 return state;
             }
-            // Credit as a signed amount at `now`: a state dated later
-            // lacks the refill until then.
-            let num = i128::from(p.numerator);
-            let credit = if s.at > now {
-                i128::from(s.level.min(p.cap())) - i128::from(s.at - now) * num
-            } else {
-                i128::from(p.refilled(s.level, s.at, now).0)
-            };
-            let back = credit
-                .saturating_add(i128::from(cost).saturating_mul(i128::from(p.denominator)))
-                .min(i128::from(p.cap()));
-            let next = match u64::try_from(back) {
-                Ok(level) => State {
-                    level,
-                    prior: 0,
-                    at: now,
-                },
-                Err(_) => State {
-                    level: 0,
-                    prior: 0,
-                    at: now.saturating_add(sat(back.unsigned_abs().div_ceil(num.unsigned_abs()))),
-                },
-            };
-            (next.level < p.cap() || p.initial == Initial::Empty).then_some(next)
+            let reserved = l.reserved - need;
+            Some(State {
+                // Below the capacity less what was reserved, so below the
+                // capacity less what stays reserved with `need` added.
+                level: if back { l.credit + need } else { l.credit },
+                prior: kept_hold(state, l.t, now),
+                at: l.t,
+                reserved,
+                reserved_until: if reserved > 0 { l.until } else { 0 },
+            })
         }
+        Algorithm::FixedWindow(_) | Algorithm::SlidingWindow(_) if !back => state,
         Algorithm::FixedWindow(w) => {
             let open = now < s.at.saturating_add(w.window);
-            if s.at != window || !open || s.level < cost {
+            if s.at != counted || !open || s.level < cost {
                 return state;
             }
             let level = s.level - cost;
             (level > 0).then_some(State { level, ..s })
         }
         Algorithm::SlidingWindow(w) => {
-            let (cur, prev) = if s.at == window && s.level >= cost {
+            let (cur, prev) = if s.at == counted && s.level >= cost {
                 (s.level - cost, s.prior)
-            } else if s.at == window.saturating_add(w.window) && s.prior >= cost {
+            } else if s.at == counted.saturating_add(w.window) && s.prior >= cost {
                 (s.level, s.prior - cost)
             } else {
                 return state;
@@ -375,6 +471,7 @@ pub fn refund(
                 level: cur,
                 prior: prev,
                 at: s.at,
+                ..State::default()
             })
         }
     }
@@ -461,6 +558,7 @@ pub fn carry_over(from: &Algorithm, state: State, to: &Algorithm, now: Nanos) ->
                     level: 0,
                     prior: 1,
                     at: carried.at.max(end),
+                    ..State::default()
                 },
                 None => carried,
             })
@@ -479,6 +577,7 @@ pub fn carry_over(from: &Algorithm, state: State, to: &Algorithm, now: Nanos) ->
                 level: spent,
                 prior: 0,
                 at: held.map_or(t, |end| t.max(end)),
+                ..State::default()
             })
         }
     }
@@ -502,6 +601,7 @@ fn into_bucket(b: &TokenBucket, spent: u128, per_token: u128, now: Nanos) -> Sta
             level: sat(cap - units),
             prior: 0,
             at: now,
+            ..State::default()
         };
     }
     // The smallest wait x with per_token · (cap + x · num) >= spent · den.
@@ -522,6 +622,7 @@ fn into_bucket(b: &TokenBucket, spent: u128, per_token: u128, now: Nanos) -> Sta
         level: 0,
         prior: 0,
         at: now.saturating_add(sat(lo)),
+        ..State::default()
     }
 }
 
@@ -597,10 +698,93 @@ impl TokenBucket {
         per(self.cap() - credit, self.numerator)
     }
 
-    /// When the bucket `s` describes is full.
+    /// The bucket `s` describes as it stands at `now`: its credit refilled
+    /// (up to the capacity less what is reserved, until that lapses), the
+    /// time that holds at (`now`, or the state's own later time: a clock
+    /// behind it refills nothing), and what is still reserved then.
     #[inline(always)]
-    fn full_at(&self, s: State) -> Nanos {
-        s.at.saturating_add(self.time_to_full(s.level.min(self.cap())))
+    fn level_at(&self, s: State, now: Nanos) -> Level {
+        if s.reserved == 0 {
+            let (credit, t) = self.refilled(s.level, s.at, now);
+            return Level {
+                credit,
+                t,
+                reserved: 0,
+                until: 0,
+            };
+        }
+        self.reserved_level_at(s, now)
+    }
+
+    #[cold]
+    fn reserved_level_at(&self, s: State, now: Nanos) -> Level {
+        let t = now.max(s.at);
+        let ceiling = self.cap() - s.reserved.min(self.cap());
+        let level = s.level.min(ceiling);
+        let grown = |credit: u64, from: Nanos, to: Nanos, top: u64| {
+            credit
+                .saturating_add((to - from).saturating_mul(self.numerator))
+                .min(top)
+        };
+        if s.reserved_until > t {
+            return Level {
+                credit: grown(level, s.at, t, ceiling),
+                t,
+                reserved: s.reserved,
+                until: s.reserved_until,
+            };
+        }
+        // Lapsed, as confirmed: to the capacity less them until then, to
+        // the capacity since.
+        let lapse = s.reserved_until.max(s.at);
+        let at_lapse = grown(level, s.at, lapse, ceiling);
+        Level {
+            credit: grown(at_lapse, lapse, t, self.cap()),
+            t,
+            reserved: 0,
+            until: 0,
+        }
+    }
+
+    /// When the bucket at `l` is full: not before its reservations lapse.
+    #[inline(always)]
+    fn full_of(&self, l: Level) -> Nanos {
+        if l.reserved == 0 {
+            return l.t.saturating_add(self.time_to_full(l.credit));
+        }
+        let top = self.cap() - l.reserved.min(self.cap());
+        let at_lapse = l
+            .credit
+            .saturating_add((l.until - l.t).saturating_mul(self.numerator))
+            .min(top);
+        l.until.saturating_add(self.time_to_full(at_lapse))
+    }
+
+    /// When `need` fits the bucket at `l`, with nothing else charged and its
+    /// reservations lapsing (as confirmed) if they must, for the credit to
+    /// grow that high; settling them earlier only brings it sooner.
+    #[inline(always)]
+    fn fits_at(&self, l: Level, need: u64) -> Nanos {
+        if l.credit >= need {
+            return l.t;
+        }
+        let top = self.cap() - l.reserved.min(self.cap());
+        if need <= top {
+            return l.t.saturating_add(per(need - l.credit, self.numerator));
+        }
+        let at_lapse = l
+            .credit
+            .saturating_add((l.until - l.t).saturating_mul(self.numerator))
+            .min(top);
+        l.until.saturating_add(per(need - at_lapse, self.numerator))
+    }
+
+    /// Whether `state` has reservations written (settled or lapsed or not:
+    /// the next write that is not a reservation clears those that lapsed):
+    /// it is not shaped then, so that a reservation's hold never has to
+    /// be given back over reserved units.
+    fn reserving(&self, state: Option<State>) -> bool {
+        state.is_some_and(|s| s.reserved != 0)
     }
 
     /// Scaled units missing from the bucket at `now`: the capacity less the
@@ -609,7 +793,8 @@ impl TokenBucket {
     /// have then and the refill until then.
     fn spent(&self, s: State, now: Nanos) -> u128 {
         if now >= s.at {
-            u128::from(self.cap() - self.refilled(s.level, s.at, now).0)
+            // What is reserved counts as spent (as if confirmed).
+            u128::from(self.cap() - self.level_at(s, now).credit)
         } else {
             u128::from(self.cap() - s.level.min(self.cap()))
                 + u128::from(s.at - now) * u128::from(self.numerator)
@@ -620,7 +805,10 @@ impl TokenBucket {
     /// none) and the time it holds at: `now`, or the state's own later time.
     fn credit_at(&self, state: Option<State>, now: Nanos) -> (u64, Nanos) {
         match self.unless_idle(state, now) {
-            Some(s) => self.refilled(s.level, s.at, now),
+            Some(s) => {
+                let l = self.level_at(s, now);
+                (l.credit, l.t)
+            }
             None => match self.initial {
                 Initial::Full => (self.cap(), now),
                 Initial::Empty => (0, now),
@@ -639,7 +827,10 @@ impl TokenBucket {
         match state {
             Some(s)
                 if self.initial == Initial::Empty
-                    && self.full_at(s).saturating_add(EMPTY_KEPT_FULL) <= now
+                    && self
+                        .full_of(self.level_at(s, s.at))
+                        .saturating_add(EMPTY_KEPT_FULL)
+                        <= now
                     && hold_end(s).is_none_or(|end| end <= now) =>
             {
                 None
@@ -668,62 +859,78 @@ fn per(units: u64, numerator: u64) -> u64 {
     }
 }
 
+/// A token bucket as it stands at a time: see [`TokenBucket::level_at`].
+#[derive(Debug, Clone, Copy)]
+struct Level {
+    credit: u64,
+    t: Nanos,
+    /// Units still reserved at `t` (0 once they lapsed).
+    reserved: u64,
+    /// When they lapse (after `t` while any are reserved).
+    until: Nanos,
+}
+
 #[inline(always)]
 fn token_bucket(p: &TokenBucket, state: Option<State>, now: Nanos, cost: u64) -> Step {
     let state = p.unless_idle(state, now);
-    let (credit, at) = match state {
-        Some(s) => (s.level, s.at),
-        None => match p.initial {
-            Initial::Full => (p.cap(), now),
-            Initial::Empty => (0, now),
+    let l = match state {
+        Some(s) => p.level_at(s, now),
+        None => Level {
+            credit: match p.initial {
+                Initial::Full => p.cap(),
+                Initial::Empty => 0,
+            },
+            t: now,
+            reserved: 0,
+            until: 0,
         },
     };
-    let (credit, t) = p.refilled(credit, at, now);
-    let lead = t - now;
     // `decide` refused costs above the capacity, so this fits.
     let need = cost.saturating_mul(p.denominator);
-    if credit >= need {
-        let left = credit - need;
-        let full_in = p.time_to_full(left);
-        let next = State {
-            level: left,
-            prior: kept_hold(state, t, now),
-            at: t,
+    if l.credit >= need {
+        let after = Level {
+            credit: l.credit - need,
+            ..l
         };
+        let next = State {
+            level: after.credit,
+            prior: kept_hold(state, l.t, now),
+            at: l.t,
+            reserved: l.reserved,
+            reserved_until: l.until,
+        };
+        let full = p.full_of(after);
         Step {
             decision: Decision::Admitted {
-                remaining: p.tokens(left),
-                reset: Duration::from_nanos(lead.saturating_add(full_in)),
+                remaining: p.tokens(after.credit),
+                reset: Duration::from_nanos(full - now),
             },
             next: Some(next),
             idle_at: if next.prior == 0 && p.initial == Initial::Full {
-                t.saturating_add(full_in)
+                full
             } else {
                 idle_since(&Algorithm::TokenBucket(*p), next)
             },
         }
     } else {
-        let full_in = p.time_to_full(credit);
         let next = match (state, p.initial) {
             (None, Initial::Empty) => Some(State {
-                level: 0,
-                prior: 0,
                 at: now,
+                ..State::default()
             }),
             _ => None,
         };
+        let full = p.full_of(l);
         Step {
             decision: Decision::Denied {
-                retry_after: Duration::from_nanos(
-                    lead.saturating_add(per(need - credit, p.numerator)),
-                ),
-                remaining: p.tokens(credit),
-                reset: Duration::from_nanos(lead.saturating_add(full_in)),
+                retry_after: Duration::from_nanos(p.fits_at(l, need) - now),
+                remaining: p.tokens(l.credit),
+                reset: Duration::from_nanos(full - now),
             },
             next,
             idle_at: match next.or(state) {
                 Some(kept) => idle_since(&Algorithm::TokenBucket(*p), kept),
-                None => t.saturating_add(full_in),
+                None => full,
             },
         }
     }
@@ -750,6 +957,7 @@ fn fixed_window(limit: u64, window: Nanos, state: Option<State>, now: Nanos, cos
                 level: count + cost,
                 prior: 0,
                 at: start,
+                ..State::default()
             }),
             idle_at: end,
         }
@@ -858,6 +1066,7 @@ fn sliding_window(limit: u64, window: Nanos, state: Option<State>, now: Nanos, c
                 level: sat(cur),
                 prior: sat(prev),
                 at: sat(sl.start),
+                ..State::default()
             }),
             idle_at: sat(sl.now + reset),
         }

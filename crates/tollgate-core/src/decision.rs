@@ -207,11 +207,13 @@ pub struct Outcome {
     receipt: Option<Box<Receipt>>,
 }
 
-/// What an admitted call spent, for giving its refundable charges back
-/// ([`Charge::refundable`], [`Store::refund`](crate::Store::refund)): per
-/// charge, in charge order, where its admission was counted in the
-/// store's own time (a window's start; unused for token buckets), so that
-/// a refund never comes out of a window the admission was not counted in.
+/// What an admitted call spent, for settling its refundable charges
+/// ([`Charge::refundable`], [`Store::refund`](crate::Store::refund),
+/// [`Store::confirm`](crate::Store::confirm)): per charge, in charge
+/// order, where its admission was counted, in the store's own time
+/// ([`crate::algorithm::receipt`]: a window's start, so that a refund
+/// never comes out of a window the admission was not counted in; for a
+/// token bucket, until when its reservation can be settled).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Receipt {
     windows: Vec<crate::Nanos>,

@@ -110,10 +110,10 @@ pub trait Store: Send + Sync + 'static {
         std::future::ready(Ok(()))
     }
 
-    /// Whether [`Store::refund`] is implemented, and admitted calls with
-    /// refundable charges carry a [`Receipt`] (the default: no). The HTTP
-    /// layer refuses, when it is built, rules charged by outcome on a
-    /// store without it.
+    /// Whether [`Store::refund`] and [`Store::confirm`] are implemented,
+    /// and admitted calls with refundable charges carry a [`Receipt`] (the
+    /// default: no). The HTTP layer refuses, when it is built, rules
+    /// charged by outcome on a store without it.
     fn can_refund(&self) -> bool {
         false
     }
@@ -122,10 +122,11 @@ pub trait Store: Send + Sync + 'static {
     /// ones, with `receipt` their part of that call's
     /// [`Outcome::receipt`] ([`Receipt::only`]): each budget is then as if
     /// that admission had never been made, as far as its rule can tell
-    /// ([`crate::algorithm::refund`]: a window gives back only while the
-    /// admission's window counts, a bucket that holds requests for later
-    /// gives nothing back). Never more than was charged; a refund that
-    /// fails leaves the charge spent.
+    /// ([`crate::algorithm::refund`]: a token bucket's reserved units come
+    /// back until they lapse, a window's only while the admission's window
+    /// counts, a bucket that holds requests for later gives nothing back).
+    /// Never more than was charged; a refund that fails leaves the charge
+    /// spent (its reservation lapses as confirmed).
     ///
     /// The default answers [`StoreErrorKind::Unsupported`].
     fn refund<'a>(
@@ -137,6 +138,26 @@ pub trait Store: Send + Sync + 'static {
         std::future::ready(Err(StoreError::new(
             StoreErrorKind::Unsupported,
             "this store cannot give charges back",
+        )))
+    }
+
+    /// Confirms `charges`, admitted earlier as [`Charge::refundable`] ones
+    /// (with `receipt`, as for [`Store::refund`]): they count. A token
+    /// bucket's reserved units lose them, so it refills to its whole
+    /// capacity again ([`crate::algorithm::confirm`]); unconfirmed, they
+    /// lapse as confirmed [`crate::algorithm::MAX_RESERVATION`] after the
+    /// charge.
+    ///
+    /// The default answers [`StoreErrorKind::Unsupported`].
+    fn confirm<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        receipt: &'a Receipt,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        let _ = (charges, receipt);
+        std::future::ready(Err(StoreError::new(
+            StoreErrorKind::Unsupported,
+            "this store cannot confirm charges",
         )))
     }
 }
@@ -179,6 +200,13 @@ pub trait DynStore: Send + Sync + 'static {
 
     /// [`Store::refund`], boxed.
     fn refund_boxed<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        receipt: &'a Receipt,
+    ) -> StoreFuture<'a, Result<(), StoreError>>;
+
+    /// [`Store::confirm`], boxed.
+    fn confirm_boxed<'a>(
         &'a self,
         charges: &'a [Charge],
         receipt: &'a Receipt,
@@ -235,6 +263,14 @@ impl<S: Store> DynStore for S {
     ) -> StoreFuture<'a, Result<(), StoreError>> {
         Box::pin(self.refund(charges, receipt))
     }
+
+    fn confirm_boxed<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        receipt: &'a Receipt,
+    ) -> StoreFuture<'a, Result<(), StoreError>> {
+        Box::pin(self.confirm(charges, receipt))
+    }
 }
 
 impl Store for Arc<dyn DynStore> {
@@ -287,6 +323,14 @@ impl Store for Arc<dyn DynStore> {
     ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
         (**self).refund_boxed(charges, receipt)
     }
+
+    fn confirm<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        receipt: &'a Receipt,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        (**self).confirm_boxed(charges, receipt)
+    }
 }
 
 impl<S: Store> Store for Arc<S> {
@@ -338,6 +382,14 @@ impl<S: Store> Store for Arc<S> {
         receipt: &'a Receipt,
     ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
         (**self).refund(charges, receipt)
+    }
+
+    fn confirm<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        receipt: &'a Receipt,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        (**self).confirm(charges, receipt)
     }
 }
 

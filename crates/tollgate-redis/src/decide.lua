@@ -6,14 +6,17 @@
 -- ARGV[2]   injected seconds since the store epoch, ARGV[3] injected nanoseconds
 -- ARGV[4]   the store epoch, in Unix seconds
 -- ARGV[5]   "charge" (write only if every charge is admitted), "peek" (never
---           write), "refund" (give back an earlier admission) or "cancel"
---           (give back a delayed call's reservations)
+--           write), "refund" (give back an earlier admission), "confirm"
+--           (settle a reserved one as counted) or "cancel" (give back a
+--           delayed call's reservations)
 -- ARGV[5 + i] charge i: eight little-endian doubles (struct "<dddddddd"):
 --           algorithm (1 token bucket, 2 fixed window, 3 sliding window),
 --           p1, p2, p3, p4, need, then for refunds the window start (era,
---           offset) that the admission reported; in charge mode, a shaped
---           charge's longest wait in ns and 0 (0, 0 unshaped); in cancel
---           mode see below. The same
+--           offset) that the admission reported (for a token bucket's
+--           reserved charge: until when it can be settled; (0, 0) for a
+--           plain one, given back at once); in charge mode, a shaped
+--           charge's longest wait in ns (0 unshaped) and 1 for a charge to
+--           reserve (refundable), else 0; in cancel mode see below. The same
 --           eight integers as text, joined by ":", are accepted too, for
 --           tools that cannot send binary arguments (redis-benchmark); the
 --           store always sends the packed form, which is cheaper to read.
@@ -25,7 +28,8 @@
 --
 -- State: nine little-endian doubles, 72 bytes: (level, prior, era,
 -- offset) and the numbers that wrote it (algorithm, p1..p4, as in a
--- charge). Binary because parsing and formatting text was most of the
+-- charge); a token bucket with units reserved adds two, 88 bytes: the
+-- units reserved and how long after (era, offset) they lapse. Binary because parsing and formatting text was most of the
 -- script's cost. A key's state belongs to its policy's name and unit (the
 -- key names them), not to its numbers: a charge with other numbers (a
 -- plan upgrade, a limit changed at runtime) first carries the state over
@@ -36,6 +40,10 @@
 -- (shaping), 1 plus how long after the state's time the last held request
 -- is released: tollgate_core's algorithm::State. Every write of the bucket
 -- keeps it until then.
+-- Reserved units (a charge kept only for some outcomes, not yet settled)
+-- are taken from the level and keep the bucket below its capacity by as
+-- much until they are settled or lapse (as confirmed): tollgate_core's
+-- algorithm::reserve.
 --
 -- Reply: per charge {admitted 1/0, remaining, reset ns, retry ns, era, offset,
 -- remaining before, reset before}: the last two describe the budget as it
@@ -137,8 +145,14 @@ local function load(key)
   local v = pending[key]
   if v == nil then v = redis.call("GET", key) end
   if not v then return nil end
+  -- (struct.unpack returns the next position after the values: dropped.)
   if #v == 72 then
-    return struct.unpack("<ddddddddd", v)
+    local l, p, e, o, a, q1, q2, q3, q4 = struct.unpack("<ddddddddd", v)
+    return l, p, e, o, a, q1, q2, q3, q4, 0, 0
+  end
+  if #v == 88 then
+    local l, p, e, o, a, q1, q2, q3, q4, r, rl = struct.unpack("<ddddddddddd", v)
+    return l, p, e, o, a, q1, q2, q3, q4, r, rl
   end
   if #v == 32 then
     local a, b, c, d = struct.unpack("<dddd", v)
@@ -149,7 +163,10 @@ local function load(key)
   return tonumber(a), tonumber(b), tonumber(c), tonumber(d)
 end
 
-local function state(level, prior, e, o, algo, p1, p2, p3, p4)
+local function state(level, prior, e, o, algo, p1, p2, p3, p4, reserved, rel)
+  if reserved ~= nil and reserved > 0 then
+    return struct.pack("<ddddddddddd", level, prior, e, o, algo, p1, p2, p3, p4, reserved, rel)
+  end
   return struct.pack("<ddddddddd", level, prior, e, o, algo, p1, p2, p3, p4)
 end
 
@@ -249,14 +266,69 @@ local function hold_prior(he, ho, ae, ao)
 end
 
 -- When a bucket's state (capacity cap, num units per ns, full_start 1 if
--- it starts full) is idle: full, a minute later for one that starts empty,
--- and never before its hold ends.
-local function bucket_idle(level, prior, se, so, cap, num, full_start)
-  local ie, io = add(se, so, cdiv(cap - math.min(level, cap), num))
+-- it starts full, units reserved lapsing rel ns after its time) is idle:
+-- full (not before its reservations lapse), a minute later for one that
+-- starts empty, and never before its hold ends.
+local function bucket_idle(level, prior, se, so, cap, num, full_start, reserved, rel)
+  local ie, io
+  if reserved ~= nil and reserved > 0 and rel > 0 then
+    local top = cap - math.min(reserved, cap)
+    local ue, uo = add(se, so, rel)
+    local at_lapse = refill(math.min(level, top), top, num, rel)
+    ie, io = add(ue, uo, cdiv(cap - at_lapse, num))
+  else
+    ie, io = add(se, so, cdiv(cap - math.min(level, cap), num))
+  end
   if full_start ~= 1 then ie, io = add(ie, io, KEEP) end
   local he, ho = hold_end(prior, se, so)
   if he ~= nil and before(ie, io, he, ho) then ie, io = he, ho end
   return ie, io
+end
+
+-- How long a reservation may wait to be settled (tollgate_core's
+-- algorithm::MAX_RESERVATION).
+local MAX_RESERVATION = 60000000000
+
+-- tollgate_core's TokenBucket::level_at: a bucket's credit at now (or at
+-- its own later time), refilled up to the capacity less what is reserved
+-- until that lapses, then to the capacity; that time; what is still
+-- reserved then, and when it lapses.
+local function bucket_level(level, se, so, cap, num, reserved, rel)
+  local te, to = NE, NO
+  if before(NE, NO, se, so) then te, to = se, so end
+  if reserved == nil or reserved == 0 then
+    return refill(level, cap, num, diff(te, to, se, so)), te, to, 0, 0, 0
+  end
+  local top = cap - math.min(reserved, cap)
+  local lv = math.min(level, top)
+  local ue, uo = se, so
+  if rel > 0 then ue, uo = add(se, so, rel) end
+  if before(te, to, ue, uo) then
+    return refill(lv, top, num, diff(te, to, se, so)), te, to, reserved, ue, uo
+  end
+  -- Lapsed, as confirmed: to the capacity less them until then, to the
+  -- capacity since.
+  local at_lapse = refill(lv, top, num, diff(ue, uo, se, so))
+  return refill(at_lapse, cap, num, diff(te, to, ue, uo)), te, to, 0, 0, 0
+end
+
+-- When the bucket at (credit, te, to) with reserved units lapsing at
+-- (ue, uo) is full (TokenBucket::full_of).
+local function bucket_full(credit, te, to, cap, num, reserved, ue, uo)
+  if reserved == 0 then return add(te, to, cdiv(cap - credit, num)) end
+  local top = cap - math.min(reserved, cap)
+  local at_lapse = refill(credit, top, num, diff(ue, uo, te, to))
+  return add(ue, uo, cdiv(cap - at_lapse, num))
+end
+
+-- When need fits that bucket (TokenBucket::fits_at): reservations lapse,
+-- as confirmed, if they must for the credit to grow that high.
+local function bucket_fits(credit, te, to, cap, num, reserved, ue, uo, need)
+  if credit >= need then return te, to end
+  local top = cap - math.min(reserved, cap)
+  if reserved == 0 or need <= top then return add(te, to, cdiv(need - credit, num)) end
+  local at_lapse = refill(credit, top, num, diff(ue, uo, te, to))
+  return add(ue, uo, cdiv(need - at_lapse, num))
 end
 
 -- Under injected time Redis still expires keys on its own clock, which the
@@ -292,11 +364,11 @@ end
 
 -- The state written under numbers (oa, o1..o4) as read under (a, q1..q4):
 -- tollgate_core's algorithm::carry_over. Returns nothing for no state.
-local function carry(oa, o1, o2, o3, o4, level, prior, se, so, a, q1, q2, q3, q4)
+local function carry(oa, o1, o2, o3, o4, level, prior, se, so, reserved, rel, a, q1, q2, q3, q4)
   -- Brought to now under the numbers that wrote it: idle is no state.
   local ie, io
   if oa == 1 then
-    ie, io = bucket_idle(level, prior, se, so, o1, o2, o4)
+    ie, io = bucket_idle(level, prior, se, so, o1, o2, o4, reserved, rel)
   elseif oa == 2 then
     ie, io = add(se, so, o2)
   elseif level > 0 then
@@ -323,7 +395,8 @@ local function carry(oa, o1, o2, o3, o4, level, prior, se, so, a, q1, q2, q3, q4
     if before(NE, NO, se, so) then
       spent_units = badd(big(o1 - math.min(level, o1)), bmul(big(diff(se, so, NE, NO)), o2))
     else
-      spent_units = big(o1 - refill(level, o1, o2, diff(NE, NO, se, so)))
+      -- What is reserved counts as spent (as if confirmed).
+      spent_units = big(o1 - bucket_level(level, se, so, o1, o2, reserved, rel))
     end
     if a == 1 then
       -- Requests held until later keep the new bucket empty until the
@@ -363,6 +436,10 @@ local created_now = {}
 -- Shaping: per charge, a shaped token bucket's numbers and credit; whether
 -- it was refused; the index of its write; whether a key repeats.
 local buckets, refused, wrote, repeated = {}, {}, {}, false
+-- Initially-empty buckets a refused call found with room, as they stand:
+-- written so that they are kept a minute from now (tollgate_core's
+-- algorithm::as_of).
+local touches = {}
 local all = true
 local n = #KEYS
 
@@ -410,7 +487,7 @@ if mode == "cancel" then
         and level == wl and prior == wp and se == we_ and so == wo_ then
       if had == 1 then
         redis.call("SET", key, state(bl, bp, be, bo, oa, o1, o2, o3, o4), "PX",
-                   ttl(bucket_idle(bl, bp, be, bo, p1, p2, o4)))
+                   ttl(bucket_idle(bl, bp, be, bo, p1, p2, o4, 0, 0)))
       else
         redis.call("DEL", key)
       end
@@ -428,10 +505,15 @@ for i = 1, n do
   -- The first charge of the call on this key reads what is stored.
   local stored = not seen[key]
   seen[key] = true
-  local level, prior, se, so, oa, o1, o2, o3, o4 = load(key)
+  local level, prior, se, so, oa, o1, o2, o3, o4, reserved, rel = load(key)
+  if reserved == nil then reserved, rel = 0, 0 end
+  local carried = false
   if level ~= nil and oa ~= nil
       and not (oa == algo and o1 == p1 and o2 == p2 and o3 == p3 and o4 == p4) then
-    level, prior, se, so = carry(oa, o1, o2, o3, o4, level, prior, se, so, algo, p1, p2, p3, p4)
+    level, prior, se, so = carry(oa, o1, o2, o3, o4, level, prior, se, so, reserved, rel,
+                                 algo, p1, p2, p3, p4)
+    reserved, rel = 0, 0
+    carried = true
     if stored and mode == "charge" then
       -- Written as converted unless this charge writes: the key is under
       -- the new numbers from its first charge, admitted or not.
@@ -449,8 +531,8 @@ for i = 1, n do
     -- Token bucket: p1 = capacity in scaled units, p2 = units per ns,
     -- p3 = units per token, p4 = 1 if a new bucket starts full.
     local cap, num, den = p1, p2, p3
-    local credit
-    if level ~= nil and p4 == 0 and not before(NE, NO, bucket_idle(level, prior, se, so, cap, num, 0)) then
+    if level ~= nil and p4 == 0
+        and not before(NE, NO, bucket_idle(level, prior, se, so, cap, num, 0, reserved, rel)) then
       -- Idle (full for a minute): an initially-empty bucket starts afresh,
       -- as one never seen (or expired) would.
       level = nil
@@ -459,61 +541,97 @@ for i = 1, n do
     local he, ho
     if level ~= nil then he, ho = hold_end(prior, se, so) end
     local stored_level = level
+    -- The credit as it stands (at now, or at the state's own later time:
+    -- a clock behind it refills nothing and moves nothing back), what is
+    -- still reserved, and when that lapses.
+    local credit, te, to, rnow, ue, uo
     if level == nil then
       if p4 == 1 then credit = cap else credit = 0 end
-      se, so = NE, NO
+      se, so, te, to, rnow, ue, uo = NE, NO, NE, NO, 0, 0, 0
     else
-      credit = level
+      credit, te, to, rnow, ue, uo = bucket_level(level, se, so, cap, num, reserved, rel)
     end
-    -- A clock behind the state's time refills nothing and moves nothing back.
-    local te, to = NE, NO
-    if before(NE, NO, se, so) then te, to = se, so end
     local lead = diff(te, to, NE, NO)
-    local el = diff(te, to, se, so)
-    credit = refill(credit, cap, num, el)
-    br, bt = idiv(credit, den), lead + cdiv(cap - credit, num)
+    local fe, fo = bucket_full(credit, te, to, cap, num, rnow, ue, uo)
+    br, bt = idiv(credit, den), diff(fe, fo, NE, NO)
     -- What shaping needs: the credit at (te, to), and how long it may wait.
-    if re > 0 and mode == "charge" and num <= den then
+    -- (A bucket with reservations written is not shaped.)
+    if re > 0 and mode == "charge" and num <= den and reserved == 0 then
       buckets[i] = {credit = credit, te = te, to = to, cap = cap, num = num, den = den,
                     need = need, wait = re, numbers = {algo, p1, p2, p3, p4}, found = found}
     end
-    if mode == "refund" then
-      -- tollgate_core's algorithm::refund: the cost back as of now, up to
-      -- the capacity (a state dated later, a debt, owes less); nothing
-      -- for no state, nor while requests are held for later.
+    -- A state written now that keeps what is reserved (r units lapsing at
+    -- (ae, ao)).
+    local function keeping(lv, kept, r, ae, ao)
+      local rl = 0
+      if r > 0 then rl = diff(ae, ao, te, to) end
+      return state(lv, kept, te, to, algo, p1, p2, p3, p4, r, rl),
+             bucket_idle(lv, kept, te, to, cap, num, p4, r, rl)
+    end
+    local held = he ~= nil and before(NE, NO, he, ho)
+    if mode == "refund" or mode == "confirm" then
       ok = 1
-      if stored_level ~= nil and not (he ~= nil and before(NE, NO, he, ho)) then
-        local back = need
-        local le, lo = NE, NO
-        if lead > 0 then
-          -- credit now = level - lead * num, in time: what comes back
-          -- covers `idiv(level + back, num)` ns of the debt.
-          local covers = idiv(math.min(stored_level, cap) + back, num)
-          if covers >= lead then
-            back = math.min(cap, math.min(stored_level, cap) + back - lead * num)
+      if stored_level == nil then
+        -- No state: nothing to give back or settle.
+      elseif mode == "refund" and re == 0 and ro == 0 then
+        -- A plain admission given back at once (a call charged slot by
+        -- slot and refused): the cost back as of now, up to what the
+        -- bucket may hold; a state dated later (a debt) owes less;
+        -- nothing while requests are held for later.
+        if not held then
+          local top = cap - math.min(rnow, cap)
+          local back = need
+          local le, lo = NE, NO
+          if lead > 0 then
+            local covers = idiv(math.min(credit, top) + back, num)
+            if covers >= lead then
+              back = math.min(top, math.min(credit, top) + back - lead * num)
+            else
+              le, lo = add(NE, NO, lead - covers)
+              back = 0
+            end
           else
-            le, lo = add(NE, NO, lead - covers)
-            back = 0
+            back = math.min(top, credit + back)
           end
-        else
-          back = math.min(cap, credit + back)
+          local rl = 0
+          if rnow > 0 then rl = diff(ue, uo, le, lo) end
+          write = NONE
+          if back < cap or p4 == 0 or rnow > 0 then
+            write = state(back, 0, le, lo, algo, p1, p2, p3, p4, rnow, rl)
+          end
+          idle_e, idle_o = bucket_idle(back, 0, le, lo, cap, num, p4, rnow, rl)
         end
-        write = NONE
-        if back < cap or p4 == 0 then write = state(back, 0, le, lo, algo, p1, p2, p3, p4) end
-        idle_e, idle_o = bucket_idle(back, 0, le, lo, cap, num, p4)
+      elseif rnow >= need and before(te, to, re, ro) and not (mode == "refund" and held) then
+        -- A reservation settled before it lapsed: given back (refund) or
+        -- counted (confirm); either way no longer reserved.
+        local lv = credit
+        if mode == "refund" then lv = credit + need end
+        write, idle_e, idle_o = keeping(lv, hold_prior(he, ho, te, to), rnow - need, ue, uo)
       end
     elseif credit >= need then
+      if p4 == 0 and stored_level ~= nil and mode == "charge" and stored and not carried then
+        local as_is, ie, io = keeping(credit, hold_prior(he, ho, te, to), rnow, ue, uo)
+        touches[#touches + 1] = {key, as_is, ie, io}
+      end
       local left = credit - need
-      local full_in = cdiv(cap - left, num)
       local kept = hold_prior(he, ho, te, to)
-      ok, remaining, reset = 1, idiv(left, den), lead + full_in
-      write = state(left, kept, te, to, algo, p1, p2, p3, p4)
-      idle_e, idle_o = bucket_idle(left, kept, te, to, cap, num, p4)
-      we, wo = te, to
+      local r, ae, ao = rnow, ue, uo
+      if ro == 1 and mode == "charge" then
+        -- Reserved: settled later, or lapsing a minute from now; the
+        -- reply carries until when (the receipt).
+        local de, do_ = add(te, to, MAX_RESERVATION)
+        if r == 0 or before(ae, ao, de, do_) then ae, ao = de, do_ end
+        r = r + need
+        we, wo = de, do_
+      end
+      local xe, xo = bucket_full(left, te, to, cap, num, r, ae, ao)
+      ok, remaining, reset = 1, idiv(left, den), diff(xe, xo, NE, NO)
+      write, idle_e, idle_o = keeping(left, kept, r, ae, ao)
     else
       remaining = idiv(credit, den)
-      reset = lead + cdiv(cap - credit, num)
-      retry = lead + cdiv(need - credit, num)
+      reset = bt
+      local ge, go = bucket_fits(credit, te, to, cap, num, rnow, ue, uo, need)
+      retry = diff(ge, go, NE, NO)
       if level == nil and p4 == 0 then
         -- Record when an initially-empty bucket was created (spends
         -- nothing); a later charge of this call on the key sees it, also
@@ -541,7 +659,9 @@ for i = 1, n do
     -- As it stands: a window not yet opened (or over) is full now.
     br, bt = math.max(0, limit - count), 0
     if open then bt = left_ns end
-    if mode == "refund" then
+    if mode == "confirm" then
+      ok = 1
+    elseif mode == "refund" then
       ok = 1
       if level ~= nil and re == ws_e and ro == ws_o and count >= need then
         write = NONE
@@ -578,7 +698,9 @@ for i = 1, n do
     local weighted = prev * (w - e) + cur * w
     br = idiv(math.max(0, limit * w - weighted), w)
     bt = until_idle(prev, cur)
-    if mode == "refund" then
+    if mode == "confirm" then
+      ok = 1
+    elseif mode == "refund" then
       ok = 1
       if level ~= nil then
         if re == se and ro == so and cur >= need then
@@ -693,7 +815,7 @@ if mode == "charge" and not all and not repeated and next(buckets) ~= nil then
       local held = hold_prior(he, ho, ae, ao)
       local nb = b.numbers
       local w = {KEYS[i], state(level, held, ae, ao, nb[1], nb[2], nb[3], nb[4], nb[5]),
-                 bucket_idle(level, held, ae, ao, b.cap, b.num, nb[5])}
+                 bucket_idle(level, held, ae, ao, b.cap, b.num, nb[5], 0, 0)}
       if wrote[i] then writes[wrote[i]] = w else writes[#writes + 1] = w end
       local lead = 0
       if before(NE, NO, ae, ao) then lead = diff(ae, ao, NE, NO) end
@@ -723,7 +845,13 @@ if mode == "charge" and not all and not repeated and next(buckets) ~= nil then
   end
 end
 
-if (mode == "charge" and all) or mode == "refund" then
+if mode == "charge" and not all and not repeated then
+  for _, t in ipairs(touches) do
+    redis.call("SET", t[1], t[2], "PX", ttl(t[3], t[4]))
+  end
+end
+
+if (mode == "charge" and all) or mode == "refund" or mode == "confirm" then
   for _, wr in ipairs(writes) do
     if wr[2] == NONE then
       redis.call("DEL", wr[1])
@@ -752,7 +880,7 @@ for _, c in ipairs(converted) do
       local a, q1, q2 = c[7], c[8], c[9]
       local ie, io
       if a == 1 then
-        ie, io = bucket_idle(level, prior, se, so, q1, q2, c[11])
+        ie, io = bucket_idle(level, prior, se, so, q1, q2, c[11], 0, 0)
       elseif a == 2 or level == 0 then
         ie, io = add(se, so, q2)
       else

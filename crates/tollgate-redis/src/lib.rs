@@ -912,16 +912,13 @@ impl RedisStore {
             .map(|group| Prepared::new(group.iter().map(|&i| (&keys[i], &charges[i]))))
             .collect::<Result<_, _>>()?;
         // Shaping needs one atomic decision: a call spread over slots is
-        // decided unshaped.
+        // decided unshaped. Refundable charges are reserved either way.
         let shaping = prepared.len() == 1;
-        let prepared: Vec<Prepared> = if shaping {
-            prepared
-                .into_iter()
-                .map(|p| p.shaping(charges.iter()))
-                .collect()
-        } else {
-            prepared
-        };
+        let prepared: Vec<Prepared> = groups
+            .iter()
+            .zip(prepared)
+            .map(|(group, p)| p.shaping(group.iter().map(|&i| &charges[i]), shaping))
+            .collect();
         // Refundable charges get a receipt: where each was counted.
         let refundable = charges.iter().any(Charge::is_refundable);
         if let [one] = &prepared[..] {
@@ -930,10 +927,7 @@ impl RedisStore {
                     .charge_one_bucket(one, &keys[0], &charges[0], deadline)
                     .await?
                 {
-                    // A token bucket's refund needs no window.
-                    if refundable && outcome.is_admitted() {
-                        return Ok(outcome.with_receipt(Receipt::new(vec![0])));
-                    }
+                    // (Refundable charges are reserved: never this script.)
                     return Ok(outcome);
                 }
             }
@@ -973,11 +967,7 @@ impl RedisStore {
                 all &= d.is_admitted();
                 decisions[i] = d;
                 before[i] = b;
-                windows[i] = match charges[i].policy().algorithm() {
-                    // A bucket's refund needs no window.
-                    tollgate_core::Algorithm::TokenBucket(_) => 0,
-                    _ => script::window(values),
-                };
+                windows[i] = script::window(values);
             }
             if shaping {
                 let reserved: Vec<(usize, (Duration, State))> = group
@@ -1333,9 +1323,9 @@ impl Store for RedisStore {
         true
     }
 
-    /// Gives refundable charges back: one `refund` script per slot group
-    /// (the decision script's own refund, as for a call charged slot by
-    /// slot), and forgets what the over-limit cache remembered of them.
+    /// Settles refundable charges: one `refund` or `confirm` script per
+    /// slot group; a refund also forgets what the over-limit cache
+    /// remembered of them.
     fn can_refund(&self) -> bool {
         true
     }
@@ -1345,7 +1335,15 @@ impl Store for RedisStore {
         charges: &'a [Charge],
         receipt: &'a Receipt,
     ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
-        self.refund_receipt(charges, receipt)
+        self.settle(charges, receipt, Mode::Refund)
+    }
+
+    fn confirm<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        receipt: &'a Receipt,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        self.settle(charges, receipt, Mode::Confirm)
     }
 
     /// One `cancel` script for the reservation's charges (they share a
@@ -1360,18 +1358,20 @@ impl Store for RedisStore {
 }
 
 impl RedisStore {
-    /// [`Store::refund`]: one `refund` script per slot group. A group that
-    /// fails leaves its charges spent (never more given back than was
-    /// charged); the first error is answered after every group was tried.
-    async fn refund_receipt(
+    /// [`Store::refund`] and [`Store::confirm`] (`mode`): one script per
+    /// slot group. A group that fails leaves its charges reserved, to
+    /// lapse as confirmed (never more given back than was charged); the
+    /// first error is answered after every group was tried.
+    async fn settle(
         &self,
         charges: &[Charge],
         receipt: &Receipt,
+        mode: Mode,
     ) -> Result<(), StoreError> {
         let n = charges.len().min(receipt.windows().len());
         let (charges, windows) = (&charges[..n], &receipt.windows()[..n]);
         let keys: Vec<String> = charges.iter().map(|c| self.redis_key(c)).collect();
-        if let Some(cache) = &self.inner.cache {
+        if let (Some(cache), Mode::Refund) = (&self.inner.cache, mode) {
             for (key, charge) in keys.iter().zip(charges) {
                 cache.forget(key, charge);
             }
@@ -1386,8 +1386,8 @@ impl RedisStore {
         for group in groups {
             let prepared = Prepared::new(group.iter().map(|&i| (&keys[i], &charges[i])))?;
             let windows: Vec<Nanos> = group.iter().map(|&i| windows[i]).collect();
-            let refund = prepared.with_receipt(&windows);
-            if let Err(e) = self.invoke(&refund, Mode::Refund, deadline).await {
+            let settle = prepared.with_receipt(&windows);
+            if let Err(e) = self.invoke(&settle, mode, deadline).await {
                 first_error.get_or_insert(e);
             }
         }

@@ -39,7 +39,12 @@ pub(crate) enum Mode {
     Charge,
     /// Decide without writing anything.
     Peek,
+    /// Give back admissions: at once (a call charged slot by slot and
+    /// refused), or reserved ones ([`Store::refund`](tollgate_core::Store::refund)).
     Refund,
+    /// Settle reserved admissions as counted
+    /// ([`Store::confirm`](tollgate_core::Store::confirm)).
+    Confirm,
     /// Give back a delayed call's reservations.
     Cancel,
 }
@@ -222,13 +227,22 @@ impl Prepared {
     }
 
     /// The same charges, with each shaped one's longest wait
-    /// ([`Charge::shaped`]) for the script to shape by.
-    pub(crate) fn shaping<'a>(mut self, charges: impl Iterator<Item = &'a Charge>) -> Self {
+    /// ([`Charge::shaped`]) for the script to shape by (when `shaping`),
+    /// and each refundable one marked to be reserved
+    /// ([`Charge::refundable`]).
+    pub(crate) fn shaping<'a>(
+        mut self,
+        charges: impl Iterator<Item = &'a Charge>,
+        shaping: bool,
+    ) -> Self {
         for (w, charge) in self.windows.iter_mut().zip(charges) {
-            if let Some(wait) = charge.max_delay() {
+            if let (Some(wait), true) = (charge.max_delay(), shaping) {
                 // Waits beyond the horizon are the horizon: exact below 2^53.
                 let ns = wait.as_nanos().min(MAX_HORIZON_NS);
-                *w = (i64::try_from(ns).unwrap_or(0), 0);
+                w.0 = i64::try_from(ns).unwrap_or(0);
+            }
+            if charge.is_refundable() {
+                w.1 = 1;
             }
         }
         self
@@ -335,6 +349,7 @@ impl Prepared {
             Mode::Charge => "charge",
             Mode::Peek => "peek",
             Mode::Refund => "refund",
+            Mode::Confirm => "confirm",
             Mode::Cancel => "cancel",
         });
         for (p, w) in self.params.iter().zip(&self.windows) {
@@ -382,6 +397,7 @@ pub(crate) fn reserved(values: &[i64]) -> Option<(Duration, tollgate_core::algor
             level: n(6),
             prior: n(7),
             at: n(4).saturating_mul(ERA_NS).saturating_add(n(5)),
+            ..tollgate_core::algorithm::State::default()
         },
     ))
 }
@@ -397,6 +413,7 @@ pub(crate) fn replaced(values: &[i64]) -> Option<tollgate_core::algorithm::State
         level: n(1),
         prior: n(2),
         at: n(3).saturating_mul(ERA_NS).saturating_add(n(4)),
+        ..tollgate_core::algorithm::State::default()
     })
 }
 

@@ -13,9 +13,10 @@
 //!   charged by outcome and given back because the response did not
 //!   match (see `Rule::charge_only_when`);
 //! - `tollgate_store_errors_total{kind,outcome}`: store failures and the
-//!   outcome applied (`fail_closed`, `fail_open`, `fallback`,
-//!   `refund_lost`: a reservation that could not be given back stays
-//!   spent);
+//!   outcome applied (`fail_closed`, `fail_open`, `fallback`;
+//!   `refund_lost` and `confirm_lost`: a reservation that could not be
+//!   settled stays spent, and lapses as confirmed a minute after it was
+//!   made);
 //! - `tollgate_store_seconds`: store decision latency histogram.
 
 use std::sync::OnceLock;

@@ -20,6 +20,23 @@ struct Decided<'a> {
     from: Option<u32>,
 }
 
+/// Whether a key repeats among a call's charges (under one policy name).
+fn repeats(steps: &[Decided<'_>]) -> bool {
+    (1..steps.len()).any(|i| {
+        steps[..i]
+            .iter()
+            .any(|d| same_budget((&d.id, d.policy), (&steps[i].id, steps[i].policy)))
+    })
+}
+
+/// Whether `policy` is a token bucket that starts empty.
+fn starts_empty(policy: &Policy) -> bool {
+    matches!(
+        policy.algorithm(),
+        crate::Algorithm::TokenBucket(b) if b.initial() == crate::Initial::Empty
+    )
+}
+
 /// Whether two charges spend one budget: the same key under the same
 /// policy name and unit (their numbers may differ).
 fn same_budget(a: (&Id, &Policy), b: (&Id, &Policy)) -> bool {
@@ -83,6 +100,9 @@ impl MemoryStore {
             before.push(state);
             // Every cost fits (checked above): decided as the hot path is.
             let step = match state {
+                _ if charge.is_refundable() => {
+                    algorithm::reserve(policy, state, now, charge.cost())
+                }
                 Some(state) => algorithm::decide_fitting(policy, state, now, charge.cost()),
                 None => algorithm::decide(policy, None, now, charge.cost()),
             };
@@ -107,14 +127,27 @@ impl MemoryStore {
         if admitted && outcome.delay().is_zero() && charges.iter().any(Charge::is_refundable) {
             let windows = steps
                 .iter()
-                .map(|d| match (d.policy.algorithm(), d.step.next) {
-                    // A bucket's refund needs no window.
-                    (crate::Algorithm::TokenBucket(_), _) | (_, None) => 0,
-                    (_, Some(next)) => next.at,
-                })
+                .map(|d| algorithm::receipt(d.policy, &d.step))
                 .collect();
             outcome = outcome.with_receipt(Receipt::new(windows));
         }
+        // A refused call keeps the initially-empty buckets it found with
+        // room as they stand, dated now: a client told to come back must
+        // not find them forgotten (see `algorithm::as_of`).
+        // (Not when a key repeats: its later charges saw effects that did
+        // not land.)
+        let touched: Vec<(Id, State)> = if admitted || repeats(&steps) {
+            Vec::new()
+        } else {
+            steps
+                .iter()
+                .zip(&before)
+                .filter(|(d, _)| {
+                    d.step.decision.is_admitted() && d.from.is_none() && starts_empty(d.policy)
+                })
+                .filter_map(|(d, state)| Some((d.id, algorithm::as_of(d.policy, *state, now)?)))
+                .collect()
+        };
         // Admissions are written only together; a refusal's state (the
         // creation of an initially-empty bucket) is written regardless.
         let writes =
@@ -158,6 +191,10 @@ impl MemoryStore {
         for (id, from, state) in conversions {
             let shard = &mut guards[guard_of(&id)];
             inner.convert_in_place(shard, &id, from, state);
+        }
+        for (id, state) in touched {
+            let shard = &mut guards[guard_of(&id)];
+            inner.write(shard, &id, state);
         }
         for d in steps {
             if let Some(state) = d.step.next {
@@ -237,17 +274,33 @@ impl MemoryStore {
     /// `receipt` their part of that call's receipt
     /// ([`Store::refund`](crate::Store::refund)), synchronously: each
     /// key's state (carried over to the charge's numbers, if a policy
-    /// changed meanwhile) gets the cost back by
-    /// [`algorithm::refund`]. Charges without a window in `receipt` are
-    /// left alone.
+    /// changed meanwhile) gets the cost back by [`algorithm::refund`].
+    /// Charges without an entry in `receipt` are left alone.
     pub fn refund_now(&self, charges: &[Charge], receipt: &Receipt) -> Result<(), StoreError> {
+        self.settle_now(charges, receipt, algorithm::refund)
+    }
+
+    /// Confirms `charges`, admitted earlier as refundable ones, with
+    /// `receipt` their part of that call's receipt
+    /// ([`Store::confirm`](crate::Store::confirm)), synchronously, by
+    /// [`algorithm::confirm`].
+    pub fn confirm_now(&self, charges: &[Charge], receipt: &Receipt) -> Result<(), StoreError> {
+        self.settle_now(charges, receipt, algorithm::confirm)
+    }
+
+    fn settle_now(
+        &self,
+        charges: &[Charge],
+        receipt: &Receipt,
+        settle: fn(&Policy, Option<State>, Nanos, u64, Nanos) -> Option<State>,
+    ) -> Result<(), StoreError> {
         let inner = &*self.inner;
         let now = inner.clock.now();
         for (charge, &window) in charges.iter().zip(receipt.windows()) {
             let id = inner.id(charge)?;
             let mut shard = inner.lock(inner.shard_of(&id));
             let (state, from) = inner.state(&mut shard, &id, charge.policy(), now);
-            let back = algorithm::refund(charge.policy(), state, now, charge.cost(), window);
+            let back = settle(charge.policy(), state, now, charge.cost(), window);
             match (from, back) {
                 (Some(from), _) => inner.convert_in_place(&mut shard, &id, from, back),
                 (None, _) if back == state => {}
@@ -359,12 +412,7 @@ fn shape(
     refused: &Outcome,
     now: Nanos,
 ) -> Option<Outcome> {
-    let repeats = (1..steps.len()).any(|i| {
-        steps[..i]
-            .iter()
-            .any(|d| same_budget((&d.id, d.policy), (&steps[i].id, steps[i].policy)))
-    });
-    if !charges.iter().any(|c| c.max_delay().is_some()) || repeats {
+    if !charges.iter().any(|c| c.max_delay().is_some()) || repeats(steps) {
         return None;
     }
     let mut release = now;

@@ -408,6 +408,14 @@ impl Store for MemoryStore {
         std::future::ready(self.refund_now(charges, receipt))
     }
 
+    fn confirm<'a>(
+        &'a self,
+        charges: &'a [Charge],
+        receipt: &'a crate::Receipt,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send + 'a {
+        std::future::ready(self.confirm_now(charges, receipt))
+    }
+
     /// Every policy's numbers get their space here, when a rule (or a
     /// changed policy) is configured: a store that has met all the sets of
     /// numbers it can tell apart refuses the new one now, as a

@@ -64,8 +64,8 @@ impl KeyBits {
     }
 }
 
-/// A compact slot: a state whose `prior` is 0 (a count or credit, and
-/// its time). Packed to the key's 4-byte alignment (a 20-byte slot for an
+/// A compact slot: a state whose `prior` and `reserved` are 0 (a count or
+/// credit, and its time). Packed to the key's 4-byte alignment (a 20-byte slot for an
 /// IPv4 key); the counts are read and written whole, as 8-byte values, so
 /// that a read right after a write is forwarded from the write (two 4-byte
 /// halves read back as one 8-byte value stall the load).
@@ -77,7 +77,8 @@ pub(super) struct Compact<W> {
     at: u64,
 }
 
-/// A wide slot: the whole state.
+/// A wide slot: a state with a `prior` (a sliding window's previous
+/// count, a token bucket's hold) and nothing reserved.
 #[derive(Clone, Copy)]
 #[repr(C, packed(4))]
 pub(super) struct Wide<W> {
@@ -85,6 +86,15 @@ pub(super) struct Wide<W> {
     level: u64,
     prior: u64,
     at: u64,
+}
+
+/// A reserving slot: the whole state, for a token bucket with units
+/// reserved (few keys, for a short time).
+#[derive(Clone, Copy)]
+#[repr(C, packed(4))]
+pub(super) struct Reserving<W> {
+    key: W,
+    state: [u64; 5],
 }
 
 impl<W: Copy> Compact<W> {
@@ -97,15 +107,16 @@ impl<W: Copy> Compact<W> {
     fn state(&self) -> State {
         State {
             level: self.level,
-            prior: 0,
             at: self.at,
+            ..State::default()
         }
     }
 
-    /// The compact form of `state`, if it has one (`prior` is 0).
+    /// The compact form of `state`, if it has one (`prior` and
+    /// `reserved` are 0).
     #[inline]
     fn pack(key: W, state: State) -> Option<Self> {
-        (state.prior == 0).then_some(Self {
+        (state.prior == 0 && state.reserved == 0).then_some(Self {
             key,
             level: state.level,
             at: state.at,
@@ -133,14 +144,41 @@ impl<W: Copy> Wide<W> {
             level: self.level,
             prior: self.prior,
             at: self.at,
+            ..State::default()
         }
     }
 }
 
-/// One kind of key's slots in one space of one shard.
+impl<W: Copy> Reserving<W> {
+    fn key(&self) -> W {
+        self.key
+    }
+
+    fn new(key: W, s: State) -> Self {
+        Self {
+            key,
+            state: [s.level, s.prior, s.at, s.reserved, s.reserved_until],
+        }
+    }
+
+    fn state(&self) -> State {
+        let [level, prior, at, reserved, reserved_until] = self.state;
+        State {
+            level,
+            prior,
+            at,
+            reserved,
+            reserved_until,
+        }
+    }
+}
+
+/// One kind of key's slots in one space of one shard. A key is in one of
+/// its three tables, once: the narrowest its state fits.
 pub(super) struct Table<W> {
     compact: HashTable<Compact<W>>,
     wide: HashTable<Wide<W>>,
+    reserving: HashTable<Reserving<W>>,
 }
 
 impl<W> Default for Table<W> {
@@ -148,75 +186,128 @@ impl<W> Default for Table<W> {
         Self {
             compact: HashTable::new(),
             wide: HashTable::new(),
+            reserving: HashTable::new(),
         }
+    }
+}
+
+/// Which table a state goes to.
+enum Width {
+    Compact,
+    Wide,
+    Reserving,
+}
+
+fn width(state: &State) -> Width {
+    if state.reserved != 0 {
+        Width::Reserving
+    } else if state.prior != 0 {
+        Width::Wide
+    } else {
+        Width::Compact
+    }
+}
+
+/// Puts `slot` for `key` in `table`, replacing its slot there if any.
+fn put_in<S>(
+    table: &mut HashTable<S>,
+    hash: u64,
+    slot: S,
+    same: impl Fn(&S) -> bool,
+    rehash: impl Fn(&S) -> u64,
+) {
+    match table.find_mut(hash, same) {
+        Some(old) => *old = slot,
+        None => {
+            table.insert_unique(hash, slot, rehash);
+        }
+    }
+}
+
+/// Removes `key`'s slot from `table`; whether there was one.
+fn remove_from<S>(table: &mut HashTable<S>, hash: u64, same: impl Fn(&S) -> bool) -> bool {
+    if table.is_empty() {
+        return false;
+    }
+    match table.find_entry(hash, same) {
+        Ok(entry) => {
+            entry.remove();
+            true
+        }
+        Err(_) => false,
+    }
+}
+
+/// Drops the slots of `table` idle at `now`, and gives back room.
+fn retain_busy<S>(table: &mut HashTable<S>, busy: impl Fn(&S) -> bool, rehash: impl Fn(&S) -> u64) {
+    table.retain(|s| busy(s));
+    if table.capacity() > 64 && table.capacity() > 4 * table.len() {
+        table.shrink_to_fit(rehash);
     }
 }
 
 impl<W: Words> Table<W> {
     fn len(&self) -> usize {
-        self.compact.len() + self.wide.len()
+        self.compact.len() + self.wide.len() + self.reserving.len()
     }
 
     fn read(&self, key: W, hash: u64) -> Option<State> {
         if let Some(c) = self.compact.find(hash, |c| c.key() == key) {
             return Some(c.state());
         }
-        if self.wide.is_empty() {
+        if !self.wide.is_empty() {
+            if let Some(w) = self.wide.find(hash, |w| w.key() == key) {
+                return Some(w.state());
+            }
+        }
+        if self.reserving.is_empty() {
             return None;
         }
-        self.wide.find(hash, |w| w.key() == key).map(Wide::state)
+        self.reserving
+            .find(hash, |r| r.key() == key)
+            .map(Reserving::state)
     }
 
     fn put(&mut self, key: W, hash: u64, state: State, rehash: impl Fn(&W) -> u64) {
+        let width = width(&state);
         match Compact::pack(key, state) {
-            Some(c) => {
-                match self.compact.find_mut(hash, |s| s.key() == key) {
-                    Some(slot) => *slot = c,
-                    None => {
-                        self.compact.insert_unique(hash, c, |s| rehash(&s.key()));
-                    }
-                }
-                if !self.wide.is_empty() {
-                    self.remove_wide(key, hash);
-                }
-            }
-            None => {
-                let w = Wide::new(key, state);
-                match self.wide.find_mut(hash, |s| s.key() == key) {
-                    Some(slot) => *slot = w,
-                    None => {
-                        self.wide.insert_unique(hash, w, |s| rehash(&s.key()));
-                    }
-                }
-                if !self.compact.is_empty() {
-                    self.remove_compact(key, hash);
-                }
-            }
+            Some(c) => put_in(
+                &mut self.compact,
+                hash,
+                c,
+                |s| s.key() == key,
+                |s| rehash(&s.key()),
+            ),
+            None if matches!(width, Width::Wide) => put_in(
+                &mut self.wide,
+                hash,
+                Wide::new(key, state),
+                |s| s.key() == key,
+                |s| rehash(&s.key()),
+            ),
+            None => put_in(
+                &mut self.reserving,
+                hash,
+                Reserving::new(key, state),
+                |s| s.key() == key,
+                |s| rehash(&s.key()),
+            ),
+        }
+        if !matches!(width, Width::Compact) && !self.compact.is_empty() {
+            remove_from(&mut self.compact, hash, |s| s.key() == key);
+        }
+        if !matches!(width, Width::Wide) {
+            remove_from(&mut self.wide, hash, |s| s.key() == key);
+        }
+        if !matches!(width, Width::Reserving) {
+            remove_from(&mut self.reserving, hash, |s| s.key() == key);
         }
     }
 
     fn remove(&mut self, key: W, hash: u64) -> bool {
-        self.remove_compact(key, hash) | self.remove_wide(key, hash)
-    }
-
-    fn remove_compact(&mut self, key: W, hash: u64) -> bool {
-        match self.compact.find_entry(hash, |s| s.key() == key) {
-            Ok(entry) => {
-                entry.remove();
-                true
-            }
-            Err(_) => false,
-        }
-    }
-
-    fn remove_wide(&mut self, key: W, hash: u64) -> bool {
-        match self.wide.find_entry(hash, |s| s.key() == key) {
-            Ok(entry) => {
-                entry.remove();
-                true
-            }
-            Err(_) => false,
-        }
+        remove_from(&mut self.compact, hash, |s| s.key() == key)
+            | remove_from(&mut self.wide, hash, |s| s.key() == key)
+            | remove_from(&mut self.reserving, hash, |s| s.key() == key)
     }
 
     /// Drops every entry whose state is idle at `now` (by `idle_at`).
@@ -226,20 +317,28 @@ impl<W: Words> Table<W> {
         idle_at: &impl Fn(State) -> Nanos,
         rehash: impl Fn(&W) -> u64,
     ) {
-        self.compact.retain(|c| idle_at(c.state()) > now);
-        self.wide.retain(|w| idle_at(w.state()) > now);
-        if self.compact.capacity() > 64 && self.compact.capacity() > 4 * self.compact.len() {
-            self.compact.shrink_to_fit(|s| rehash(&s.key()));
-        }
-        if self.wide.capacity() > 64 && self.wide.capacity() > 4 * self.wide.len() {
-            self.wide.shrink_to_fit(|s| rehash(&s.key()));
-        }
+        retain_busy(
+            &mut self.compact,
+            |c| idle_at(c.state()) > now,
+            |s| rehash(&s.key()),
+        );
+        retain_busy(
+            &mut self.wide,
+            |w| idle_at(w.state()) > now,
+            |s| rehash(&s.key()),
+        );
+        retain_busy(
+            &mut self.reserving,
+            |r| idle_at(r.state()) > now,
+            |s| rehash(&s.key()),
+        );
     }
 
     fn states(&self) -> impl Iterator<Item = (W, State)> + '_ {
         let compact = self.compact.iter().map(|c| (c.key(), c.state()));
         let wide = self.wide.iter().map(|w| (w.key(), w.state()));
-        compact.chain(wide)
+        let reserving = self.reserving.iter().map(|r| (r.key(), r.state()));
+        compact.chain(wide).chain(reserving)
     }
 }
 

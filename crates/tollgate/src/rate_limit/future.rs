@@ -262,7 +262,7 @@ where
                 } => {
                     let mut response = ready!(future.poll(cx))?;
                     if let Some(after) = after.take() {
-                        after(response.status());
+                        after.status(response.status());
                     }
                     // Appended, not replaced: an inner limit (e.g. a
                     // concurrency limit) may have described itself already,

@@ -9,6 +9,7 @@
 //! failure follows the configured outcome, and only an admitted request
 //! gets the layer's own refusal (or, without one, the inner service).
 
+use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -16,9 +17,7 @@ use std::time::Duration;
 use http::request::Parts;
 use http::{HeaderValue, StatusCode};
 use smallvec::SmallVec;
-use tollgate_core::{
-    Algorithm, Charge, Decision, DynStore, Outcome, Receipt, Store, StoreError, Verdict,
-};
+use tollgate_core::{Algorithm, Charge, Decision, DynStore, Outcome, Store, StoreError, Verdict};
 
 use super::exempt::any_matches;
 use super::layer::{Config, OnStoreError};
@@ -434,17 +433,36 @@ fn hold<St, S: Store + Clone>(
     }
 }
 
-/// What to do once the inner service's response head is known: settle
-/// the reservations of rules charged by outcome.
-pub(crate) type AfterResponse = Box<dyn FnOnce(StatusCode) + Send>;
+/// The reservations of an admitted request's rules charged by outcome,
+/// settled by its response: each is confirmed if the status matches its
+/// rule ([`Store::confirm`]), else given back ([`Store::refund`]). A
+/// response that never comes (the request is dropped, the inner service
+/// fails) confirms them all: the attempt counts.
+pub(crate) struct AfterResponse {
+    settle: Option<Box<dyn FnOnce(Option<StatusCode>) + Send>>,
+}
+
+impl AfterResponse {
+    /// Settles by the response's `status`.
+    pub(crate) fn status(mut self, status: StatusCode) {
+        if let Some(settle) = self.settle.take() {
+            settle(Some(status));
+        }
+    }
+}
+
+impl Drop for AfterResponse {
+    fn drop(&mut self) {
+        if let Some(settle) = self.settle.take() {
+            settle(None);
+        }
+    }
+}
 
 /// How the response settles an admitted call's reservations of rules
-/// charged by outcome, in `store` (where they were made): each is kept if
-/// the status matches its rule, else given back ([`Store::refund`]).
-/// `None` when there is nothing to settle (no such rule, or a call that
-/// spent nothing: refused, or let through by failing open). A response
-/// that never comes (the request is dropped, the service fails) keeps
-/// every reservation: the attempt counts.
+/// charged by outcome, in `store` (where they were made). `None` when
+/// there is nothing to settle (no such rule, or a call that spent nothing:
+/// refused, or let through by failing open).
 fn settle<S: Store + Clone>(
     store: &S,
     charges: &[Charge],
@@ -470,30 +488,42 @@ fn settle<S: Store + Clone>(
         return None;
     }
     let (store, charges) = (store.clone(), charges.to_vec());
-    Some(Box::new(move |status| {
-        let back: Vec<usize> = reserved
-            .iter()
-            .filter(|(_, when)| !when.matches(status))
-            .map(|&(i, _)| i)
-            .collect();
-        if back.is_empty() {
-            return;
-        }
-        let refunds: Vec<Charge> = back.iter().map(|&i| charges[i].clone()).collect();
-        give_back(store, refunds, receipt.only(back));
-    }))
+    Some(AfterResponse {
+        settle: Some(Box::new(move |status: Option<StatusCode>| {
+            let (kept, back): (Vec<_>, Vec<_>) = reserved
+                .iter()
+                .partition(|(_, when)| status.is_none_or(|s| when.matches(s)));
+            let part = |of: &[&(usize, StatusFilter)]| {
+                let indices: Vec<usize> = of.iter().map(|(i, _)| *i).collect();
+                let charges: Vec<Charge> = indices.iter().map(|&i| charges[i].clone()).collect();
+                (charges, receipt.only(indices))
+            };
+            if !back.is_empty() {
+                let (charges, receipt) = part(&back);
+                let store = store.clone();
+                run_now_or_later(async move {
+                    match store.refund(&charges, &receipt).await {
+                        Ok(()) => observe::refunded(&charges),
+                        Err(error) => observe::store_error(&error, "refund_lost"),
+                    }
+                });
+            }
+            if !kept.is_empty() {
+                let (charges, receipt) = part(&kept);
+                let store = store.clone();
+                run_now_or_later(async move {
+                    if let Err(error) = store.confirm(&charges, &receipt).await {
+                        observe::store_error(&error, "confirm_lost");
+                    }
+                });
+            }
+        })),
+    })
 }
 
-/// Gives `charges` back: at once when the store needs no I/O, else on a
-/// spawned task (the response is not held up). A refund that fails leaves
-/// the charge spent (logged and counted).
-fn give_back<S: Store>(store: S, charges: Vec<Charge>, receipt: Receipt) {
-    let work = async move {
-        match store.refund(&charges, &receipt).await {
-            Ok(()) => observe::refunded(&charges),
-            Err(error) => observe::store_error(&error, "refund_lost"),
-        }
-    };
+/// Runs `work` at once when it needs no I/O (an in-process store), else
+/// on a spawned task (the response is not held up, a drop cannot wait).
+fn run_now_or_later(work: impl Future<Output = ()> + Send + 'static) {
     let mut boxed = Box::pin(work);
     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
     if boxed.as_mut().poll(&mut cx).is_ready() {
@@ -504,7 +534,8 @@ fn give_back<S: Store>(store: S, charges: Vec<Charge>, receipt: Receipt) {
             runtime.spawn(boxed);
         }
         Err(_) => tracing::error!(
-            "no tokio runtime to give back a charge made by outcome: it stays spent"
+            "no tokio runtime to settle a charge made by outcome: it lapses, counted, \
+             a minute after the charge"
         ),
     }
 }

@@ -524,30 +524,42 @@ impl Rule {
     /// in the same all-or-nothing store decision as the request's other
     /// rules, so when its budget is spent the request is refused with
     /// `429` (spending nothing anywhere, like every refusal for lack of
-    /// budget). When the inner service's response head comes and its status
-    /// does not match, the reservation is given back
-    /// ([`Store::refund`](tollgate_core::Store::refund)): a successful login
-    /// costs nothing. So at most as many requests of one key can be in
-    /// flight on the rule as its budget has units left (a budget of 3
-    /// failed logins lets 3 logins per key run at once; the fourth is
-    /// `429` until one of them answers), and no matching response ever
-    /// goes unpaid, whether the requests come one at a time, pipelined or
-    /// as HTTP/2 streams.
+    /// budget). When the inner service's response head comes, the
+    /// reservation is settled: confirmed if its status matches
+    /// ([`Store::confirm`](tollgate_core::Store::confirm)), given back
+    /// otherwise ([`Store::refund`](tollgate_core::Store::refund)): a
+    /// successful login costs nothing. So at most as many requests of one
+    /// key can be in flight on the rule as its budget has units left (a
+    /// budget of 3 failed logins lets 3 logins per key run at once; the
+    /// fourth is `429` until one of them answers), and no matching response
+    /// ever goes unpaid, whether the requests come one at a time, pipelined
+    /// or as HTTP/2 streams.
+    ///
+    /// Exact, on both stores: while units are reserved, a token bucket
+    /// refills to its capacity less them, so a reservation given back
+    /// restores exactly the credit the bucket would have had without it
+    /// (it never returns units the capacity would have cut off), and a
+    /// refusal's `Retry-After` counts on them lapsing if it must. Units
+    /// not settled within a minute of the charge
+    /// ([`MAX_RESERVATION`](tollgate_core::algorithm::MAX_RESERVATION))
+    /// lapse as confirmed. A bucket with units reserved does not shape.
     ///
     /// - Where the layer answers on its own account (its `401` for a
     ///   missing principal, `411`, `413`, `400`), the outcome is known
     ///   before anything is called: the rule is charged at once if that
     ///   status matches, with no reservation, and not at all otherwise.
     /// - A request whose response never comes (the client went away, the
-    ///   future was dropped, the inner service failed) keeps its
-    ///   reservation: the attempt counts.
+    ///   future was dropped, the inner service failed) has its reservation
+    ///   confirmed: the attempt counts.
     /// - The statuses are those of the inner service's response (or of this
     ///   layer's own refusals, above), never of a `429` for lack of budget.
     /// - Dry-run and exemptions apply as to any rule; a rule charged by
     ///   outcome does not shape.
-    /// - A refund that fails (Redis unreachable) leaves the charge spent,
-    ///   counted as `tollgate_store_errors_total{outcome="refund_lost"}`;
-    ///   refunds are counted in `tollgate_refunded_cost_total{policy}`.
+    /// - A settlement that fails (Redis unreachable) leaves the charge
+    ///   spent, to lapse as confirmed, counted as
+    ///   `tollgate_store_errors_total{outcome="refund_lost"}` (or
+    ///   `confirm_lost`); refunds are counted in
+    ///   `tollgate_refunded_cost_total{policy}`.
     ///
     /// The store must give charges back ([`Store::can_refund`](tollgate_core::Store::can_refund):
     /// [`MemoryStore`](tollgate_core::MemoryStore) and the Redis store do);
