@@ -26,13 +26,17 @@ use crate::{Algorithm, Decision, Initial, Nanos, Policy, TokenBucket};
 /// the bucket keeps it until then, so that no conversion to other numbers
 /// ([`carry_over`]) can release new requests alongside the held ones.
 ///
-/// A token bucket's `reserved` units are charges made to be settled later
+/// A token bucket's reserved units are charges made to be settled later
 /// ([`reserve`]: a charge kept only for some outcomes), already taken
 /// from `level`, not yet confirmed ([`confirm`]) or given back
-/// ([`refund`]); until they are, or until `reserved_until` (when they
-/// lapse, as confirmed), the bucket refills to its capacity less them,
-/// so that giving them back never returns units the capacity has cut
-/// off meanwhile. Zero for every other state.
+/// ([`refund`]). Until they are, the bucket refills to its capacity less
+/// them, so that giving them back never returns units the capacity has
+/// cut off meanwhile. Time is cut into epochs of [`MAX_RESERVATION`]
+/// (from the clock's origin): `reserved` counts the units reserved in
+/// epoch `epoch`, `reserved_earlier` those of the epoch before, and each
+/// epoch's units lapse, as confirmed, when the epoch after it ends (one to
+/// two epochs after their charge), however many are reserved later. Zero
+/// for every other state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 pub struct State {
     /// See the table above.
@@ -41,11 +45,14 @@ pub struct State {
     pub prior: u64,
     /// See the table above.
     pub at: Nanos,
-    /// A token bucket's units reserved and not yet settled, in
-    /// `1/denominator` units (see above).
+    /// A token bucket's units reserved in epoch `epoch` and not yet
+    /// settled, in `1/denominator` units (see above).
     pub reserved: u64,
-    /// When the `reserved` units lapse, as confirmed.
-    pub reserved_until: Nanos,
+    /// Those reserved in the epoch before `epoch`.
+    pub reserved_earlier: u64,
+    /// The epoch `reserved` was counted in (its start over
+    /// [`MAX_RESERVATION`]).
+    pub epoch: u64,
 }
 
 /// The result of one decision.
@@ -76,11 +83,14 @@ pub struct Step {
 /// again, as a new key does: a finite memory, and finite Redis TTLs.
 pub const EMPTY_KEPT_FULL: Nanos = 60_000_000_000;
 
-/// How long a reservation ([`reserve`]) may wait to be settled: 60 s
-/// after the charge. Units still reserved then lapse, as confirmed (they
-/// stay spent, and the bucket refills to its whole capacity again): a
-/// request in flight for longer keeps its charge whatever its outcome, and
-/// a caller that dies before it settles holds nothing for longer.
+/// How long a reservation ([`reserve`]) may wait to be settled, at least:
+/// reservations are counted by epochs of this length (60 s), and an
+/// epoch's units still reserved when the epoch after it ends lapse, as
+/// confirmed (they stay spent, and the bucket refills to its whole
+/// capacity again): between one and two minutes after their charge. A
+/// request in flight for longer keeps its charge whatever its outcome; a
+/// caller that dies before it settles (or a settlement that is lost)
+/// holds nothing for longer, whatever is reserved after it.
 pub const MAX_RESERVATION: Nanos = 60_000_000_000;
 
 /// When the last request a token bucket's state holds for later is
@@ -332,12 +342,12 @@ pub fn reserve(policy: &Policy, state: Option<State>, now: Nanos, cost: u64) -> 
     if let (Algorithm::TokenBucket(p), Decision::Admitted { .. }, Some(next)) =
         (policy.algorithm(), step.decision, step.next.as_mut())
     {
+        // (The admission wrote the reservations as they stand at its
+        // time, in that time's epoch.)
+        next.epoch = next.at / MAX_RESERVATION;
         next.reserved = next
             .reserved
             .saturating_add(cost.saturating_mul(p.denominator));
-        next.reserved_until = next
-            .reserved_until
-            .max(next.at.saturating_add(MAX_RESERVATION));
         step.decision = describe(policy, Some(*next), now);
         step.idle_at = idle_since(policy.algorithm(), *next);
     }
@@ -358,25 +368,25 @@ pub fn as_of(policy: &Policy, state: Option<State>, now: Nanos) -> Option<State>
     };
     let s = p.unless_idle(state, now)?;
     let l = p.level_at(s, now);
-    Some(State {
-        level: l.credit,
-        prior: kept_hold(Some(s), l.t, now),
-        at: l.t,
-        reserved: l.reserved,
-        reserved_until: if l.reserved > 0 { l.until } else { 0 },
-    })
+    Some(l.state(kept_hold(Some(s), l.t, now)))
 }
 
 /// Where a charge admitted with `step` ([`decide`], [`reserve`]) was
 /// counted, for a [`crate::Receipt`]: a window's start, or, for a token
-/// bucket, until when its reservation can be settled (the charge's time
-/// plus [`MAX_RESERVATION`]).
+/// bucket, when its reservation lapses (the end of the epoch after its
+/// own: see [`MAX_RESERVATION`]).
 pub fn receipt(policy: &Policy, step: &Step) -> Nanos {
     match (policy.algorithm(), step.next) {
         (_, None) => 0,
-        (Algorithm::TokenBucket(_), Some(next)) => next.at.saturating_add(MAX_RESERVATION),
+        (Algorithm::TokenBucket(_), Some(next)) => lapse_of(next.at / MAX_RESERVATION),
         (_, Some(next)) => next.at,
     }
+}
+
+/// When the units reserved in `epoch` lapse: at the end of the epoch
+/// after it.
+fn lapse_of(epoch: u64) -> Nanos {
+    epoch.saturating_add(2).saturating_mul(MAX_RESERVATION)
 }
 
 /// Gives back `cost`, admitted with [`reserve`] and counted at `counted`
@@ -388,10 +398,11 @@ pub fn receipt(policy: &Policy, step: &Step) -> Nanos {
 /// made, as far as its rule can tell:
 ///
 /// - a token bucket gets `cost` back from its reserved units, while they
-///   have not lapsed (before `counted`); it has refilled no higher than
-///   its capacity less them meanwhile, so that is exactly the credit it
-///   would have without the charge. A bucket that holds requests for later
-///   (shaping) gives nothing back while it holds them;
+///   have not lapsed (before `counted`, as [`receipt`] said); it has
+///   refilled no higher than its capacity less them meanwhile, so that is
+///   exactly the credit it would have without the charge. A bucket that
+///   holds requests for later (shaping) gives nothing back while it holds
+///   them;
 /// - a fixed window gives `cost` back only while the window it was counted
 ///   in is open;
 /// - a sliding window gives it back to the window it was counted in, while
@@ -434,21 +445,29 @@ fn settle(
     match *policy.algorithm() {
         Algorithm::TokenBucket(p) => {
             let need = cost.saturating_mul(p.denominator);
-            let l = p.level_at(s, now);
+            let mut l = p.level_at(s, now);
             let held = hold_end(s).is_some_and(|end| end > now);
-            if l.reserved < need || l.t >= counted || (back && held) {
+            // The epoch the charge was reserved in, and where its units
+            // are counted now: this epoch's or the one before's (older
+            // ones have lapsed).
+            let epoch = (counted / MAX_RESERVATION).saturating_sub(2);
+            let units = if epoch == l.epoch {
+                &mut l.reserved
+            } else if epoch.saturating_add(1) == l.epoch {
+                &mut l.earlier
+            } else {
+                return state;
+            };
+            if *units < need || (back && held) {
                 return state;
             }
-            let reserved = l.reserved - need;
-            Some(State {
+            *units -= need;
+            if back {
                 // Below the capacity less what was reserved, so below the
                 // capacity less what stays reserved with `need` added.
-                level: if back { l.credit + need } else { l.credit },
-                prior: kept_hold(state, l.t, now),
-                at: l.t,
-                reserved,
-                reserved_until: if reserved > 0 { l.until } else { 0 },
-            })
+                l.credit += need;
+            }
+            Some(l.state(kept_hold(state, l.t, now)))
         }
         Algorithm::FixedWindow(_) | Algorithm::SlidingWindow(_) if !back => state,
         Algorithm::FixedWindow(w) => {
@@ -699,18 +718,20 @@ impl TokenBucket {
     }
 
     /// The bucket `s` describes as it stands at `now`: its credit refilled
-    /// (up to the capacity less what is reserved, until that lapses), the
-    /// time that holds at (`now`, or the state's own later time: a clock
-    /// behind it refills nothing), and what is still reserved then.
+    /// (up to the capacity less what is reserved, less each epoch's units
+    /// once they lapse), the time that holds at (`now`, or the state's own
+    /// later time: a clock behind it refills nothing), and what is still
+    /// reserved then, counted in that time's epoch.
     #[inline(always)]
     fn level_at(&self, s: State, now: Nanos) -> Level {
-        if s.reserved == 0 {
+        if s.reserved == 0 && s.reserved_earlier == 0 {
             let (credit, t) = self.refilled(s.level, s.at, now);
             return Level {
                 credit,
                 t,
                 reserved: 0,
-                until: 0,
+                earlier: 0,
+                epoch: 0,
             };
         }
         self.reserved_level_at(s, now)
@@ -719,45 +740,68 @@ impl TokenBucket {
     #[cold]
     fn reserved_level_at(&self, s: State, now: Nanos) -> Level {
         let t = now.max(s.at);
-        let ceiling = self.cap() - s.reserved.min(self.cap());
-        let level = s.level.min(ceiling);
-        let grown = |credit: u64, from: Nanos, to: Nanos, top: u64| {
-            credit
-                .saturating_add((to - from).saturating_mul(self.numerator))
-                .min(top)
+        let at_state = Level {
+            credit: s.level,
+            t: s.at,
+            reserved: s.reserved,
+            earlier: s.reserved_earlier,
+            epoch: s.epoch,
         };
-        if s.reserved_until > t {
-            return Level {
-                credit: grown(level, s.at, t, ceiling),
-                t,
-                reserved: s.reserved,
-                until: s.reserved_until,
-            };
+        self.grown(at_state, t)
+    }
+
+    /// The bucket at `l` grown to `t` (at or after `l.t`): refilled within
+    /// each ceiling while it holds, its epochs moved on (a lapsed epoch's
+    /// units are gone).
+    fn grown(&self, mut l: Level, t: Nanos) -> Level {
+        for (until, top) in self.ceilings(l) {
+            if l.t >= t {
+                break;
+            }
+            let to = until.min(t);
+            if to > l.t {
+                l.credit = l
+                    .credit
+                    .min(top)
+                    .saturating_add((to - l.t).saturating_mul(self.numerator))
+                    .min(top);
+                l.t = to;
+            }
         }
-        // Lapsed, as confirmed: to the capacity less them until then, to
-        // the capacity since.
-        let lapse = s.reserved_until.max(s.at);
-        let at_lapse = grown(level, s.at, lapse, ceiling);
-        Level {
-            credit: grown(at_lapse, lapse, t, self.cap()),
-            t,
-            reserved: 0,
-            until: 0,
-        }
+        l.t = t;
+        l.moved_to(t / MAX_RESERVATION)
+    }
+
+    /// The ceilings of the bucket at `l`, each with when it ends: the
+    /// capacity less both epochs' units until the earlier lapses, less
+    /// this epoch's until they lapse, the capacity after.
+    fn ceilings(&self, l: Level) -> [(Nanos, u64); 3] {
+        let cap = self.cap();
+        let both = l.reserved.saturating_add(l.earlier).min(cap);
+        let end_of = |epoch: u64| epoch.saturating_add(1).saturating_mul(MAX_RESERVATION);
+        [
+            // The epoch before lapses when this one ends.
+            (end_of(l.epoch), cap - both),
+            (lapse_of(l.epoch), cap - l.reserved.min(cap)),
+            (Nanos::MAX, cap),
+        ]
     }
 
     /// When the bucket at `l` is full: not before its reservations lapse.
     #[inline(always)]
     fn full_of(&self, l: Level) -> Nanos {
-        if l.reserved == 0 {
+        if l.reserved == 0 && l.earlier == 0 {
             return l.t.saturating_add(self.time_to_full(l.credit));
         }
-        let top = self.cap() - l.reserved.min(self.cap());
-        let at_lapse = l
-            .credit
-            .saturating_add((l.until - l.t).saturating_mul(self.numerator))
-            .min(top);
-        l.until.saturating_add(self.time_to_full(at_lapse))
+        let last = if l.reserved > 0 {
+            lapse_of(l.epoch)
+        } else {
+            l.epoch.saturating_add(1).saturating_mul(MAX_RESERVATION)
+        };
+        let at_lapse = self.grown(l, last.max(l.t));
+        at_lapse
+            .t
+            .saturating_add(self.time_to_full(at_lapse.credit))
     }
 
     /// When `need` fits the bucket at `l`, with nothing else charged and its
@@ -768,15 +812,19 @@ impl TokenBucket {
         if l.credit >= need {
             return l.t;
         }
-        let top = self.cap() - l.reserved.min(self.cap());
-        if need <= top {
+        if l.reserved == 0 && l.earlier == 0 {
             return l.t.saturating_add(per(need - l.credit, self.numerator));
         }
-        let at_lapse = l
-            .credit
-            .saturating_add((l.until - l.t).saturating_mul(self.numerator))
-            .min(top);
-        l.until.saturating_add(per(need - at_lapse, self.numerator))
+        let mut at = l;
+        for (until, top) in self.ceilings(l) {
+            if need <= top {
+                return at
+                    .t
+                    .saturating_add(per(need - at.credit.min(top), self.numerator));
+            }
+            at = self.grown(at, until.max(at.t));
+        }
+        at.t
     }
 
     /// Whether `state` has reservations written (settled or lapsed or not:
@@ -784,7 +832,7 @@ impl TokenBucket {
     /// it is not shaped then, so that a reservation's hold never has to
     /// be given back over reserved units.
     fn reserving(&self, state: Option<State>) -> bool {
-        state.is_some_and(|s| s.reserved != 0)
+        state.is_some_and(|s| s.reserved != 0 || s.reserved_earlier != 0)
     }
 
     /// Scaled units missing from the bucket at `now`: the capacity less the
@@ -864,10 +912,47 @@ fn per(units: u64, numerator: u64) -> u64 {
 struct Level {
     credit: u64,
     t: Nanos,
-    /// Units still reserved at `t` (0 once they lapsed).
+    /// Units reserved in `epoch`, and in the epoch before.
     reserved: u64,
-    /// When they lapse (after `t` while any are reserved).
-    until: Nanos,
+    earlier: u64,
+    epoch: u64,
+}
+
+impl Level {
+    /// The same bucket with its epochs moved on to `epoch` (later or the
+    /// same): an epoch's units lapse when the epoch after it ends.
+    fn moved_to(mut self, epoch: u64) -> Self {
+        if self.reserved == 0 && self.earlier == 0 {
+            self.epoch = epoch;
+            return self;
+        }
+        match epoch.saturating_sub(self.epoch) {
+            0 => {}
+            1 => {
+                self.earlier = self.reserved;
+                self.reserved = 0;
+            }
+            _ => {
+                self.earlier = 0;
+                self.reserved = 0;
+            }
+        }
+        self.epoch = epoch.max(self.epoch);
+        self
+    }
+
+    /// The state written for this bucket, with `prior` (a hold).
+    fn state(self, prior: u64) -> State {
+        let reserving = self.reserved != 0 || self.earlier != 0;
+        State {
+            level: self.credit,
+            prior,
+            at: self.t,
+            reserved: self.reserved,
+            reserved_earlier: self.earlier,
+            epoch: if reserving { self.epoch } else { 0 },
+        }
+    }
 }
 
 #[inline(always)]
@@ -882,7 +967,8 @@ fn token_bucket(p: &TokenBucket, state: Option<State>, now: Nanos, cost: u64) ->
             },
             t: now,
             reserved: 0,
-            until: 0,
+            earlier: 0,
+            epoch: 0,
         },
     };
     // `decide` refused costs above the capacity, so this fits.
@@ -892,13 +978,7 @@ fn token_bucket(p: &TokenBucket, state: Option<State>, now: Nanos, cost: u64) ->
             credit: l.credit - need,
             ..l
         };
-        let next = State {
-            level: after.credit,
-            prior: kept_hold(state, l.t, now),
-            at: l.t,
-            reserved: l.reserved,
-            reserved_until: l.until,
-        };
+        let next = after.state(kept_hold(state, l.t, now));
         let full = p.full_of(after);
         Step {
             decision: Decision::Admitted {

@@ -67,6 +67,10 @@ impl Charge {
     /// that cannot shape, or a policy of another algorithm, answers as if
     /// unshaped.
     ///
+    /// A [refundable](Charge::refundable) charge is never shaped: what it
+    /// reserves is given back or confirmed by its outcome, while a shaped
+    /// charge holds its bucket for later.
+    ///
     /// A wait of zero is no wait: the charge stays unshaped. Waits longer
     /// than [`Charge::MAX_DELAY`] (about 23 days) are that long, in every
     /// store alike.
@@ -82,7 +86,8 @@ impl Charge {
     /// gives them back (e.g. a charge only for failed logins, reserved when
     /// the request is checked and given back when it succeeds). A store
     /// that cannot refund ([`Store::can_refund`](crate::Store::can_refund))
-    /// answers no receipt.
+    /// answers no receipt. A refundable charge is not shaped
+    /// ([`Charge::shaped`] has no effect on it).
     #[must_use]
     pub fn refundable(mut self) -> Self {
         self.refundable = true;
@@ -98,9 +103,10 @@ impl Charge {
     /// the horizon every store computes exactly within.
     pub const MAX_DELAY: Duration = Duration::from_nanos(2_000_000_000_000_000);
 
-    /// The longest wait this charge accepts ([`Charge::shaped`]).
+    /// The longest wait this charge accepts ([`Charge::shaped`]); `None`
+    /// for one not shaped, and for a refundable one.
     pub fn max_delay(&self) -> Option<Duration> {
-        self.max_delay
+        self.max_delay.filter(|_| !self.refundable)
     }
 
     /// The key whose budget is charged.

@@ -13,8 +13,8 @@
 --           algorithm (1 token bucket, 2 fixed window, 3 sliding window),
 --           p1, p2, p3, p4, need, then for refunds the window start (era,
 --           offset) that the admission reported (for a token bucket's
---           reserved charge: until when it can be settled; (0, 0) for a
---           plain one, given back at once); in charge mode, a shaped
+--           reserved charge: when its epoch's reservations lapse, the
+--           receipt; (0, 0) for a plain one, given back at once); in charge mode, a shaped
 --           charge's longest wait in ns (0 unshaped) and 1 for a charge to
 --           reserve (refundable), else 0; in cancel mode see below. The same
 --           eight integers as text, joined by ":", are accepted too, for
@@ -28,8 +28,11 @@
 --
 -- State: nine little-endian doubles, 72 bytes: (level, prior, era,
 -- offset) and the numbers that wrote it (algorithm, p1..p4, as in a
--- charge); a token bucket with units reserved adds two, 88 bytes: the
--- units reserved and how long after (era, offset) they lapse. Binary because parsing and formatting text was most of the
+-- charge); a token bucket with units reserved adds three, 96 bytes: the
+-- units reserved in epoch k, those reserved in epoch k - 1, and k
+-- (tollgate_core's algorithm::State: epochs of MAX_RESERVATION from the
+-- store epoch; an epoch's units lapse, as confirmed, when the epoch after
+-- it ends). Binary because parsing and formatting text was most of the
 -- script's cost. A key's state belongs to its policy's name and unit (the
 -- key names them), not to its numbers: a charge with other numbers (a
 -- plan upgrade, a limit changed at runtime) first carries the state over
@@ -43,7 +46,9 @@
 -- Reserved units (a charge kept only for some outcomes, not yet settled)
 -- are taken from the level and keep the bucket below its capacity by as
 -- much until they are settled or lapse (as confirmed): tollgate_core's
--- algorithm::reserve.
+-- algorithm::reserve. States of 88 bytes (an earlier layout: one count of
+-- reserved units and when they lapse) are read as reserved in the epoch
+-- of their time.
 --
 -- Reply: per charge {admitted 1/0, remaining, reset ns, retry ns, era, offset,
 -- remaining before, reset before}: the last two describe the budget as it
@@ -105,6 +110,22 @@ local function sub(e, o, d)
   return e, o
 end
 
+-- How long a reservation may wait to be settled, at least, in seconds
+-- (tollgate_core's algorithm::MAX_RESERVATION): the length of an epoch.
+local EPOCH_SEC = 60
+
+-- The epoch of (e, o): whole epochs since the store epoch.
+local function epoch_of(e, o)
+  return idiv(e * ERA_SEC + idiv(o, 1000000000), EPOCH_SEC)
+end
+
+-- When epoch k starts.
+local function epoch_start(k)
+  local s = k * EPOCH_SEC
+  local e = idiv(s, ERA_SEC)
+  return e, (s - e * ERA_SEC) * 1000000000
+end
+
 -- A token bucket's credit after `el` ns at `num` units per ns, at most `cap`.
 local function refill(credit, cap, num, el)
   if cap - credit > 0 then
@@ -148,11 +169,14 @@ local function load(key)
   -- (struct.unpack returns the next position after the values: dropped.)
   if #v == 72 then
     local l, p, e, o, a, q1, q2, q3, q4 = struct.unpack("<ddddddddd", v)
-    return l, p, e, o, a, q1, q2, q3, q4, 0, 0
+    return l, p, e, o, a, q1, q2, q3, q4, 0, 0, 0
+  end
+  if #v == 96 then
+    return struct.unpack("<dddddddddddd", v)
   end
   if #v == 88 then
-    local l, p, e, o, a, q1, q2, q3, q4, r, rl = struct.unpack("<ddddddddddd", v)
-    return l, p, e, o, a, q1, q2, q3, q4, r, rl
+    local l, p, e, o, a, q1, q2, q3, q4, r = struct.unpack("<ddddddddddd", v)
+    return l, p, e, o, a, q1, q2, q3, q4, r, 0, epoch_of(e, o)
   end
   if #v == 32 then
     local a, b, c, d = struct.unpack("<dddd", v)
@@ -163,9 +187,9 @@ local function load(key)
   return tonumber(a), tonumber(b), tonumber(c), tonumber(d)
 end
 
-local function state(level, prior, e, o, algo, p1, p2, p3, p4, reserved, rel)
-  if reserved ~= nil and reserved > 0 then
-    return struct.pack("<ddddddddddd", level, prior, e, o, algo, p1, p2, p3, p4, reserved, rel)
+local function state(level, prior, e, o, algo, p1, p2, p3, p4, rc, rp, k)
+  if rc ~= nil and (rc > 0 or rp > 0) then
+    return struct.pack("<dddddddddddd", level, prior, e, o, algo, p1, p2, p3, p4, rc, rp, k)
   end
   return struct.pack("<ddddddddd", level, prior, e, o, algo, p1, p2, p3, p4)
 end
@@ -265,72 +289,97 @@ local function hold_prior(he, ho, ae, ao)
   return 1 + diff(he, ho, ae, ao)
 end
 
--- When a bucket's state (capacity cap, num units per ns, full_start 1 if
--- it starts full, units reserved lapsing rel ns after its time) is idle:
--- full (not before its reservations lapse), a minute later for one that
--- starts empty, and never before its hold ends.
-local function bucket_idle(level, prior, se, so, cap, num, full_start, reserved, rel)
-  local ie, io
-  if reserved ~= nil and reserved > 0 and rel > 0 then
-    local top = cap - math.min(reserved, cap)
-    local ue, uo = add(se, so, rel)
-    local at_lapse = refill(math.min(level, top), top, num, rel)
-    ie, io = add(ue, uo, cdiv(cap - at_lapse, num))
-  else
-    ie, io = add(se, so, cdiv(cap - math.min(level, cap), num))
+-- Reservations (tollgate_core's algorithm::State): units reserved in an
+-- epoch (MAX_RESERVATION long, counted from the store epoch) lapse, as
+-- confirmed, when the epoch after it ends. A bucket keeps two counts: rc
+-- reserved in epoch k, rp in epoch k - 1.
+
+-- The ceilings of a bucket with (rc, rp, k), each with when it ends (nil:
+-- never): the capacity less both counts until rp lapses, less rc until it
+-- lapses, the capacity after (TokenBucket::ceilings).
+local function ceilings(cap, rc, rp, k)
+  local e1, o1 = epoch_start(k + 1)
+  local e2, o2 = epoch_start(k + 2)
+  return {{e1, o1, cap - math.min(rc + rp, cap)}, {e2, o2, cap - math.min(rc, cap)},
+          {nil, nil, cap}}
+end
+
+-- The bucket (credit at (ce, co), rc, rp, k) grown to (te, to), not
+-- before (ce, co): refilled within each ceiling while it holds, its
+-- epochs moved on to (te, to)'s (TokenBucket::grown). Returns credit,
+-- rc, rp, k.
+local function grow(credit, ce, co, te, to, cap, num, rc, rp, k)
+  if rc > 0 or rp > 0 then
+    for _, c in ipairs(ceilings(cap, rc, rp, k)) do
+      if not before(ce, co, te, to) then break end
+      local ue, uo = te, to
+      if c[1] ~= nil and before(c[1], c[2], te, to) then ue, uo = c[1], c[2] end
+      if before(ce, co, ue, uo) then
+        credit = refill(math.min(credit, c[3]), c[3], num, diff(ue, uo, ce, co))
+        ce, co = ue, uo
+      end
+    end
+  elseif before(ce, co, te, to) then
+    credit = refill(credit, cap, num, diff(te, to, ce, co))
   end
+  local kt = epoch_of(te, to)
+  if rc == 0 and rp == 0 then return credit, 0, 0, kt end
+  if kt == k + 1 then
+    rc, rp = 0, rc
+  elseif kt > k + 1 then
+    rc, rp = 0, 0
+  end
+  if kt > k then k = kt end
+  return credit, rc, rp, k
+end
+
+-- tollgate_core's TokenBucket::level_at: a bucket's credit at now (or at
+-- its own later time), that time, and its reservations then.
+local function bucket_level(level, se, so, cap, num, rc, rp, k)
+  local te, to = NE, NO
+  if before(NE, NO, se, so) then te, to = se, so end
+  local credit, rc2, rp2, k2 = grow(level, se, so, te, to, cap, num, rc, rp, k)
+  return credit, te, to, rc2, rp2, k2
+end
+
+-- When the bucket at (credit, te, to) with (rc, rp, k) is full: not
+-- before its reservations lapse (TokenBucket::full_of).
+local function bucket_full(credit, te, to, cap, num, rc, rp, k)
+  if rc == 0 and rp == 0 then return add(te, to, cdiv(cap - credit, num)) end
+  local le, lo
+  if rc > 0 then le, lo = epoch_start(k + 2) else le, lo = epoch_start(k + 1) end
+  if before(le, lo, te, to) then le, lo = te, to end
+  local at = grow(credit, te, to, le, lo, cap, num, rc, rp, k)
+  return add(le, lo, cdiv(cap - at, num))
+end
+
+-- When need fits that bucket (TokenBucket::fits_at): reservations lapse,
+-- as confirmed, if they must for the credit to grow that high.
+local function bucket_fits(credit, te, to, cap, num, rc, rp, k, need)
+  if credit >= need then return te, to end
+  if rc == 0 and rp == 0 then return add(te, to, cdiv(need - credit, num)) end
+  local ae, ao, ac, arc, arp, ak = te, to, credit, rc, rp, k
+  for _, c in ipairs(ceilings(cap, rc, rp, k)) do
+    if need <= c[3] then return add(ae, ao, cdiv(need - math.min(ac, c[3]), num)) end
+    local ue, uo = c[1], c[2]
+    if before(ue, uo, ae, ao) then ue, uo = ae, ao end
+    ac, arc, arp, ak = grow(ac, ae, ao, ue, uo, cap, num, arc, arp, ak)
+    ae, ao = ue, uo
+  end
+  return ae, ao
+end
+
+-- When a bucket's state (capacity cap, num units per ns, full_start 1 if
+-- it starts full, reservations (rc, rp, k)) is idle: full (not before its
+-- reservations lapse), a minute later for one that starts empty, and
+-- never before its hold ends.
+local function bucket_idle(level, prior, se, so, cap, num, full_start, rc, rp, k)
+  local ie, io = bucket_full(level, se, so, cap, num, rc, rp, k)
   if full_start ~= 1 then ie, io = add(ie, io, KEEP) end
   local he, ho = hold_end(prior, se, so)
   if he ~= nil and before(ie, io, he, ho) then ie, io = he, ho end
   return ie, io
 end
-
--- How long a reservation may wait to be settled (tollgate_core's
--- algorithm::MAX_RESERVATION).
-local MAX_RESERVATION = 60000000000
-
--- tollgate_core's TokenBucket::level_at: a bucket's credit at now (or at
--- its own later time), refilled up to the capacity less what is reserved
--- until that lapses, then to the capacity; that time; what is still
--- reserved then, and when it lapses.
-local function bucket_level(level, se, so, cap, num, reserved, rel)
-  local te, to = NE, NO
-  if before(NE, NO, se, so) then te, to = se, so end
-  if reserved == nil or reserved == 0 then
-    return refill(level, cap, num, diff(te, to, se, so)), te, to, 0, 0, 0
-  end
-  local top = cap - math.min(reserved, cap)
-  local lv = math.min(level, top)
-  local ue, uo = se, so
-  if rel > 0 then ue, uo = add(se, so, rel) end
-  if before(te, to, ue, uo) then
-    return refill(lv, top, num, diff(te, to, se, so)), te, to, reserved, ue, uo
-  end
-  -- Lapsed, as confirmed: to the capacity less them until then, to the
-  -- capacity since.
-  local at_lapse = refill(lv, top, num, diff(ue, uo, se, so))
-  return refill(at_lapse, cap, num, diff(te, to, ue, uo)), te, to, 0, 0, 0
-end
-
--- When the bucket at (credit, te, to) with reserved units lapsing at
--- (ue, uo) is full (TokenBucket::full_of).
-local function bucket_full(credit, te, to, cap, num, reserved, ue, uo)
-  if reserved == 0 then return add(te, to, cdiv(cap - credit, num)) end
-  local top = cap - math.min(reserved, cap)
-  local at_lapse = refill(credit, top, num, diff(ue, uo, te, to))
-  return add(ue, uo, cdiv(cap - at_lapse, num))
-end
-
--- When need fits that bucket (TokenBucket::fits_at): reservations lapse,
--- as confirmed, if they must for the credit to grow that high.
-local function bucket_fits(credit, te, to, cap, num, reserved, ue, uo, need)
-  if credit >= need then return te, to end
-  local top = cap - math.min(reserved, cap)
-  if reserved == 0 or need <= top then return add(te, to, cdiv(need - credit, num)) end
-  local at_lapse = refill(credit, top, num, diff(ue, uo, te, to))
-  return add(ue, uo, cdiv(need - at_lapse, num))
-end
-
 -- Under injected time Redis still expires keys on its own clock, which the
 -- injected clock does not follow (a test may hold it still while real time
 -- passes): a key could vanish before the injected clock reaches its idle
@@ -364,11 +413,11 @@ end
 
 -- The state written under numbers (oa, o1..o4) as read under (a, q1..q4):
 -- tollgate_core's algorithm::carry_over. Returns nothing for no state.
-local function carry(oa, o1, o2, o3, o4, level, prior, se, so, reserved, rel, a, q1, q2, q3, q4)
+local function carry(oa, o1, o2, o3, o4, level, prior, se, so, rc, rp, k, a, q1, q2, q3, q4)
   -- Brought to now under the numbers that wrote it: idle is no state.
   local ie, io
   if oa == 1 then
-    ie, io = bucket_idle(level, prior, se, so, o1, o2, o4, reserved, rel)
+    ie, io = bucket_idle(level, prior, se, so, o1, o2, o4, rc, rp, k)
   elseif oa == 2 then
     ie, io = add(se, so, o2)
   elseif level > 0 then
@@ -396,7 +445,7 @@ local function carry(oa, o1, o2, o3, o4, level, prior, se, so, reserved, rel, a,
       spent_units = badd(big(o1 - math.min(level, o1)), bmul(big(diff(se, so, NE, NO)), o2))
     else
       -- What is reserved counts as spent (as if confirmed).
-      spent_units = big(o1 - bucket_level(level, se, so, o1, o2, reserved, rel))
+      spent_units = big(o1 - bucket_level(level, se, so, o1, o2, rc, rp, k))
     end
     if a == 1 then
       -- Requests held until later keep the new bucket empty until the
@@ -487,7 +536,7 @@ if mode == "cancel" then
         and level == wl and prior == wp and se == we_ and so == wo_ then
       if had == 1 then
         redis.call("SET", key, state(bl, bp, be, bo, oa, o1, o2, o3, o4), "PX",
-                   ttl(bucket_idle(bl, bp, be, bo, p1, p2, o4, 0, 0)))
+                   ttl(bucket_idle(bl, bp, be, bo, p1, p2, o4, 0, 0, 0)))
       else
         redis.call("DEL", key)
       end
@@ -505,14 +554,14 @@ for i = 1, n do
   -- The first charge of the call on this key reads what is stored.
   local stored = not seen[key]
   seen[key] = true
-  local level, prior, se, so, oa, o1, o2, o3, o4, reserved, rel = load(key)
-  if reserved == nil then reserved, rel = 0, 0 end
+  local level, prior, se, so, oa, o1, o2, o3, o4, rc, rp, rk = load(key)
+  if rc == nil then rc, rp, rk = 0, 0, 0 end
   local carried = false
   if level ~= nil and oa ~= nil
       and not (oa == algo and o1 == p1 and o2 == p2 and o3 == p3 and o4 == p4) then
-    level, prior, se, so = carry(oa, o1, o2, o3, o4, level, prior, se, so, reserved, rel,
+    level, prior, se, so = carry(oa, o1, o2, o3, o4, level, prior, se, so, rc, rp, rk,
                                  algo, p1, p2, p3, p4)
-    reserved, rel = 0, 0
+    rc, rp, rk = 0, 0, 0
     carried = true
     if stored and mode == "charge" then
       -- Written as converted unless this charge writes: the key is under
@@ -532,7 +581,7 @@ for i = 1, n do
     -- p3 = units per token, p4 = 1 if a new bucket starts full.
     local cap, num, den = p1, p2, p3
     if level ~= nil and p4 == 0
-        and not before(NE, NO, bucket_idle(level, prior, se, so, cap, num, 0, reserved, rel)) then
+        and not before(NE, NO, bucket_idle(level, prior, se, so, cap, num, 0, rc, rp, rk)) then
       -- Idle (full for a minute): an initially-empty bucket starts afresh,
       -- as one never seen (or expired) would.
       level = nil
@@ -542,31 +591,28 @@ for i = 1, n do
     if level ~= nil then he, ho = hold_end(prior, se, so) end
     local stored_level = level
     -- The credit as it stands (at now, or at the state's own later time:
-    -- a clock behind it refills nothing and moves nothing back), what is
-    -- still reserved, and when that lapses.
-    local credit, te, to, rnow, ue, uo
+    -- a clock behind it refills nothing and moves nothing back), and its
+    -- reservations then (counted in that time's epoch).
+    local credit, te, to, nc, np, nk
     if level == nil then
       if p4 == 1 then credit = cap else credit = 0 end
-      se, so, te, to, rnow, ue, uo = NE, NO, NE, NO, 0, 0, 0
+      se, so, te, to, nc, np, nk = NE, NO, NE, NO, 0, 0, 0
     else
-      credit, te, to, rnow, ue, uo = bucket_level(level, se, so, cap, num, reserved, rel)
+      credit, te, to, nc, np, nk = bucket_level(level, se, so, cap, num, rc, rp, rk)
     end
     local lead = diff(te, to, NE, NO)
-    local fe, fo = bucket_full(credit, te, to, cap, num, rnow, ue, uo)
+    local fe, fo = bucket_full(credit, te, to, cap, num, nc, np, nk)
     br, bt = idiv(credit, den), diff(fe, fo, NE, NO)
     -- What shaping needs: the credit at (te, to), and how long it may wait.
     -- (A bucket with reservations written is not shaped.)
-    if re > 0 and mode == "charge" and num <= den and reserved == 0 then
+    if re > 0 and mode == "charge" and num <= den and rc == 0 and rp == 0 then
       buckets[i] = {credit = credit, te = te, to = to, cap = cap, num = num, den = den,
                     need = need, wait = re, numbers = {algo, p1, p2, p3, p4}, found = found}
     end
-    -- A state written now that keeps what is reserved (r units lapsing at
-    -- (ae, ao)).
-    local function keeping(lv, kept, r, ae, ao)
-      local rl = 0
-      if r > 0 then rl = diff(ae, ao, te, to) end
-      return state(lv, kept, te, to, algo, p1, p2, p3, p4, r, rl),
-             bucket_idle(lv, kept, te, to, cap, num, p4, r, rl)
+    -- A state written now with reservations (c, p, k).
+    local function keeping(lv, kept, c, p, k)
+      return state(lv, kept, te, to, algo, p1, p2, p3, p4, c, p, k),
+             bucket_idle(lv, kept, te, to, cap, num, p4, c, p, k)
     end
     local held = he ~= nil and before(NE, NO, he, ho)
     if mode == "refund" or mode == "confirm" then
@@ -579,7 +625,7 @@ for i = 1, n do
         -- bucket may hold; a state dated later (a debt) owes less;
         -- nothing while requests are held for later.
         if not held then
-          local top = cap - math.min(rnow, cap)
+          local top = cap - math.min(nc + np, cap)
           local back = need
           local le, lo = NE, NO
           if lead > 0 then
@@ -593,44 +639,53 @@ for i = 1, n do
           else
             back = math.min(top, credit + back)
           end
-          local rl = 0
-          if rnow > 0 then rl = diff(ue, uo, le, lo) end
           write = NONE
-          if back < cap or p4 == 0 or rnow > 0 then
-            write = state(back, 0, le, lo, algo, p1, p2, p3, p4, rnow, rl)
+          if back < cap or p4 == 0 or nc + np > 0 then
+            write = state(back, 0, le, lo, algo, p1, p2, p3, p4, nc, np, nk)
           end
-          idle_e, idle_o = bucket_idle(back, 0, le, lo, cap, num, p4, rnow, rl)
+          idle_e, idle_o = bucket_idle(back, 0, le, lo, cap, num, p4, nc, np, nk)
         end
-      elseif rnow >= need and before(te, to, re, ro) and not (mode == "refund" and held) then
+      elseif not (mode == "refund" and held) then
         -- A reservation settled before it lapsed: given back (refund) or
-        -- counted (confirm); either way no longer reserved.
-        local lv = credit
-        if mode == "refund" then lv = credit + need end
-        write, idle_e, idle_o = keeping(lv, hold_prior(he, ho, te, to), rnow - need, ue, uo)
+        -- counted (confirm); either way no longer reserved. The receipt
+        -- is when its epoch's reservations lapse: they are counted in nc
+        -- while that epoch is nk, in np while it is the one before.
+        local ck = epoch_of(re, ro) - 2
+        local c, p = nc, np
+        if ck == nk and c >= need then
+          c = c - need
+        elseif ck + 1 == nk and p >= need then
+          p = p - need
+        else
+          c = nil
+        end
+        if c ~= nil then
+          local lv = credit
+          if mode == "refund" then lv = credit + need end
+          write, idle_e, idle_o = keeping(lv, hold_prior(he, ho, te, to), c, p, nk)
+        end
       end
     elseif credit >= need then
       if p4 == 0 and stored_level ~= nil and mode == "charge" and stored and not carried then
-        local as_is, ie, io = keeping(credit, hold_prior(he, ho, te, to), rnow, ue, uo)
+        local as_is, ie, io = keeping(credit, hold_prior(he, ho, te, to), nc, np, nk)
         touches[#touches + 1] = {key, as_is, ie, io}
       end
       local left = credit - need
       local kept = hold_prior(he, ho, te, to)
-      local r, ae, ao = rnow, ue, uo
       if ro == 1 and mode == "charge" then
-        -- Reserved: settled later, or lapsing a minute from now; the
-        -- reply carries until when (the receipt).
-        local de, do_ = add(te, to, MAX_RESERVATION)
-        if r == 0 or before(ae, ao, de, do_) then ae, ao = de, do_ end
-        r = r + need
-        we, wo = de, do_
+        -- Reserved in this epoch: settled later, or lapsing when the
+        -- next one ends; the reply carries when (the receipt).
+        nk = epoch_of(te, to)
+        nc = nc + need
+        we, wo = epoch_start(nk + 2)
       end
-      local xe, xo = bucket_full(left, te, to, cap, num, r, ae, ao)
+      local xe, xo = bucket_full(left, te, to, cap, num, nc, np, nk)
       ok, remaining, reset = 1, idiv(left, den), diff(xe, xo, NE, NO)
-      write, idle_e, idle_o = keeping(left, kept, r, ae, ao)
+      write, idle_e, idle_o = keeping(left, kept, nc, np, nk)
     else
       remaining = idiv(credit, den)
       reset = bt
-      local ge, go = bucket_fits(credit, te, to, cap, num, rnow, ue, uo, need)
+      local ge, go = bucket_fits(credit, te, to, cap, num, nc, np, nk, need)
       retry = diff(ge, go, NE, NO)
       if level == nil and p4 == 0 then
         -- Record when an initially-empty bucket was created (spends
@@ -639,7 +694,7 @@ for i = 1, n do
         local created = state(0, 0, NE, NO, algo, p1, p2, p3, p4)
         pending[key] = created
         if mode == "charge" then
-          redis.call("SET", key, created, "PX", ttl(bucket_idle(0, 0, NE, NO, cap, num, 0)))
+          redis.call("SET", key, created, "PX", ttl(bucket_idle(0, 0, NE, NO, cap, num, 0, 0, 0, 0)))
           created_now[key] = true
         end
       end
@@ -815,7 +870,7 @@ if mode == "charge" and not all and not repeated and next(buckets) ~= nil then
       local held = hold_prior(he, ho, ae, ao)
       local nb = b.numbers
       local w = {KEYS[i], state(level, held, ae, ao, nb[1], nb[2], nb[3], nb[4], nb[5]),
-                 bucket_idle(level, held, ae, ao, b.cap, b.num, nb[5], 0, 0)}
+                 bucket_idle(level, held, ae, ao, b.cap, b.num, nb[5], 0, 0, 0)}
       if wrote[i] then writes[wrote[i]] = w else writes[#writes + 1] = w end
       local lead = 0
       if before(NE, NO, ae, ao) then lead = diff(ae, ao, NE, NO) end
@@ -880,7 +935,7 @@ for _, c in ipairs(converted) do
       local a, q1, q2 = c[7], c[8], c[9]
       local ie, io
       if a == 1 then
-        ie, io = bucket_idle(level, prior, se, so, q1, q2, c[11], 0, 0)
+        ie, io = bucket_idle(level, prior, se, so, q1, q2, c[11], 0, 0, 0)
       elseif a == 2 or level == 0 then
         ie, io = add(se, so, q2)
       else

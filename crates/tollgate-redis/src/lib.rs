@@ -991,11 +991,13 @@ impl RedisStore {
                             before,
                         })
                         .collect();
-                    return Ok(Outcome::delayed(
-                        decisions,
-                        delay,
-                        Reservation::new(entries),
-                    ));
+                    let outcome = Outcome::delayed(decisions, delay, Reservation::new(entries));
+                    // Refundable charges (never shaped) are reserved in a
+                    // delayed call as in any other.
+                    if refundable {
+                        return Ok(outcome.with_receipt(Receipt::new(windows)));
+                    }
+                    return Ok(outcome);
                 }
             }
             if all {

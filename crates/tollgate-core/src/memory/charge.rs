@@ -123,8 +123,10 @@ impl MemoryStore {
                 outcome = unspent(charges, &before, outcome, now);
             }
         }
-        // Refundable charges of an admitted call: where each was counted.
-        if admitted && outcome.delay().is_zero() && charges.iter().any(Charge::is_refundable) {
+        // Refundable charges of an admitted call: where each was counted
+        // (also in a call delayed by its shaped charges: refundable ones
+        // are never shaped, and are reserved as in any other call).
+        if admitted && charges.iter().any(Charge::is_refundable) {
             let windows = steps
                 .iter()
                 .map(|d| algorithm::receipt(d.policy, &d.step))
@@ -300,12 +302,17 @@ impl MemoryStore {
             let id = inner.id(charge)?;
             let mut shard = inner.lock(inner.shard_of(&id));
             let (state, from) = inner.state(&mut shard, &id, charge.policy(), now);
-            let back = settle(charge.policy(), state, now, charge.cost(), window);
-            match (from, back) {
-                (Some(from), _) => inner.convert_in_place(&mut shard, &id, from, back),
-                (None, _) if back == state => {}
-                (None, Some(back)) => inner.write(&mut shard, &id, back),
-                (None, None) => {
+            if from.is_some() {
+                // Written under other numbers since (a plan switched, a
+                // limit changed): carried over, what was reserved counts
+                // as spent, and there is nothing left to settle. The key
+                // stays as it is until a charge converts it, as in Redis.
+                continue;
+            }
+            match settle(charge.policy(), state, now, charge.cost(), window) {
+                back if back == state => {}
+                Some(back) => inner.write(&mut shard, &id, back),
+                None => {
                     shard.remove(&id);
                 }
             }

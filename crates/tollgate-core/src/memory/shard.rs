@@ -94,7 +94,7 @@ pub(super) struct Wide<W> {
 #[repr(C, packed(4))]
 pub(super) struct Reserving<W> {
     key: W,
-    state: [u64; 5],
+    state: [u64; 6],
 }
 
 impl<W: Copy> Compact<W> {
@@ -116,7 +116,7 @@ impl<W: Copy> Compact<W> {
     /// `reserved` are 0).
     #[inline]
     fn pack(key: W, state: State) -> Option<Self> {
-        (state.prior == 0 && state.reserved == 0).then_some(Self {
+        (state.prior == 0 && state.reserved == 0 && state.reserved_earlier == 0).then_some(Self {
             key,
             level: state.level,
             at: state.at,
@@ -157,18 +157,26 @@ impl<W: Copy> Reserving<W> {
     fn new(key: W, s: State) -> Self {
         Self {
             key,
-            state: [s.level, s.prior, s.at, s.reserved, s.reserved_until],
+            state: [
+                s.level,
+                s.prior,
+                s.at,
+                s.reserved,
+                s.reserved_earlier,
+                s.epoch,
+            ],
         }
     }
 
     fn state(&self) -> State {
-        let [level, prior, at, reserved, reserved_until] = self.state;
+        let [level, prior, at, reserved, reserved_earlier, epoch] = self.state;
         State {
             level,
             prior,
             at,
             reserved,
-            reserved_until,
+            reserved_earlier,
+            epoch,
         }
     }
 }
@@ -199,7 +207,7 @@ enum Width {
 }
 
 fn width(state: &State) -> Width {
-    if state.reserved != 0 {
+    if state.reserved != 0 || state.reserved_earlier != 0 {
         Width::Reserving
     } else if state.prior != 0 {
         Width::Wide

@@ -57,6 +57,20 @@ impl<S, ReqB> Held<S, ReqB> {
     }
 }
 
+impl<S, ReqB> Drop for Held<S, ReqB> {
+    fn drop(&mut self) {
+        // Dropped before the inner service was called (its client gone
+        // while it waited, or while the service was not ready): the
+        // reservations of rules charged by outcome are given back, as the
+        // shaped ones are by `wait`.
+        if self.pending.is_some() {
+            if let Some(after) = self.after.take() {
+                after.not_called();
+            }
+        }
+    }
+}
+
 /// The store's pending decision, with what to do once it is known.
 struct Deciding<S, ReqB> {
     decision: PendingAnswer,

@@ -436,17 +436,38 @@ fn hold<St, S: Store + Clone>(
 /// The reservations of an admitted request's rules charged by outcome,
 /// settled by its response: each is confirmed if the status matches its
 /// rule ([`Store::confirm`]), else given back ([`Store::refund`]). A
-/// response that never comes (the request is dropped, the inner service
-/// fails) confirms them all: the attempt counts.
+/// response that never comes (the request is dropped while the inner
+/// service has it, or the inner service fails) confirms them all: the
+/// attempt counts. A request dropped before the inner service was called
+/// (held by shaping, and its client gone) gives them all back: nothing
+/// was attempted.
 pub(crate) struct AfterResponse {
-    settle: Option<Box<dyn FnOnce(Option<StatusCode>) + Send>>,
+    settle: Option<Box<dyn FnOnce(Settlement) + Send>>,
+}
+
+/// How a request ended, for its outcome reservations.
+#[derive(Clone, Copy)]
+enum Settlement {
+    /// The inner service answered with this status.
+    Status(StatusCode),
+    /// Called, and no response came.
+    Gone,
+    /// Never called.
+    NotCalled,
 }
 
 impl AfterResponse {
     /// Settles by the response's `status`.
     pub(crate) fn status(mut self, status: StatusCode) {
         if let Some(settle) = self.settle.take() {
-            settle(Some(status));
+            settle(Settlement::Status(status));
+        }
+    }
+
+    /// Gives everything back: the request never reached the inner service.
+    pub(crate) fn not_called(mut self) {
+        if let Some(settle) = self.settle.take() {
+            settle(Settlement::NotCalled);
         }
     }
 }
@@ -454,7 +475,7 @@ impl AfterResponse {
 impl Drop for AfterResponse {
     fn drop(&mut self) {
         if let Some(settle) = self.settle.take() {
-            settle(None);
+            settle(Settlement::Gone);
         }
     }
 }
@@ -489,10 +510,13 @@ fn settle<S: Store + Clone>(
     }
     let (store, charges) = (store.clone(), charges.to_vec());
     Some(AfterResponse {
-        settle: Some(Box::new(move |status: Option<StatusCode>| {
-            let (kept, back): (Vec<_>, Vec<_>) = reserved
-                .iter()
-                .partition(|(_, when)| status.is_none_or(|s| when.matches(s)));
+        settle: Some(Box::new(move |ended: Settlement| {
+            let (kept, back): (Vec<_>, Vec<_>) =
+                reserved.iter().partition(|(_, when)| match ended {
+                    Settlement::Status(status) => when.matches(status),
+                    Settlement::Gone => true,
+                    Settlement::NotCalled => false,
+                });
             let part = |of: &[&(usize, StatusFilter)]| {
                 let indices: Vec<usize> = of.iter().map(|(i, _)| *i).collect();
                 let charges: Vec<Charge> = indices.iter().map(|&i| charges[i].clone()).collect();
