@@ -481,6 +481,84 @@ async fn a_body_that_makes_no_progress_frees_its_slot() {
     assert!(!rest.ends_with("0\r\n\r\n"), "{rest}");
 }
 
+/// A body of `left` data frames of 8 MiB each, every one ready at once.
+struct Big {
+    left: usize,
+}
+
+impl http_body::Body for Big {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        if self.left == 0 {
+            return Poll::Ready(None);
+        }
+        self.left -= 1;
+        Poll::Ready(Some(Ok(Frame::data(Bytes::from(vec![b'x'; 8 << 20])))))
+    }
+}
+
+/// Found in review: progress was a frame taken from the body, so a client
+/// reading a large frame steadily, slower than its size per idle timeout,
+/// was cut off as stalled (its slot given away while it still read). Large
+/// frames are passed on in pieces now: 16 MiB read at about 2 MiB/s with a
+/// 1 s idle timeout arrive whole, and the slot is held until they have.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_steady_reader_of_large_frames_is_not_taken_for_stalled() {
+    use tokio::io::AsyncWriteExt;
+    let limit = ConcurrencyLimitLayer::new("download")
+        .unwrap()
+        .global(n(1))
+        .body_idle_timeout(Duration::from_secs(1));
+    let app = Router::new()
+        .route(
+            "/big",
+            get(|| async { axum::body::Body::new(Big { left: 2 }) }),
+        )
+        .route("/quick", get(|| async { "ok" }))
+        .layer(limit.clone());
+    let a = serve(app).await;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(64 * 1024).unwrap();
+    socket
+        .bind(std::net::SocketAddr::new(ip("127.0.38.1"), 0))
+        .unwrap();
+    let mut stream = socket.connect(a).await.unwrap();
+    stream
+        .write_all(b"GET /big HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        .await
+        .unwrap();
+    let started = Instant::now();
+    let (mut total, mut tail, mut during) = (0, Vec::new(), None);
+    let mut buf = vec![0u8; 128 * 1024];
+    loop {
+        let n = match stream.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        total += n;
+        tail.extend_from_slice(&buf[..n]);
+        tail.drain(..tail.len().saturating_sub(16));
+        // Well past the idle timeout, and still reading: the slot is held.
+        if during.is_none() && started.elapsed() > Duration::from_millis(2500) {
+            during = Some(
+                send(a, ip("127.0.38.2"), "GET", "/quick", &[], b"")
+                    .await
+                    .status,
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(total > 16 << 20, "{total} bytes");
+    assert!(tail.ends_with(b"0\r\n\r\n"), "the download was cut short");
+    assert_eq!(during, Some(StatusCode::SERVICE_UNAVAILABLE));
+    assert_eq!(limit.stats().bodies_stalled, 0);
+}
+
 /// What is left on `stream` until the server closes it (within 10 s).
 async fn read_all(stream: &mut tokio::net::TcpStream) -> String {
     let mut all = Vec::new();

@@ -4,6 +4,7 @@
 use std::pin::Pin;
 use std::task::{Context, Poll};
 
+use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
@@ -20,6 +21,13 @@ pin_project! {
     /// [`body_idle_timeout`](super::ConcurrencyLimitLayer::body_idle_timeout):
     /// then the slot is released at once, and the body ends with
     /// [`BodyStalled`](super::BodyStalled) when it is next polled.
+    ///
+    /// Progress is a frame taken by the server, which takes the next one
+    /// once the last has (nearly) left its buffers: data frames larger
+    /// than [`PermitBody::CHUNK`] are passed on in pieces of that size, so
+    /// that a client reading a large frame steadily is seen to progress.
+    /// (A client that reads less than that in the idle timeout is taken
+    /// for one that stopped.)
     pub struct PermitBody<B> {
         #[pin]
         inner: B,
@@ -29,16 +37,31 @@ pin_project! {
         guard: Option<Guard>,
         // Ended by the watchdog: the error has been yielded.
         ended: bool,
+        // What is left of a large data frame, passed on first.
+        rest: Bytes,
     }
 }
 
 impl<B> PermitBody<B> {
+    /// The largest data frame passed on at once: 16 KiB.
+    pub const CHUNK: usize = 16 * 1024;
+
     pub(crate) fn new(inner: B, guard: Option<Guard>) -> Self {
         Self {
             inner,
             guard,
             ended: false,
+            rest: Bytes::new(),
         }
+    }
+}
+
+/// At most [`PermitBody::CHUNK`] bytes of `data`, the rest left in it.
+fn piece(data: &mut Bytes) -> Bytes {
+    if data.len() <= PermitBody::<()>::CHUNK {
+        std::mem::take(data)
+    } else {
+        data.split_to(PermitBody::<()>::CHUNK)
     }
 }
 
@@ -59,10 +82,10 @@ fn release(guard: &mut Option<Guard>) {
 
 impl<B> Body for PermitBody<B>
 where
-    B: Body,
+    B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
 {
-    type Data = B::Data;
+    type Data = Bytes;
     type Error = BoxError;
 
     fn poll_frame(
@@ -78,38 +101,53 @@ where
                 let error = watched.error();
                 this.guard.take();
                 *this.ended = true;
+                this.rest.clear();
                 return Poll::Ready(Some(Err(error.into())));
             }
         }
-        match this.inner.poll_frame(cx) {
-            Poll::Ready(Some(Ok(frame))) => {
-                if let Some(Guard::Watched(watched)) = this.guard.as_ref() {
-                    watched.progress();
+        let frame = if this.rest.is_empty() {
+            match this.inner.poll_frame(cx) {
+                Poll::Ready(Some(Ok(frame))) => frame.map_data(|mut data| {
+                    let first = piece(&mut data);
+                    *this.rest = data;
+                    first
+                }),
+                Poll::Ready(Some(Err(error))) => {
+                    release(this.guard);
+                    return Poll::Ready(Some(Err(error.into())));
                 }
-                Poll::Ready(Some(Ok(frame)))
-            }
-            Poll::Ready(Some(Err(error))) => {
-                release(this.guard);
-                Poll::Ready(Some(Err(error.into())))
-            }
-            Poll::Ready(None) => {
-                release(this.guard);
-                Poll::Ready(None)
-            }
-            Poll::Pending => {
-                if let Some(Guard::Watched(watched)) = this.guard.as_ref() {
-                    watched.pending(cx.waker());
+                Poll::Ready(None) => {
+                    release(this.guard);
+                    return Poll::Ready(None);
                 }
-                Poll::Pending
+                Poll::Pending => {
+                    if let Some(Guard::Watched(watched)) = this.guard.as_ref() {
+                        watched.pending(cx.waker());
+                    }
+                    return Poll::Pending;
+                }
             }
+        } else {
+            Frame::data(piece(this.rest))
+        };
+        if let Some(Guard::Watched(watched)) = this.guard.as_ref() {
+            watched.progress();
         }
+        Poll::Ready(Some(Ok(frame)))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended || self.inner.is_end_stream()
+        self.ended || (self.rest.is_empty() && self.inner.is_end_stream())
     }
 
     fn size_hint(&self) -> SizeHint {
-        self.inner.size_hint()
+        let mut hint = self.inner.size_hint();
+        let rest = self.rest.len() as u64;
+        // (The upper bound first: a lower one above it would panic.)
+        if let Some(upper) = hint.upper() {
+            hint.set_upper(upper.saturating_add(rest));
+        }
+        hint.set_lower(hint.lower().saturating_add(rest));
+        hint
     }
 }
