@@ -35,10 +35,18 @@
 //! - **a refused request spends nothing**: the same request again at the
 //!   same instant is refused alike, with the same `RateLimit` fields;
 //! - **no shaped request is held past its delay**: it reaches the inner
-//!   service no later than its rule's longest wait after it came.
+//!   service no later than its rule's longest wait after it came;
+//! - **a lower bound for charging by outcome**: a budget that nothing but
+//!   reservations has spent (no charge kept, no conversion, no settlement
+//!   after a possible lapse; a bucket that starts full, or a window) is
+//!   described, where a `429` or an admitted answer describes it, with at
+//!   least its capacity less what is reserved: a reservation left
+//!   unsettled, or given back to the wrong place, shows as a right key
+//!   refused.
 //!
 //! Seeded (`PROPTEST_RNG_SEED` replays another seed) with a fixed budget
-//! of cases: 1,000 on the in-memory store, 200 on a private `redis-server`.
+//! of cases (`COMPOSITION_CASES` changes it): 3,000 on the in-memory store,
+//! 300 on a private `redis-server`.
 
 mod common;
 
@@ -78,7 +86,7 @@ const ROUTES: [&str; 2] = ["/a", "/b"];
 
 // ---------------------------------------------------------------- specs
 
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq)]
 enum PolicySpec {
     Bucket {
         capacity: u64,
@@ -644,6 +652,15 @@ struct Budget {
     /// them until then, whatever the key changes to meanwhile (a held
     /// request's units are spent, on its own schedule).
     held: Vec<(Nanos, Nanos, PolicySpec)>,
+    /// A rule charged by outcome: the requests whose reservations are not
+    /// settled yet (by id), with when they were reserved.
+    outstanding: Vec<(u64, Nanos)>,
+    /// A rule charged by outcome whose budget something else spent: a
+    /// charge kept (a `401`, a request dropped in flight), a reservation
+    /// settled after it may have lapsed, or a request decided under other
+    /// numbers (a conversion counts what is reserved as spent). Until then
+    /// the budget is its capacity less what is reserved, exactly.
+    tainted: bool,
 }
 
 struct Model<'c> {
@@ -726,6 +743,7 @@ impl Model<'_> {
                     continue;
                 }
                 Seen::note(&self.seen.kept_by_outcome);
+                self.budgets.entry((i, key.clone())).or_default().tainted = true;
             }
             // A shaping rule spends when the request is released; the
             // others when it came.
@@ -743,6 +761,93 @@ impl Model<'_> {
                 units: spec.cost,
             });
         }
+    }
+
+    /// The enforced rules charged by outcome that charge `s`, with its
+    /// key and the policy used.
+    fn by_outcome(&self, s: &Sent) -> Vec<(usize, String, PolicySpec)> {
+        (0..self.case.rules.len())
+            .filter(|&i| self.case.rules[i].by_outcome && self.enforced(i))
+            .filter_map(|i| {
+                let key = self.key(i, s)?;
+                let policy = self.policy(i, s);
+                (self.case.rules[i].cost <= policy.capacity()).then_some((i, key, policy))
+            })
+            .collect()
+    }
+
+    /// `s` was admitted and waits (held, or in flight): its rules charged
+    /// by outcome hold a reservation until it is answered or dropped.
+    fn reserved(&mut self, s: &Sent) {
+        for (i, key, _) in self.by_outcome(s) {
+            let budget = self.budgets.entry((i, key)).or_default();
+            budget.outstanding.push((s.id, s.at));
+        }
+    }
+
+    /// The request `id` was answered or dropped at `now`: its reservations
+    /// are settled (one settled after it may have lapsed, a minute after
+    /// it was made, taints its budget).
+    fn settled(&mut self, id: u64, now: Nanos) {
+        for budget in self.budgets.values_mut() {
+            if let Some(x) = budget.outstanding.iter().position(|o| o.0 == id) {
+                let (_, at) = budget.outstanding.swap_remove(x);
+                if now - at >= 60_000 * MS {
+                    budget.tainted = true;
+                }
+            }
+        }
+    }
+
+    /// The lower bound, for rules charged by outcome: a request answered
+    /// `429` (`admitted`: by the inner service) was described with at least
+    /// what the model says its budget holds, where its fields describe it. Nothing but reservations
+    /// spends an untainted budget of a bucket that starts full (or of a
+    /// window), so it holds its capacity less what is reserved (less this
+    /// request's own cost when admitted): a reservation never settled, a
+    /// refund lost or one given back to the wrong place shows here as a
+    /// right key refused.
+    fn check_live(
+        &self,
+        s: &Sent,
+        fields: &str,
+        admitted: bool,
+        checked: &AtomicU64,
+    ) -> Result<(), String> {
+        for (i, key, policy) in self.by_outcome(s) {
+            let Some(budget) = self.budgets.get(&(i, key.clone())) else {
+                continue;
+            };
+            let converted = budget.decided.iter().any(|d| d.1 != policy);
+            let empty = matches!(policy, PolicySpec::Bucket { empty: true, .. });
+            if budget.tainted || converted || empty {
+                continue;
+            }
+            let cost = self.case.rules[i].cost;
+            let reserved = budget.outstanding.len() as u64 + u64::from(admitted);
+            let expected = policy.capacity().saturating_sub(reserved * cost);
+            let name = format!("\"r{i}\";r=");
+            // (A refusal describes the limits that refused.)
+            let Some(r) = fields.split(", ").find_map(|f| {
+                let rest = f.strip_prefix(&name)?;
+                rest.split(';').next()?.parse::<u64>().ok()
+            }) else {
+                continue;
+            };
+            Seen::note(checked);
+            if r < expected {
+                return Err(format!(
+                    "rule r{i} key {key}: request {} ({}) was described with r={r}, where \
+                     nothing but {} outstanding reservations of {cost} spent a budget of {} \
+                     ({fields:?}): units were lost",
+                    s.id,
+                    if admitted { "admitted" } else { "refused" },
+                    budget.outstanding.len(),
+                    policy.capacity()
+                ));
+            }
+        }
+        Ok(())
     }
 
     /// The envelope, for every budget of an enforced rule.
@@ -810,6 +915,7 @@ struct Seen {
     probes: AtomicU64,
     policy_changes: AtomicU64,
     dropped: AtomicU64,
+    outcome_budgets_checked: AtomicU64,
 }
 
 impl Seen {
@@ -827,6 +933,7 @@ impl Seen {
             ("probes after Retry-After", &self.probes),
             ("policy changes", &self.policy_changes),
             ("dropped while waiting", &self.dropped),
+            ("outcome budgets checked", &self.outcome_budgets_checked),
         ]
         .map(|(what, n)| (what, n.load(Ordering::Relaxed)));
         eprintln!("exercised: {counts:?}");
@@ -895,6 +1002,9 @@ impl Drive<'_> {
         match future.as_mut().poll(&mut cx) {
             Poll::Ready(response) => Some(response.unwrap()),
             Poll::Pending => {
+                // (The stores decide at once: a request that waits was
+                // admitted.)
+                self.model.reserved(s);
                 // Dry-run rules and rules charged by outcome do not shape.
                 let longest = (0..self.case.rules.len())
                     .filter(|&i| self.model.key(i, s).is_some() && self.model.enforced(i))
@@ -928,6 +1038,7 @@ impl Drive<'_> {
                 let called = self.called(w.sent.id);
                 self.check_held(&w, called)?;
                 let inner = response.headers().contains_key("x-inner");
+                self.model.settled(w.sent.id, self.clock.now());
                 self.model
                     .spent(&w.sent, Some(response.status()), inner, called);
                 if called.is_some_and(|t| t > w.sent.at) && !w.sent.echo {
@@ -1064,6 +1175,17 @@ impl Drive<'_> {
             (true, _) => Seen::note(&self.seen.admitted),
             _ => {}
         }
+        if inner || response.status() == StatusCode::TOO_MANY_REQUESTS {
+            let fields = response
+                .headers()
+                .get_all("ratelimit")
+                .iter()
+                .map(|v| v.to_str().unwrap())
+                .collect::<Vec<_>>()
+                .join(", ");
+            self.model
+                .check_live(&s, &fields, inner, &self.seen.outcome_budgets_checked)?;
+        }
         self.model
             .spent(&s, Some(response.status()), inner, self.called(s.id));
         if response.status() == StatusCode::TOO_MANY_REQUESTS && !inner {
@@ -1114,6 +1236,7 @@ impl Drive<'_> {
                         let called = self.called(w.sent.id);
                         drop(w.future);
                         Seen::note(&self.seen.dropped);
+                        self.model.settled(w.sent.id, self.clock.now());
                         // Held and dropped: given back or spent, never
                         // admitted. In flight and dropped: its charges by
                         // outcome keep their reservations.

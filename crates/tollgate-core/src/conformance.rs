@@ -669,6 +669,29 @@ pub fn cases() -> Vec<Case> {
             ],
         },
         Case {
+            shaped: Vec::new(),
+            // Found in review: a reservation settled under the numbers it
+            // was made with, after the key had moved to others (a limit
+            // lowered while the request was in flight), converted the
+            // memory store's key back to them: 30 per second refilled it,
+            // and the lowered limit admitted 3 more. A settlement under
+            // numbers the key no longer has leaves it alone (what was
+            // reserved was counted as spent when it moved).
+            name: "settle-after-policy-change",
+            policies: vec![
+                tb("login", 3, Rate::per_second(30)),
+                tb("login", 3, Rate::new(1, Duration::from_secs(20))),
+            ],
+            steps: vec![
+                step(S, &[("k", 0, 1)], OK),
+                step(S + 10 * MS, &[("k", 1, 1)], OK),
+                step(S + 15 * MS, &[("k", 1, 1)], OK),
+                step(S + 20 * MS, &[("k", 1, 1)], denied(19_990 * MS)),
+                refund(S + 100 * MS, &[("k", 0, 1)], 0),
+                step(S + 600 * MS, &[("k", 1, 1)], denied(19_410 * MS)),
+            ],
+        },
+        Case {
             // A bucket with units reserved is not shaped: a shaped charge
             // is decided as unshaped until they are settled.
             name: "reserve-then-shape",
