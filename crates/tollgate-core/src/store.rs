@@ -145,8 +145,8 @@ pub trait Store: Send + Sync + 'static {
     /// (with `receipt`, as for [`Store::refund`]): they count. A token
     /// bucket's reserved units lose them, so it refills to its whole
     /// capacity again ([`crate::algorithm::confirm`]); unconfirmed, they
-    /// lapse as confirmed [`crate::algorithm::MAX_RESERVATION`] after the
-    /// charge.
+    /// lapse as confirmed one to two [`crate::algorithm::MAX_RESERVATION`]s
+    /// after the charge.
     ///
     /// The default answers [`StoreErrorKind::Unsupported`].
     fn confirm<'a>(

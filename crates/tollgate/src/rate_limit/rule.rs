@@ -540,9 +540,11 @@ impl Rule {
     /// restores exactly the credit the bucket would have had without it
     /// (it never returns units the capacity would have cut off), and a
     /// refusal's `Retry-After` counts on them lapsing if it must. Units
-    /// not settled within a minute of the charge
-    /// ([`MAX_RESERVATION`](tollgate_core::algorithm::MAX_RESERVATION))
-    /// lapse as confirmed. A bucket with units reserved does not shape.
+    /// not settled lapse as confirmed between one and two minutes after
+    /// the charge (reservations are counted by minute,
+    /// [`MAX_RESERVATION`](tollgate_core::algorithm::MAX_RESERVATION), and
+    /// a minute's lapse when the next one ends, however many are made
+    /// later). A bucket with units reserved does not shape.
     ///
     /// - Where the layer answers on its own account (its `401` for a
     ///   missing principal, `411`, `413`, `400`), the outcome is known
@@ -550,7 +552,11 @@ impl Rule {
     ///   status matches, with no reservation, and not at all otherwise.
     /// - A request whose response never comes (the client went away, the
     ///   future was dropped, the inner service failed) has its reservation
-    ///   confirmed: the attempt counts.
+    ///   confirmed: the attempt counts. One dropped before the inner
+    ///   service was called (held by another rule's shaping, and its
+    ///   client gone) has it given back: nothing was attempted.
+    /// - A request held by shaping keeps its reservation while it waits,
+    ///   and is settled by its response like any other.
     /// - The statuses are those of the inner service's response (or of this
     ///   layer's own refusals, above), never of a `429` for lack of budget.
     /// - Dry-run and exemptions apply as to any rule; a rule charged by
