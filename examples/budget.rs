@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use tollgate_core::{Charge, Key, ManualClock, MemoryStore, Policy, Rate, Verdict};
+use tollgate_budget::{Charge, Key, ManualClock, MemoryStore, Policy, Rate, Verdict};
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let clock = ManualClock::new(0);

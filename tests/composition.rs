@@ -72,7 +72,7 @@ use tollgate::{
     Charge, Clock, Cost, Exemption, Initial, MemoryStore, Outcome, PeerAddr, Policy, Principal,
     Rate, RateLimitLayer, Rule, Store, StoreError,
 };
-use tollgate_core::{Receipt, Reservation};
+use tollgate_budget::{Receipt, Reservation};
 use tollgate_redis::RedisStore;
 use tollgate_redis::testing::RedisServer;
 use tower::{Layer, Service};

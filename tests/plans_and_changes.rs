@@ -394,3 +394,78 @@ fn set_policy_takes_the_rules_unit() {
     assert_eq!(rules[0].policy().capacity(), 2048);
     assert_eq!(rules[0].policy().unit().as_str(), "content-kib");
 }
+
+/// One plan changed at runtime (`RulesHandle::set_plan`): the default and
+/// the other plans keep their numbers, the plan's principals carry what
+/// they spent over to the new ones, a plan not given before is added, and
+/// a policy of another budget changes nothing.
+#[tokio::test(flavor = "multi_thread")]
+async fn one_plan_changes_at_runtime_and_keeps_what_was_spent() {
+    let store = MemoryStore::builder().clock(ManualClock::new(0)).build();
+    let rule = Rule::per_account(export(3, 2))
+        .plan("pro", export(10, 5))
+        .plan("team", export(20, 5));
+    let layer = RateLimitLayer::new(store).rule(rule);
+    let handle = layer.rules_handle();
+    let app = Router::new()
+        .route("/export", get(|| async { "ok" }))
+        .layer(layer)
+        .layer(middleware::from_fn(test_auth));
+    let addr = serve(app).await;
+    // Alice (pro) spends 4 of 10.
+    for left in [9, 8, 7, 6] {
+        assert_eq!(
+            ask(addr, "north/alice", Some("pro")).await,
+            (OK, Some(left), Some(10))
+        );
+    }
+    // "pro" becomes 5: the 4 spent carry over, 1 is left.
+    assert_eq!(handle.set_plan("pro", export(5, 1)).unwrap(), 1);
+    assert_eq!(
+        ask(addr, "north/alice", Some("pro")).await,
+        (OK, Some(0), Some(5))
+    );
+    assert_eq!(ask(addr, "north/alice", Some("pro")).await.0, LIMITED);
+    // The default and "team" are as they were.
+    assert_eq!(ask(addr, "north/bob", None).await, (OK, Some(2), Some(3)));
+    assert_eq!(
+        ask(addr, "north/carol", Some("team")).await,
+        (OK, Some(19), Some(20))
+    );
+    // A plan not given before is added; another budget changes nothing.
+    assert_eq!(handle.set_plan("gold", export(100, 50)).unwrap(), 1);
+    assert_eq!(
+        ask(addr, "north/dave", Some("gold")).await,
+        (OK, Some(99), Some(100))
+    );
+    let other = Policy::token_bucket("upload", 1, Rate::per_second(1)).unwrap();
+    assert_eq!(handle.set_plan("pro", other).unwrap(), 0);
+    assert_eq!(ask(addr, "north/alice", Some("pro")).await.0, LIMITED);
+}
+
+/// A plan, tenant or account given twice on one rule is an error, not the
+/// last one silently kept.
+#[test]
+fn a_plan_given_twice_is_an_error() {
+    let e = Rule::per_account(export(3, 2))
+        .plan("pro", export(10, 5))
+        .try_plan("pro", export(20, 5))
+        .unwrap_err();
+    assert_eq!(e.rule(), "export");
+    assert!(e.to_string().contains("given twice"), "{e}");
+    let twice = Rule::per_account(export(3, 2))
+        .for_tenant("t", export(10, 5))
+        .try_for_tenant("t", export(10, 5));
+    assert!(twice.is_err());
+    let twice = Rule::per_account(export(3, 2))
+        .for_account("t", "a", export(10, 5))
+        .try_for_account("t", "a", export(10, 5));
+    assert!(twice.is_err());
+    // The same name as a plan and as a tenant are different entries.
+    assert!(
+        Rule::per_account(export(3, 2))
+            .plan("x", export(10, 5))
+            .try_for_tenant("x", export(10, 5))
+            .is_ok()
+    );
+}

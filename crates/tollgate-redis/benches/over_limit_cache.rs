@@ -11,7 +11,7 @@ use std::hint::black_box;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use tollgate_core::{Charge, Decision, Key, Policy, Rate};
+use tollgate_budget::{Charge, Decision, Key, Policy, Rate};
 
 const BOUND: usize = 100_000;
 

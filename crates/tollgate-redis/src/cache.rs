@@ -26,7 +26,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
-use tollgate_core::{Charge, Decision, Outcome, Policy};
+use tollgate_budget::{Charge, Decision, Outcome, Policy};
 
 /// Counters of the over-limit cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -77,7 +77,7 @@ pub(crate) struct OverLimitCache {
 /// for windows.
 fn step(policy: &Policy, cost: u64) -> u64 {
     match policy.algorithm() {
-        tollgate_core::Algorithm::TokenBucket(b) => {
+        tollgate_budget::Algorithm::TokenBucket(b) => {
             let units = u128::from(cost) * u128::from(b.units_per_token());
             u64::try_from(units.div_ceil(u128::from(b.units_per_nanosecond()))).unwrap_or(u64::MAX)
         }
@@ -162,7 +162,7 @@ impl OverLimitCache {
         answered: Instant,
         admitted: Decision,
     ) {
-        let (Decision::Admitted { remaining, reset }, tollgate_core::Algorithm::TokenBucket(b)) =
+        let (Decision::Admitted { remaining, reset }, tollgate_budget::Algorithm::TokenBucket(b)) =
             (admitted, charge.policy().algorithm())
         else {
             return;
@@ -192,7 +192,7 @@ impl OverLimitCache {
     }
 
     /// Forgets what is remembered of `charge` on `key`: credit was given
-    /// back to it ([`Store::refund`](tollgate_core::Store::refund)), so a
+    /// back to it ([`Store::refund`](tollgate_budget::Store::refund)), so a
     /// refusal remembered before may no longer be Redis's answer.
     pub(crate) fn forget(&self, key: &str, charge: &Charge) {
         let digest = self.digest(key, charge.policy());
@@ -314,7 +314,7 @@ mod tests {
             self.refuse(keys, charges, true)
         }
     }
-    use tollgate_core::{Key, Policy, Rate};
+    use tollgate_budget::{Key, Policy, Rate};
 
     fn denied(secs: u64) -> Decision {
         Decision::Denied {

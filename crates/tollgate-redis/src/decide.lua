@@ -30,22 +30,22 @@
 -- offset) and the numbers that wrote it (algorithm, p1..p4, as in a
 -- charge); a token bucket with units reserved adds three, 96 bytes: the
 -- units reserved in epoch k, those reserved in epoch k - 1, and k
--- (tollgate_core's algorithm::State: epochs of MAX_RESERVATION from the
+-- (tollgate_budget's algorithm::State: epochs of MAX_RESERVATION from the
 -- store epoch; an epoch's units lapse, as confirmed, when the epoch after
 -- it ends). Binary because parsing and formatting text was most of the
 -- script's cost. A key's state belongs to its policy's name and unit (the
 -- key names them), not to its numbers: a charge with other numbers (a
 -- plan upgrade, a limit changed at runtime) first carries the state over
--- by the rule of tollgate_core's algorithm::carry_over, implemented in
+-- by the rule of tollgate_budget's algorithm::carry_over, implemented in
 -- `carry` below. States of 32 bytes, or text "level:prior:era:offset",
 -- carry no numbers and are read as written under the charge's own. A
 -- token bucket's prior is 0, or, while a request is held for later
 -- (shaping), 1 plus how long after the state's time the last held request
--- is released: tollgate_core's algorithm::State. Every write of the bucket
+-- is released: tollgate_budget's algorithm::State. Every write of the bucket
 -- keeps it until then.
 -- Reserved units (a charge kept only for some outcomes, not yet settled)
 -- are taken from the level and keep the bucket below its capacity by as
--- much until they are settled or lapse (as confirmed): tollgate_core's
+-- much until they are settled or lapse (as confirmed): tollgate_budget's
 -- algorithm::reserve. States of 88 bytes (an earlier layout: one count of
 -- reserved units and when they lapse) are read as reserved in the epoch
 -- of their time.
@@ -111,7 +111,7 @@ local function sub(e, o, d)
 end
 
 -- How long a reservation may wait to be settled, at least, in seconds
--- (tollgate_core's algorithm::MAX_RESERVATION): the length of an epoch.
+-- (tollgate_budget's algorithm::MAX_RESERVATION): the length of an epoch.
 local EPOCH_SEC = 60
 
 -- The epoch of (e, o): whole epochs since the store epoch.
@@ -266,12 +266,12 @@ local function least(hi, holds)
   return lo
 end
 
--- The longest debt a carried-over bucket keeps (tollgate_core's
+-- The longest debt a carried-over bucket keeps (tollgate_budget's
 -- algorithm::MAX_CARRIED_DEBT), and the largest whole count carried.
 local MAX_DEBT = 2000000000000000
 local MAX_COUNT = 9007199254740991
 
--- How long an initially-empty bucket is kept once full (tollgate_core's
+-- How long an initially-empty bucket is kept once full (tollgate_budget's
 -- algorithm::EMPTY_KEPT_FULL): until then it is full, not new.
 local KEEP = 60000000000
 
@@ -289,7 +289,7 @@ local function hold_prior(he, ho, ae, ao)
   return 1 + diff(he, ho, ae, ao)
 end
 
--- Reservations (tollgate_core's algorithm::State): units reserved in an
+-- Reservations (tollgate_budget's algorithm::State): units reserved in an
 -- epoch (MAX_RESERVATION long, counted from the store epoch) lapse, as
 -- confirmed, when the epoch after it ends. A bucket keeps two counts: rc
 -- reserved in epoch k, rp in epoch k - 1.
@@ -333,7 +333,7 @@ local function grow(credit, ce, co, te, to, cap, num, rc, rp, k)
   return credit, rc, rp, k
 end
 
--- tollgate_core's TokenBucket::level_at: a bucket's credit at now (or at
+-- tollgate_budget's TokenBucket::level_at: a bucket's credit at now (or at
 -- its own later time), that time, and its reservations then.
 local function bucket_level(level, se, so, cap, num, rc, rp, k)
   local te, to = NE, NO
@@ -412,7 +412,7 @@ local function into_bucket(spent, per_token, q1, q2, q3)
 end
 
 -- The state written under numbers (oa, o1..o4) as read under (a, q1..q4):
--- tollgate_core's algorithm::carry_over. Returns nothing for no state.
+-- tollgate_budget's algorithm::carry_over. Returns nothing for no state.
 local function carry(oa, o1, o2, o3, o4, level, prior, se, so, rc, rp, k, a, q1, q2, q3, q4)
   -- Brought to now under the numbers that wrote it: idle is no state.
   local ie, io
@@ -486,7 +486,7 @@ local created_now = {}
 -- it was refused; the index of its write; whether a key repeats.
 local buckets, refused, wrote, repeated = {}, {}, {}, false
 -- Initially-empty buckets a refused call found with room, as they stand:
--- written so that they are kept a minute from now (tollgate_core's
+-- written so that they are kept a minute from now (tollgate_budget's
 -- algorithm::as_of).
 local touches = {}
 local all = true
@@ -813,7 +813,7 @@ for i = 1, n do
   nr = nr + 8
 end
 
--- Shaping (tollgate_core's charge_at): a call refused only by shaped
+-- Shaping (tollgate_budget's charge_at): a call refused only by shaped
 -- buckets that fit within their waits is admitted as delayed until the
 -- latest of their earliest fits, when that is within every shaped
 -- bucket's wait; every shaped bucket is charged as of that instant, the
@@ -857,7 +857,7 @@ if mode == "charge" and not all and not repeated and next(buckets) ~= nil then
         ae, ao = add(b.te, b.to, cdiv(b.need - b.credit, b.num))
       end
       -- Held until the release, or an earlier reservation's later one:
-      -- the hold tollgate_core's charge_at writes in `prior`.
+      -- the hold tollgate_budget's charge_at writes in `prior`.
       -- (A release not after the bucket's own time, a clock behind it, is
       -- decided as now: only the hold it had.)
       local he, ho

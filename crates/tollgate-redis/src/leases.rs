@@ -10,7 +10,7 @@
 use std::sync::LazyLock;
 use std::time::Duration;
 
-use tollgate_core::{
+use tollgate_budget::{
     Acquired, Lease, LeaseRequest, LeaseStore, Renewed, StoreError, StoreErrorKind, StoreFuture,
 };
 

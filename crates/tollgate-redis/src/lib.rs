@@ -20,7 +20,7 @@
 //!   server clock that steps backwards never mints credit. Tests may inject
 //!   time instead ([`RedisStoreBuilder::injected_time`]); that is a
 //!   test/diagnostic option, not for production.
-//! - **Same algorithms** as `tollgate-core`, with the same results on the
+//! - **Same algorithms** as `tollgate-budget`, with the same results on the
 //!   same traces (the core's conformance table runs against a real Redis).
 //!   Policies whose numbers do not fit the exact range are refused with
 //!   [`StoreErrorKind::Unsupported`] by [`Store::check_policy`], which
@@ -33,7 +33,7 @@
 //!   little-endian doubles: the state (level, prior, era, offset) and the
 //!   numbers that wrote it, so that a charge under other numbers (a plan, a
 //!   limit changed at runtime) carries what was spent over by the core's
-//!   rule ([`tollgate_core::algorithm::carry_over`]), in the script, on the
+//!   rule ([`tollgate_budget::algorithm::carry_over`]), in the script, on the
 //!   same exact integers. Charges travel to the script packed the same way.
 //!   Text values from earlier versions are still read.
 //! - **TTL**: every write sets a TTL equal to the time until the state is
@@ -69,7 +69,7 @@
 //!
 //! ```no_run
 //! # async fn run() -> Result<(), Box<dyn std::error::Error>> {
-//! use tollgate_core::{Charge, Key, Policy, Rate, Store};
+//! use tollgate_budget::{Charge, Key, Policy, Rate, Store};
 //! use tollgate_redis::RedisStore;
 //!
 //! let store = RedisStore::builder("redis://127.0.0.1:6379")?
@@ -99,8 +99,8 @@ use std::time::{Duration, Instant};
 use redis::aio::ConnectionManager;
 use redis::cluster_async::ClusterConnection;
 use tokio::sync::OnceCell;
-use tollgate_core::algorithm::State;
-use tollgate_core::{
+use tollgate_budget::algorithm::State;
+use tollgate_budget::{
     Charge, Decision, Nanos, Outcome, Policy, Receipt, Reservation, Reserved, Store, StoreError,
     StoreErrorKind,
 };
@@ -766,7 +766,7 @@ impl RedisStore {
         // A delayed call adds the states its reservations replaced.
         let extra = reply.len().saturating_sub(own);
         if reply.len() >= own
-            && extra % script::REPLACED == 0
+            && extra.is_multiple_of(script::REPLACED)
             && extra / script::REPLACED <= prepared.len()
         {
             Ok(reply)
@@ -809,10 +809,10 @@ impl RedisStore {
                         Ok(mut c) => invocation.invoke_async::<T>(&mut c).await,
                         Err(e) => Err(e),
                     };
-                    if let Err(e) = &result {
-                        if master_may_have_moved(e) {
-                            sentinel.lost().await;
-                        }
+                    if let Err(e) = &result
+                        && master_may_have_moved(e)
+                    {
+                        sentinel.lost().await;
                     }
                     result
                 }
@@ -921,16 +921,14 @@ impl RedisStore {
             .collect();
         // Refundable charges get a receipt: where each was counted.
         let refundable = charges.iter().any(Charge::is_refundable);
-        if let [one] = &prepared[..] {
-            if one.is_one_bucket() {
-                if let Some(outcome) = self
-                    .charge_one_bucket(one, &keys[0], &charges[0], deadline)
-                    .await?
-                {
-                    // (Refundable charges are reserved: never this script.)
-                    return Ok(outcome);
-                }
-            }
+        if let [one] = &prepared[..]
+            && one.is_one_bucket()
+            && let Some(outcome) = self
+                .charge_one_bucket(one, &keys[0], &charges[0], deadline)
+                .await?
+        {
+            // (Refundable charges are reserved: never this script.)
+            return Ok(outcome);
         }
         let mut decisions = vec![Decision::Unevaluated; charges.len()];
         let mut before = vec![Decision::Unevaluated; charges.len()];

@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use redis::{Script, ScriptInvocation};
-use tollgate_core::{
+use tollgate_budget::{
     Algorithm, Charge, Decision, Initial, Nanos, Policy, StoreError, StoreErrorKind, Unit,
 };
 
@@ -40,10 +40,10 @@ pub(crate) enum Mode {
     /// Decide without writing anything.
     Peek,
     /// Give back admissions: at once (a call charged slot by slot and
-    /// refused), or reserved ones ([`Store::refund`](tollgate_core::Store::refund)).
+    /// refused), or reserved ones ([`Store::refund`](tollgate_budget::Store::refund)).
     Refund,
     /// Settle reserved admissions as counted
-    /// ([`Store::confirm`](tollgate_core::Store::confirm)).
+    /// ([`Store::confirm`](tollgate_budget::Store::confirm)).
     Confirm,
     /// Give back a delayed call's reservations.
     Cancel,
@@ -135,7 +135,7 @@ pub(crate) fn redis_key(prefix: &str, charge: &Charge) -> String {
 /// the built-in units.
 fn fingerprint(policy: &Policy) -> String {
     let unit = match policy.unit() {
-        Unit::Other(name) => format!("o.{}", tollgate_core::Key::new(&**name)),
+        Unit::Other(name) => format!("o.{}", tollgate_budget::Key::new(&**name)),
         built_in => built_in.as_str().to_owned(),
     };
     format!("{}/{unit}", policy.name())
@@ -252,7 +252,7 @@ impl Prepared {
     /// state's level and prior ride in the fifth and sixth numbers, its time
     /// in the window; the state it replaced follows all the charges.
     pub(crate) fn cancel<'a>(
-        items: impl Iterator<Item = (&'a String, &'a Charge, tollgate_core::Reserved)>,
+        items: impl Iterator<Item = (&'a String, &'a Charge, tollgate_budget::Reserved)>,
     ) -> Result<Self, StoreError> {
         let mut p = Prepared {
             keys: Vec::new(),
@@ -386,18 +386,18 @@ pub(crate) const ERA_NS: u64 = 4_000_000_000_000_000;
 /// A shaped charge's reservation from its reply values in a delayed call:
 /// the call's delay and the state the script wrote, in the store's time
 /// (nanoseconds since its epoch, or the injected clock's).
-pub(crate) fn reserved(values: &[i64]) -> Option<(Duration, tollgate_core::algorithm::State)> {
+pub(crate) fn reserved(values: &[i64]) -> Option<(Duration, tollgate_budget::algorithm::State)> {
     if values[0] != 2 {
         return None;
     }
     let n = |i: usize| u64::try_from(values[i]).unwrap_or(0);
     Some((
         Duration::from_nanos(n(3)),
-        tollgate_core::algorithm::State {
+        tollgate_budget::algorithm::State {
             level: n(6),
             prior: n(7),
             at: n(4).saturating_mul(ERA_NS).saturating_add(n(5)),
-            ..tollgate_core::algorithm::State::default()
+            ..tollgate_budget::algorithm::State::default()
         },
     ))
 }
@@ -407,13 +407,13 @@ pub(crate) fn reserved(values: &[i64]) -> Option<(Duration, tollgate_core::algor
 pub(crate) const REPLACED: usize = 5;
 
 /// The state a reservation replaced, from its [`REPLACED`] reply values.
-pub(crate) fn replaced(values: &[i64]) -> Option<tollgate_core::algorithm::State> {
+pub(crate) fn replaced(values: &[i64]) -> Option<tollgate_budget::algorithm::State> {
     let n = |i: usize| u64::try_from(values[i]).unwrap_or(0);
-    (values[0] == 1).then(|| tollgate_core::algorithm::State {
+    (values[0] == 1).then(|| tollgate_budget::algorithm::State {
         level: n(1),
         prior: n(2),
         at: n(3).saturating_mul(ERA_NS).saturating_add(n(4)),
-        ..tollgate_core::algorithm::State::default()
+        ..tollgate_budget::algorithm::State::default()
     })
 }
 
@@ -518,7 +518,7 @@ fn crc16(data: &[u8]) -> u16 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tollgate_core::{Key, Rate};
+    use tollgate_budget::{Key, Rate};
 
     #[test]
     fn crc16_and_hash_tags_match_redis() {

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tokio::sync::Barrier;
-use tollgate_core::{Charge, Decision, Key, Policy, Rate, Store, StoreErrorKind, Verdict};
+use tollgate_budget::{Charge, Decision, Key, Policy, Rate, Store, StoreErrorKind, Verdict};
 use tollgate_redis::RedisStore;
 use tollgate_redis::testing::RedisServer;
 
@@ -505,7 +505,7 @@ async fn an_unsupported_policy_in_a_later_slot_charges_no_earlier_slot() {
 /// charge that Redis would admit. Both stores agree with and without it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_charged_twice_in_one_call_is_not_remembered_as_refused() {
-    use tollgate_core::MemoryStore;
+    use tollgate_budget::MemoryStore;
     let Some(server) = RedisServer::start() else {
         return;
     };
@@ -526,7 +526,7 @@ async fn a_key_charged_twice_in_one_call_is_not_remembered_as_refused() {
     assert!(!cached.charge(&pair).await.unwrap().is_admitted());
     assert!(!plain.charge(&pair).await.unwrap().is_admitted());
     assert!(!memory.charge(&pair).await.unwrap().is_admitted());
-    for store in [&cached as &dyn tollgate_core::DynStore, &plain, &memory] {
+    for store in [&cached as &dyn tollgate_budget::DynStore, &plain, &memory] {
         let single = store.charge_boxed(&pair[..1]).await.unwrap();
         assert!(single.is_admitted(), "{single:?}");
     }
@@ -539,7 +539,7 @@ async fn a_key_charged_twice_in_one_call_is_not_remembered_as_refused() {
 /// A refund that leaves no state now deletes the key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refund_that_leaves_nothing_spent_leaves_no_state() {
-    use tollgate_core::{Initial, ManualClock, MemoryStore};
+    use tollgate_budget::{Initial, ManualClock, MemoryStore};
     let Some(server) = RedisServer::start() else {
         return;
     };
@@ -548,7 +548,7 @@ async fn a_refund_that_leaves_nothing_spent_leaves_no_state() {
     let redis = RedisStore::builder(&server.url())
         .unwrap()
         .split_by_slot(true)
-        .injected_time(move || tollgate_core::Clock::now(&reading))
+        .injected_time(move || tollgate_budget::Clock::now(&reading))
         .build()
         .unwrap();
     let memory = MemoryStore::builder().clock(clock.clone()).build();
@@ -566,11 +566,11 @@ async fn a_refund_that_leaves_nothing_spent_leaves_no_state() {
         .collect();
     assert!(slots[0] < slots[1], "{slots:?}");
     let gate_only = [Charge::new(second, gate, 1).unwrap()];
-    for store in [&redis as &dyn tollgate_core::DynStore, &memory] {
+    for store in [&redis as &dyn tollgate_budget::DynStore, &memory] {
         assert!(store.charge_boxed(&gate_only).await.unwrap().is_admitted());
     }
     clock.set(100_000_000_000);
-    for store in [&redis as &dyn tollgate_core::DynStore, &memory] {
+    for store in [&redis as &dyn tollgate_budget::DynStore, &memory] {
         assert!(!store.charge_boxed(&pair).await.unwrap().is_admitted());
     }
     let stored = server.get_bytes(&redis.redis_key(&pair[0])).unwrap();

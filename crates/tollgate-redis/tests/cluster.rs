@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::Barrier;
-use tollgate_core::{Charge, Key, Policy, Rate, Store};
+use tollgate_budget::{Charge, Key, Policy, Rate, Store};
 use tollgate_redis::RedisStore;
 use tollgate_redis::testing::RedisCluster;
 

@@ -1,8 +1,8 @@
 //! The core's conformance table against a real Redis, with injected time,
 //! both as one script per request and slot by slot with refunds.
 
-use tollgate_core::ManualClock;
-use tollgate_core::conformance::{cases, run_case};
+use tollgate_budget::ManualClock;
+use tollgate_budget::conformance::{cases, run_case};
 use tollgate_redis::RedisStore;
 use tollgate_redis::testing::RedisServer;
 
@@ -16,18 +16,18 @@ async fn redis_store_reproduces_every_case() {
         let reading = clock.clone();
         let store = RedisStore::builder(&server.url())
             .unwrap()
-            .injected_time(move || tollgate_core::Clock::now(&reading))
+            .injected_time(move || tollgate_budget::Clock::now(&reading))
             .split_by_slot(split)
             .build()
             .unwrap();
-        let memory = tollgate_core::MemoryStore::builder()
+        let memory = tollgate_budget::MemoryStore::builder()
             .clock(clock.clone())
             .build();
         let namespace = if split { "split" } else { "atomic" };
         for case in cases() {
             // Shaping needs one atomic decision: charged slot by slot, a
             // call whose keys span slots is decided unshaped.
-            let spans_slots = |case: &tollgate_core::conformance::Case| {
+            let spans_slots = |case: &tollgate_budget::conformance::Case| {
                 case.steps
                     .iter()
                     .any(|s| s.charges.iter().any(|c| c.0 != s.charges[0].0))
@@ -68,12 +68,12 @@ fn assert_one_bucket_ran(store: &RedisStore, decided: u64, handed: u64) {
 fn side_by_side(
     server: &RedisServer,
     split: bool,
-) -> (ManualClock, RedisStore, tollgate_core::MemoryStore) {
+) -> (ManualClock, RedisStore, tollgate_budget::MemoryStore) {
     let clock = ManualClock::new(0);
     let reading = clock.clone();
     let redis = RedisStore::builder(&server.url())
         .unwrap()
-        .injected_time(move || tollgate_core::Clock::now(&reading))
+        .injected_time(move || tollgate_budget::Clock::now(&reading))
         .split_by_slot(split)
         .build()
         .unwrap();
@@ -83,7 +83,7 @@ fn side_by_side(
     // still hold it. Both never mint credit, but they can answer
     // differently, and which keys share a shard (and so when one is swept)
     // is random per store.
-    let memory = tollgate_core::MemoryStore::builder()
+    let memory = tollgate_budget::MemoryStore::builder()
         .clock(clock.clone())
         .sweep_interval(std::time::Duration::from_secs(1 << 40))
         .build();
@@ -97,7 +97,7 @@ fn side_by_side(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_clock_jumps_agree_with_the_memory_store() {
     use std::time::Duration;
-    use tollgate_core::{Charge, Key, Policy, Rate, Store};
+    use tollgate_budget::{Charge, Key, Policy, Rate, Store};
     let Some(server) = RedisServer::start() else {
         return;
     };
@@ -175,11 +175,11 @@ async fn policy_changes_carry_over_like_the_memory_store() {
 async fn policy_changes_trace(
     clock: &ManualClock,
     redis: &RedisStore,
-    memory: &tollgate_core::MemoryStore,
+    memory: &tollgate_budget::MemoryStore,
     split: bool,
 ) {
     use std::time::Duration;
-    use tollgate_core::{Charge, Initial, Key, Policy, Rate, Store};
+    use tollgate_budget::{Charge, Initial, Key, Policy, Rate, Store};
     let name = "plan";
     let policies = [
         Policy::token_bucket(name, 3, Rate::per_second(2)).unwrap(),
@@ -278,7 +278,7 @@ async fn policy_changes_trace(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shaping_agrees_with_the_memory_store() {
     use std::time::Duration;
-    use tollgate_core::{Charge, Key, Outcome, Policy, Rate, Store};
+    use tollgate_budget::{Charge, Key, Outcome, Policy, Rate, Store};
     let Some(server) = RedisServer::start() else {
         return;
     };

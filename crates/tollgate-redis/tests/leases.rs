@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use tollgate_core::{Acquired, Lease, LeaseRequest, LeaseStore, Renewed};
+use tollgate_budget::{Acquired, Lease, LeaseRequest, LeaseStore, Renewed};
 use tollgate_redis::RedisStore;
 use tollgate_redis::testing::{RedisCluster, RedisServer};
 

@@ -6,7 +6,7 @@
 
 use std::time::Duration;
 
-use tollgate_core::{Charge, Initial, Key, ManualClock, MemoryStore, Policy, Rate, Store};
+use tollgate_budget::{Charge, Initial, Key, ManualClock, MemoryStore, Policy, Rate, Store};
 use tollgate_redis::RedisStore;
 use tollgate_redis::testing::RedisServer;
 
@@ -333,7 +333,7 @@ fn side_by_side(server: &RedisServer) -> (ManualClock, RedisStore, MemoryStore) 
     let redis = RedisStore::builder(&server.url())
         .unwrap()
         .timeout(Duration::from_secs(2))
-        .injected_time(move || tollgate_core::Clock::now(&reading))
+        .injected_time(move || tollgate_budget::Clock::now(&reading))
         .build()
         .unwrap();
     let memory = MemoryStore::builder()
@@ -364,7 +364,7 @@ async fn what_the_one_bucket_script_does_not_cover_goes_to_the_full_script() {
     };
     let basic = Policy::token_bucket("plan", 10, Rate::per_second(5)).unwrap();
     let pro = Policy::token_bucket("plan", 100, Rate::per_second(50)).unwrap();
-    let same = |a: &tollgate_core::Outcome, b: &tollgate_core::Outcome| assert_eq!(a, b);
+    let same = |a: &tollgate_budget::Outcome, b: &tollgate_budget::Outcome| assert_eq!(a, b);
     for cost in [4, 4, 4] {
         let c = [charge("k", &basic, cost)];
         same(

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::Barrier;
-use tollgate_core::{Charge, Decision, Key, Policy, Store};
+use tollgate_budget::{Charge, Decision, Key, Policy, Store};
 use tollgate_redis::RedisStore;
 use tollgate_redis::testing::{RedisServer, decode_state};
 

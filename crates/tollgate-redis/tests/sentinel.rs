@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-use tollgate_core::{Charge, Key, Policy, Rate, Store, StoreErrorKind};
+use tollgate_budget::{Charge, Key, Policy, Rate, Store, StoreErrorKind};
 use tollgate_redis::RedisStore;
 use tollgate_redis::testing::{RedisSentinel, RedisServer};
 

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use tollgate_core::{Charge, Key, Policy, Rate, Store, StoreErrorKind};
+use tollgate_budget::{Charge, Key, Policy, Rate, Store, StoreErrorKind};
 use tollgate_redis::RedisStore;
 use tollgate_redis::testing::{RedisServer, TestCertificates, free_loopback_port};
 

@@ -10,7 +10,7 @@
 //!   `RateLimit` fields.
 //! - [`ConcurrencyLimitLayer`] bounds requests in flight, globally and per
 //!   key, until their response bodies end.
-//! - The budget arithmetic, keys and stores come from [`tollgate_core`],
+//! - The budget arithmetic, keys and stores come from [`tollgate_budget`],
 //!   re-exported here.
 //!
 //! # Example: an axum API
@@ -92,7 +92,7 @@
 //! | [`identity`] | who is asking: [`Principal`], [`ClientIpResolver`] (the trusted-proxy walk), [`Operation`], [`KeyPart`] |
 //! | [`concurrency`] | [`ConcurrencyLimitLayer`] and the [`concurrency::InFlight`] handle |
 //! | [`client`] | `Retry-After` parsing and a retry policy for callers (feature `client`) |
-//! | [`core`] | [`tollgate_core`]: policies, keys, charges, [`Decision`] / [`Outcome`] / [`Verdict`], [`MemoryStore`], the [`Store`] trait |
+//! | [`core`] | [`tollgate_budget`]: policies, keys, charges, [`Decision`] / [`Outcome`] / [`Verdict`], [`MemoryStore`], the [`Store`] trait |
 //! | `redis` | the Redis store for fleets (feature `redis`) |
 //!
 //! # Features
@@ -127,7 +127,7 @@ pub use rate_limit::{
     Cost, CostError, Exemption, InvalidPlan, InvalidRoute, OnStoreError, RateLimit, RateLimitLayer,
     RefusalBody, RefusalInfo, Rule, RulesHandle, UnsupportedRule,
 };
-pub use tollgate_core::{
+pub use tollgate_budget::{
     self as core, Acquired, Algorithm, Charge, Clock, Decision, DynStore, Initial, InvalidCharge,
     InvalidKey, InvalidName, InvalidPolicy, Key, Lease, LeaseRequest, LeaseStore, ManualClock,
     MemoryStore, MemoryStoreBuilder, MemoryStoreStats, OnKeyCap, Outcome, Policy, Rate, Store,

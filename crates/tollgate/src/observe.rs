@@ -23,7 +23,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tollgate_core::{Charge, Decision, Key, Outcome, StoreError, Verdict};
+use tollgate_budget::{Charge, Decision, Key, Outcome, StoreError, Verdict};
 use tracing::Level;
 
 /// Emits a tracing event at a level chosen at run time (the macros take a
@@ -210,7 +210,7 @@ pub(crate) fn shaped(charges: &[Charge], delay: std::time::Duration) {
 /// key's shape and fingerprint) when it is the refusal the request gets
 /// (`answered`: the first of the layer's own, in rule order).
 pub(crate) fn never_fits(
-    policy: &tollgate_core::Policy,
+    policy: &tollgate_budget::Policy,
     key: &Key,
     cost: u64,
     level: Level,
@@ -245,7 +245,7 @@ pub(crate) fn cost_refused(policy: &str, key: &Key, reason: &str, level: Level) 
 }
 
 /// A request `policy` did not charge because an exemption matched it.
-pub(crate) fn exempt(policy: &tollgate_core::Policy) {
+pub(crate) fn exempt(policy: &tollgate_budget::Policy) {
     tracing::trace!(policy = policy.name(), "exempt");
     #[cfg(feature = "metrics")]
     metrics::counter!(
@@ -259,7 +259,7 @@ pub(crate) fn exempt(policy: &tollgate_core::Policy) {
 /// A dry-run `policy` would have refused `cost` (after `retry_after`, or
 /// never when `None`); the request goes on without it.
 pub(crate) fn dry_run_denied(
-    policy: &tollgate_core::Policy,
+    policy: &tollgate_budget::Policy,
     cost: u64,
     retry_after: Option<std::time::Duration>,
 ) {
@@ -387,7 +387,7 @@ pub(crate) fn chain(error: &(dyn std::error::Error + 'static)) -> String {
 /// has its own throttle: a charge lost after the response, or a fallback
 /// taken, is not hidden behind the refusals of an outage.
 pub(crate) fn store_error(error: &StoreError, applied: &'static str) {
-    use tollgate_core::StoreErrorKind as K;
+    use tollgate_budget::StoreErrorKind as K;
     const OUTCOMES: usize = 6;
     const KINDS: usize = 7;
     static THROTTLES: [[Throttle; KINDS]; OUTCOMES] =

@@ -10,7 +10,7 @@ use std::time::{Duration, SystemTime};
 
 use http::header::RETRY_AFTER;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode};
-use tollgate_core::{Clock, Nanos, SystemClock};
+use tollgate_budget::{Clock, Nanos, SystemClock};
 use tower::retry::budget::Budget;
 
 use super::retry_after;
@@ -368,10 +368,10 @@ impl<B: Clone, Rb, E> tower::retry::Policy<Request<B>, Response<Rb>, E> for Retr
             jitter: self.jitter.jitter(self.config.jitter_max),
         };
         let wait = self.config.plan(&attempt)?;
-        if let Some(budget) = &self.budget {
-            if !budget.withdraw() {
-                return None;
-            }
+        if let Some(budget) = &self.budget
+            && !budget.withdraw()
+        {
+            return None;
         }
         self.last_wait = Some(wait);
         Some(self.sleep.sleep(wait))

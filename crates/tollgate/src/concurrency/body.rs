@@ -96,14 +96,14 @@ where
         if *this.ended {
             return Poll::Ready(None);
         }
-        if let Some(Guard::Watched(watched)) = this.guard.as_ref() {
-            if watched.is_stalled() {
-                let error = watched.error();
-                this.guard.take();
-                *this.ended = true;
-                this.rest.clear();
-                return Poll::Ready(Some(Err(error.into())));
-            }
+        if let Some(Guard::Watched(watched)) = this.guard.as_ref()
+            && watched.is_stalled()
+        {
+            let error = watched.error();
+            this.guard.take();
+            *this.ended = true;
+            this.rest.clear();
+            return Poll::Ready(Some(Err(error.into())));
         }
         let frame = if this.rest.is_empty() {
             match this.inner.poll_frame(cx) {

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use tokio::sync::Notify;
 
-use tollgate_core::{
+use tollgate_budget::{
     Acquired, Lease, LeaseRequest, LeaseStore, Renewed, StoreError, StoreErrorKind,
 };
 

@@ -6,7 +6,7 @@ use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_core::{InvalidName, LeaseStore, check_name};
+use tollgate_budget::{InvalidName, LeaseStore, check_name};
 use tower_layer::Layer;
 
 use super::ConcurrencyLimit;

@@ -38,10 +38,10 @@ struct Waiter {
 
 impl Counts {
     fn fits(&self, limiter: &Limiter, key: Option<&str>) -> Result<(), Saturated> {
-        if let (Some(max), Some(key)) = (limiter.limits.per_key_max, key) {
-            if self.per_key.get(key).copied().unwrap_or(0) >= max {
-                return Err(Saturated::PerKey);
-            }
+        if let (Some(max), Some(key)) = (limiter.limits.per_key_max, key)
+            && self.per_key.get(key).copied().unwrap_or(0) >= max
+        {
+            return Err(Saturated::PerKey);
         }
         if limiter
             .limits
@@ -62,12 +62,12 @@ impl Counts {
 
     fn give_back(&mut self, key: Option<&str>) {
         self.global = self.global.saturating_sub(1);
-        if let Some(key) = key {
-            if let Some(n) = self.per_key.get_mut(key) {
-                *n -= 1;
-                if *n == 0 {
-                    self.per_key.remove(key);
-                }
+        if let Some(key) = key
+            && let Some(n) = self.per_key.get_mut(key)
+        {
+            *n -= 1;
+            if *n == 0 {
+                self.per_key.remove(key);
             }
         }
     }

@@ -31,7 +31,7 @@
 //!
 //! By default the counts are this process's. With
 //! [`ConcurrencyLimitLayer::shared`] they hold across a fleet: every
-//! request in flight holds a lease in a shared [`tollgate_core::LeaseStore`]
+//! request in flight holds a lease in a shared [`tollgate_budget::LeaseStore`]
 //! (the Redis store is one), renewed while it runs and expiring on its own
 //! if its instance dies; see there for what a paused process can do and
 //! what a store failure does ([`OnLeaseError`]).

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use tollgate_core::Lease;
+use tollgate_budget::Lease;
 
 use super::fleet::Fleet;
 use crate::observe::Throttle;

@@ -14,7 +14,7 @@ use super::limiter::Saturated;
 use crate::identity::RequestIdentity;
 use crate::observe::{self, Refuser};
 use crate::response::{Answer, FieldWriter, Limit, Protocol, Refusal};
-use tollgate_core::Unit;
+use tollgate_budget::Unit;
 
 /// Bounds requests in flight; made by
 /// [`ConcurrencyLimitLayer`](super::ConcurrencyLimitLayer).

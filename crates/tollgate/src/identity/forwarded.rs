@@ -17,7 +17,7 @@
 //! all are looked at; what lies beyond a limit is one [`Node::Invalid`], so
 //! a walk can never run past it.
 //!
-//! Public only for the fuzz targets (feature `fuzzing`); not a stable API.
+//! Public only for the fuzz targets (`cargo fuzz` builds with `--cfg fuzzing`); not a stable API.
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
 
@@ -215,10 +215,10 @@ fn plain_entry(entry: Entry<'_>) -> Node {
     if let Ok(sa) = text.parse::<SocketAddr>() {
         return Node::Addr(sa.ip());
     }
-    if let Some(inner) = text.strip_prefix('[').and_then(|e| e.strip_suffix(']')) {
-        if let Ok(v6) = inner.parse::<Ipv6Addr>() {
-            return Node::Addr(IpAddr::V6(v6));
-        }
+    if let Some(inner) = text.strip_prefix('[').and_then(|e| e.strip_suffix(']'))
+        && let Ok(v6) = inner.parse::<Ipv6Addr>()
+    {
+        return Node::Addr(IpAddr::V6(v6));
     }
     Node::Invalid
 }

@@ -6,7 +6,7 @@ use std::net::IpAddr;
 use std::sync::Arc;
 
 use http::request::Parts;
-use tollgate_core::{InvalidName, Key, check_name};
+use tollgate_budget::{InvalidName, Key, check_name};
 
 use super::operation::write_operation;
 use super::{ClientIp, ClientIpError, ClientIpResolver, Principal};

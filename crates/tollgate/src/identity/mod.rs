@@ -8,9 +8,10 @@
 //! forwarded address is believed only from a configured trusted proxy.
 
 mod client_ip;
-#[cfg(feature = "fuzzing")]
+// Public to the fuzz targets only: `cargo fuzz` builds with `--cfg fuzzing`.
+#[cfg(fuzzing)]
 pub mod forwarded;
-#[cfg(not(feature = "fuzzing"))]
+#[cfg(not(fuzzing))]
 #[allow(unreachable_pub)]
 mod forwarded;
 mod keys;

@@ -63,10 +63,10 @@ impl<S, ReqB> Drop for Held<S, ReqB> {
         // while it waited, or while the service was not ready): the
         // reservations of rules charged by outcome are given back, as the
         // shaped ones are by `wait`.
-        if self.pending.is_some() {
-            if let Some(after) = self.after.take() {
-                after.not_called();
-            }
+        if self.pending.is_some()
+            && let Some(after) = self.after.take()
+        {
+            after.not_called();
         }
     }
 }

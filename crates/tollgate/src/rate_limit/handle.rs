@@ -5,7 +5,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use arc_swap::ArcSwap;
-use tollgate_core::{DynStore, Policy, Store};
+use tollgate_budget::{DynStore, Policy, Store};
 
 use super::Rule;
 use super::layer::{UnsupportedRule, check};
@@ -22,7 +22,7 @@ pub(crate) type RuleSet = Arc<ArcSwap<Vec<Rule>>>;
 /// set. Budget state belongs to a policy's name (and unit) and the key, not
 /// to its numbers, so a policy changed under the same name keeps what every
 /// key has spent, converted exactly by
-/// [`carry_over`](tollgate_core::algorithm::carry_over): lowering a limit
+/// [`carry_over`](tollgate_budget::algorithm::carry_over): lowering a limit
 /// never admits a burst, raising it never forgets what was spent, and a
 /// change of algorithm (bucket to window) carries the units spent. A key
 /// changes over at its first request under the new numbers. A policy under
@@ -108,7 +108,56 @@ impl<St: Store> RulesHandle<St> {
                 })
                 .collect()
         };
-        for (before, after) in current.iter().zip(changed(&current)) {
+        self.apply(&current, matches, changed)
+    }
+
+    /// Makes `policy` the policy of principals on `plan`
+    /// ([`Rule::plan`]) in every rule whose own policy has its name and
+    /// unit, given for that plan before or not, keeping everything else
+    /// of each rule (its default policy, other plans, overrides); how many
+    /// rules changed (0 when none has that policy's budget, and nothing
+    /// changed). Keys on the plan carry what they spent over to the new
+    /// numbers, as with [`RulesHandle::set_policy`]. Checked against the
+    /// store first; on an error nothing changes.
+    ///
+    /// ```
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer, Rule};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let export = |n, per_s| Policy::token_bucket("export", n, Rate::per_second(per_s));
+    /// let layer = RateLimitLayer::new(MemoryStore::new())
+    ///     .rule(Rule::per_account(export(3, 1)?).plan("pro", export(30, 10)?));
+    /// let handle = layer.rules_handle();
+    /// // Later: the "pro" plan gets more; the default and other plans stay.
+    /// assert_eq!(handle.set_plan("pro", export(60, 20)?)?, 1);
+    /// # Ok(()) }
+    /// ```
+    pub fn set_plan(&self, plan: &str, policy: Policy) -> Result<usize, UnsupportedRule> {
+        let current = self.rules.load();
+        let matches = |r: &Rule| r.policy().same_budget(&r.in_rule_unit(policy.clone()));
+        let changed = |rules: &[Rule]| -> Vec<Rule> {
+            rules
+                .iter()
+                .map(|r| {
+                    if matches(r) {
+                        r.clone().with_plan_policy(plan, policy.clone())
+                    } else {
+                        r.clone()
+                    }
+                })
+                .collect()
+        };
+        self.apply(&current, matches, changed)
+    }
+
+    /// Checks every rule `changed` changes (those that `matches`), then
+    /// applies `changed` to the latest rules; how many changed.
+    fn apply(
+        &self,
+        current: &[Rule],
+        matches: impl Fn(&Rule) -> bool,
+        changed: impl Fn(&[Rule]) -> Vec<Rule>,
+    ) -> Result<usize, UnsupportedRule> {
+        for (before, after) in current.iter().zip(changed(current)) {
             if matches(before) {
                 self.check(&after)?;
             }

@@ -7,7 +7,7 @@ use std::sync::atomic::AtomicBool;
 
 use arc_swap::ArcSwap;
 use http::HeaderValue;
-use tollgate_core::{Algorithm, DynStore, Store, StoreError, StoreErrorKind};
+use tollgate_budget::{Algorithm, DynStore, Store, StoreError, StoreErrorKind};
 use tower_layer::Layer;
 
 use super::handle::{RuleSet, RulesHandle};
@@ -26,7 +26,7 @@ pub enum OnStoreError {
     FailClosed,
     /// Admit the request, and count and log that it was admitted unchecked.
     FailOpen,
-    /// Ask another store (e.g. a local [`tollgate_core::MemoryStore`]); if it
+    /// Ask another store (e.g. a local [`tollgate_budget::MemoryStore`]); if it
     /// fails too, fail closed.
     Fallback(Arc<dyn DynStore>),
 }

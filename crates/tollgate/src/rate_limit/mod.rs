@@ -109,7 +109,7 @@
 //!   refused at once and spend nothing.
 //! - **Across a change of numbers.** A bucket holding requests for later
 //!   stays empty until the last is released, under new numbers too
-//!   ([`tollgate_core::algorithm::carry_over`]).
+//!   ([`tollgate_budget::algorithm::carry_over`]).
 //! - **Dropped while waiting.** A request whose future is dropped before
 //!   its release (the client went away, a timeout) gives its reservation
 //!   back when it is the last in line for that key; one with requests
@@ -125,11 +125,11 @@
 //!
 //! Shaping needs a tokio runtime with its timer (the wait is a
 //! `tokio::time::Sleep`; outside a runtime a request that would wait is
-//! refused instead), a store that can shape ([`tollgate_core::Store::can_shape`]: `MemoryStore`
+//! refused instead), a store that can shape ([`tollgate_budget::Store::can_shape`]: `MemoryStore`
 //! and the Redis store, whose calls whose keys span cluster slots are
 //! decided unshaped) and token buckets refilling at most one token per
 //! nanosecond. A call whose charges repeat a key is not shaped. Waits are
-//! at most [`tollgate_core::Charge::MAX_DELAY`]. A held request lets go of
+//! at most [`tollgate_budget::Charge::MAX_DELAY`]. A held request lets go of
 //! the inner service it was made ready with (a clone is made ready on
 //! release), so readiness that is a resource is not held by a wait. The
 //! `RateLimit` fields of a held response are as of its reservation.
@@ -139,7 +139,7 @@
 //!
 //! # When the budget is charged
 //!
-//! With a store that needs no I/O ([`tollgate_core::Store::try_charge_now`]
+//! With a store that needs no I/O ([`tollgate_budget::Store::try_charge_now`]
 //! answers, as `MemoryStore` always does), the charge happens inside `call`
 //! and the inner service is called there too, as tower services usually
 //! do; the response future only waits for the inner response. With a store

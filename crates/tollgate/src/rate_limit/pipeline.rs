@@ -17,7 +17,7 @@ use std::time::Duration;
 use http::request::Parts;
 use http::{HeaderValue, StatusCode};
 use smallvec::SmallVec;
-use tollgate_core::{Algorithm, Charge, Decision, DynStore, Outcome, Store, StoreError, Verdict};
+use tollgate_budget::{Algorithm, Charge, Decision, DynStore, Outcome, Store, StoreError, Verdict};
 
 use super::exempt::any_matches;
 use super::layer::{Config, OnStoreError};

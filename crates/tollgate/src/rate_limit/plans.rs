@@ -9,7 +9,7 @@ use std::fmt;
 use std::sync::Arc;
 
 use http::request::Parts;
-use tollgate_core::Policy;
+use tollgate_budget::Policy;
 
 use crate::identity::Principal;
 
@@ -44,22 +44,36 @@ impl fmt::Display for Entry<'_> {
     }
 }
 
-/// A plan or override whose policy is another budget than the rule's: a
-/// different policy name or unit. All the policies of a rule share one
-/// budget per key, so that a principal whose plan changes keeps what it
-/// has spent; give a plan the rule's policy name.
+/// A plan or override a rule cannot take: its policy is another budget
+/// than the rule's (a different policy name or unit: all the policies of a
+/// rule share one budget per key, so that a principal whose plan changes
+/// keeps what it has spent; give a plan the rule's policy name), or the
+/// rule has one for that plan, tenant or account already (one would
+/// silently replace the other).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error(
-    "{entry} of rule {rule:?} has policy {policy:?} in {unit}: every policy of a rule must \
-     have the rule's name {rule:?} and unit {rule_unit}, so that the budget carries over \
-     when the plan changes"
-)]
+#[error("{entry} of rule {rule:?} {reason}")]
 pub struct InvalidPlan {
     entry: String,
     rule: String,
-    rule_unit: String,
-    policy: String,
-    unit: String,
+    reason: Reason,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum Reason {
+    #[error(
+        "has policy {policy:?} in {unit}: every policy of a rule must have the rule's name \
+         and unit ({rule_unit}), so that the budget carries over when the plan changes"
+    )]
+    OtherBudget {
+        rule_unit: String,
+        policy: String,
+        unit: String,
+    },
+    #[error(
+        "is given twice: give each plan, tenant or account one policy (change one at runtime \
+         with RulesHandle::set_plan)"
+    )]
+    Repeated,
 }
 
 impl InvalidPlan {
@@ -70,22 +84,43 @@ impl InvalidPlan {
 }
 
 impl Plans {
-    /// Adds `policy` as `entry`, if it is the same budget as `rule`.
+    /// Adds `policy` as `entry`, if it is the same budget as `rule` and
+    /// `entry` has none yet.
     pub(crate) fn add(
         &mut self,
         rule: &Policy,
         entry: Entry<'_>,
         policy: Policy,
     ) -> Result<(), InvalidPlan> {
+        let invalid = |reason| InvalidPlan {
+            entry: entry.to_string(),
+            rule: rule.name().to_owned(),
+            reason,
+        };
         if !policy.same_budget(rule) {
-            return Err(InvalidPlan {
-                entry: entry.to_string(),
-                rule: rule.name().to_owned(),
+            return Err(invalid(Reason::OtherBudget {
                 rule_unit: rule.unit().as_str().to_owned(),
                 policy: policy.name().to_owned(),
                 unit: policy.unit().as_str().to_owned(),
-            });
+            }));
         }
+        let given = match entry {
+            Entry::Plan(plan) => self.plans.contains_key(plan),
+            Entry::Tenant(tenant) => self.tenants.contains_key(tenant),
+            Entry::Account(tenant, account) => self
+                .accounts
+                .get(tenant)
+                .is_some_and(|accounts| accounts.contains_key(account)),
+        };
+        if given {
+            return Err(invalid(Reason::Repeated));
+        }
+        self.set(entry, policy);
+        Ok(())
+    }
+
+    /// Makes `policy` the one for `entry` (checked by the caller).
+    pub(crate) fn set(&mut self, entry: Entry<'_>, policy: Policy) {
         match entry {
             Entry::Plan(plan) => self.plans.insert(plan.into(), policy),
             Entry::Tenant(tenant) => self.tenants.insert(tenant.into(), policy),
@@ -95,7 +130,6 @@ impl Plans {
                 .or_default()
                 .insert(account.into(), policy),
         };
-        Ok(())
     }
 
     pub(crate) fn choose_with(&mut self, choose: Arc<PlanFn>) {
@@ -135,10 +169,10 @@ impl Plans {
                 return Some(policy);
             }
         }
-        if let Some(choose) = &self.choose {
-            if let Some(policy) = choose(parts).and_then(|plan| self.plans.get(plan.as_str())) {
-                return Some(policy);
-            }
+        if let Some(choose) = &self.choose
+            && let Some(policy) = choose(parts).and_then(|plan| self.plans.get(plan.as_str()))
+        {
+            return Some(policy);
         }
         self.plans.get(principal?.plan()?)
     }

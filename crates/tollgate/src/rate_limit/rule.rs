@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use http::request::Parts;
 use http::{Method, StatusCode};
-use tollgate_core::{Policy, Unit};
+use tollgate_budget::{Policy, Unit};
 
 use super::exempt::Exemption;
 use super::plans::{Entry, InvalidPlan, Plans};
@@ -371,12 +371,14 @@ impl Rule {
     /// Every policy of a rule is one budget per key: `policy` must have the
     /// rule's policy name (and unit), and a principal whose plan changes
     /// keeps what it has spent, converted exactly to the new plan's numbers
-    /// ([`carry_over`](tollgate_core::algorithm::carry_over)): an upgrade
+    /// ([`carry_over`](tollgate_budget::algorithm::carry_over)): an upgrade
     /// never forgets what was spent and a downgrade never gives a burst.
     /// Which policy applies, first match wins: the account's override
     /// ([`Rule::for_account`]), the tenant's ([`Rule::for_tenant`]), the
     /// plan [`Rule::plan_from`] names, the principal's plan, the default.
-    /// A plan no policy was added for gets the default.
+    /// A plan no policy was added for gets the default. A plan (tenant,
+    /// account) given twice on one rule is an error; change one at runtime
+    /// with [`RulesHandle::set_plan`](crate::RulesHandle::set_plan).
     ///
     /// ```
     /// use tollgate::{Policy, Rate, Rule};
@@ -465,6 +467,16 @@ impl Rule {
         self
     }
 
+    /// The same rule with `policy` for `plan`, given or not before
+    /// ([`RulesHandle::set_plan`](crate::RulesHandle::set_plan)); `policy`
+    /// is this rule's budget (checked by the caller).
+    pub(crate) fn with_plan_policy(mut self, plan: &str, policy: Policy) -> Self {
+        let policy = self.in_rule_unit(policy);
+        Arc::make_mut(self.plans.get_or_insert_with(Default::default))
+            .set(Entry::Plan(plan), policy);
+        self
+    }
+
     fn add_policy(mut self, entry: Entry<'_>, policy: Policy) -> Result<Self, InvalidPlan> {
         let policy = self.in_rule_unit(policy);
         let plans = Arc::make_mut(self.plans.get_or_insert_with(Default::default));
@@ -526,8 +538,8 @@ impl Rule {
     /// `429` (spending nothing anywhere, like every refusal for lack of
     /// budget). When the inner service's response head comes, the
     /// reservation is settled: confirmed if its status matches
-    /// ([`Store::confirm`](tollgate_core::Store::confirm)), given back
-    /// otherwise ([`Store::refund`](tollgate_core::Store::refund)): a
+    /// ([`Store::confirm`](tollgate_budget::Store::confirm)), given back
+    /// otherwise ([`Store::refund`](tollgate_budget::Store::refund)): a
     /// successful login costs nothing. So at most as many requests of one
     /// key can be in flight on the rule as its budget has units left (a
     /// budget of 3 failed logins lets 3 logins per key run at once; the
@@ -542,7 +554,7 @@ impl Rule {
     /// refusal's `Retry-After` counts on them lapsing if it must. Units
     /// not settled lapse as confirmed between one and two minutes after
     /// the charge (reservations are counted by minute,
-    /// [`MAX_RESERVATION`](tollgate_core::algorithm::MAX_RESERVATION), and
+    /// [`MAX_RESERVATION`](tollgate_budget::algorithm::MAX_RESERVATION), and
     /// a minute's lapse when the next one ends, however many are made
     /// later). A bucket with units reserved does not shape.
     ///
@@ -567,8 +579,8 @@ impl Rule {
     ///   `confirm_lost`); refunds are counted in
     ///   `tollgate_refunded_cost_total{policy}`.
     ///
-    /// The store must give charges back ([`Store::can_refund`](tollgate_core::Store::can_refund):
-    /// [`MemoryStore`](tollgate_core::MemoryStore) and the Redis store do);
+    /// The store must give charges back ([`Store::can_refund`](tollgate_budget::Store::can_refund):
+    /// [`MemoryStore`](tollgate_budget::MemoryStore) and the Redis store do);
     /// [`RateLimitLayer::try_rule`](crate::RateLimitLayer::try_rule)
     /// refuses the rule otherwise.
     #[must_use]
@@ -594,10 +606,10 @@ impl Rule {
     /// See [shaping](super#shaping-delay-instead-of-refusing).
     ///
     /// Token buckets only (every policy of the rule, plans included), on a
-    /// store that can shape ([`Store::can_shape`](tollgate_core::Store::can_shape));
+    /// store that can shape ([`Store::can_shape`](tollgate_budget::Store::can_shape));
     /// [`RateLimitLayer::try_rule`](crate::RateLimitLayer::try_rule)
     /// refuses the rule otherwise, and a `max_delay` of zero. Waits beyond
-    /// [`Charge::MAX_DELAY`](tollgate_core::Charge::MAX_DELAY) (about 23
+    /// [`Charge::MAX_DELAY`](tollgate_budget::Charge::MAX_DELAY) (about 23
     /// days) are that long. A dry-run rule, and a rule charged after the
     /// response, do not shape.
     #[must_use]

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use http::{Request, Response};
-use tollgate_core::Store;
+use tollgate_budget::Store;
 use tower_service::Service;
 
 use super::ResponseFuture;

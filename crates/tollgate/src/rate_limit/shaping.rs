@@ -8,7 +8,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Waker};
 use std::time::Duration;
 
-use tollgate_core::{Charge, Outcome, Reservation, Store};
+use tollgate_budget::{Charge, Outcome, Reservation, Store};
 
 /// The requests a layer holds: how many in all, and per shaped key.
 ///

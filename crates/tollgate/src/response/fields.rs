@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
-use tollgate_core::{Charge, Decision, Outcome, Unit};
+use tollgate_budget::{Charge, Decision, Outcome, Unit};
 
 /// The `RateLimit-Policy` header name.
 pub(crate) static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");

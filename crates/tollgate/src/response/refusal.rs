@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use http_body_util::Full;
-use tollgate_core::{Charge, Decision, Outcome, Policy, Verdict};
+use tollgate_budget::{Charge, Decision, Outcome, Policy, Verdict};
 
 use super::custom::{RefusalInfo, Shape};
 use super::fields::{

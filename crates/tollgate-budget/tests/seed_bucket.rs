@@ -1,7 +1,7 @@
 //! The field notes' `bucket_check.py`, ported exactly, against `MemoryStore`.
 
 use num_rational::Ratio;
-use tollgate_core::{Charge, Key, ManualClock, MemoryStore, Policy, Rate, Verdict};
+use tollgate_budget::{Charge, Key, ManualClock, MemoryStore, Policy, Rate, Verdict};
 
 type Q = Ratio<i128>;
 const S: i128 = 1_000_000_000;

@@ -4,7 +4,7 @@
 use std::sync::{Arc, Barrier};
 use std::time::Duration;
 
-use tollgate_core::{Charge, Decision, Key, ManualClock, MemoryStore, Policy, Verdict};
+use tollgate_budget::{Charge, Decision, Key, ManualClock, MemoryStore, Policy, Verdict};
 
 const LIMIT: u64 = 5;
 const WORKERS: usize = 16;

@@ -1,5 +1,5 @@
 //! Decision cost of `MemoryStore`: one hot key, 100k keys round-robin, and two
-//! threads on one key. Run: `cargo bench -p tollgate-core --bench memory_store`.
+//! threads on one key. Run: `cargo bench -p tollgate-budget --bench memory_store`.
 
 #![allow(missing_docs)] // criterion_group! generates undocumented items.
 
@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use criterion::{Criterion, criterion_group, criterion_main};
-use tollgate_core::{Charge, Key, MemoryStore, Policy, Rate};
+use tollgate_budget::{Charge, Key, MemoryStore, Policy, Rate};
 
 fn charges(n: usize, policy: &Policy) -> Vec<[Charge; 1]> {
     (0..n)

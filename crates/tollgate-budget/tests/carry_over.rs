@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use num_rational::Ratio;
 use proptest::prelude::*;
-use tollgate_core::{Charge, Decision, Key, ManualClock, MemoryStore, Policy, Rate};
+use tollgate_budget::{Charge, Decision, Key, ManualClock, MemoryStore, Policy, Rate};
 
 type Q = Ratio<i128>;
 

@@ -874,13 +874,13 @@ pub async fn run_case<S: Store>(
                 outcome.verdict().to_string(),
             ));
         }
-        if let Some(limits) = &s.limits {
-            if outcome.limits() != limits.as_slice() {
-                return Err(mismatch(
-                    format!("{limits:?}"),
-                    format!("{:?}", outcome.limits()),
-                ));
-            }
+        if let Some(limits) = &s.limits
+            && outcome.limits() != limits.as_slice()
+        {
+            return Err(mismatch(
+                format!("{limits:?}"),
+                format!("{:?}", outcome.limits()),
+            ));
         }
         outcomes.push(outcome);
     }

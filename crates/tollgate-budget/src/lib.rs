@@ -17,13 +17,13 @@
 //!   must reproduce.
 //!
 //! ```
-//! use tollgate_core::{Charge, Key, ManualClock, MemoryStore, Policy, Rate, Verdict};
+//! use tollgate_budget::{Charge, Key, ManualClock, MemoryStore, Policy, Rate, Verdict};
 //! # fn block_on<F: std::future::Future>(f: F) -> F::Output {
 //! #     let mut f = std::pin::pin!(f);
 //! #     let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
 //! #     loop { if let std::task::Poll::Ready(v) = f.as_mut().poll(&mut cx) { return v; } }
 //! # }
-//! use tollgate_core::Store;
+//! use tollgate_budget::Store;
 //!
 //! let clock = ManualClock::new(0);
 //! let store = MemoryStore::builder().clock(clock.clone()).build();

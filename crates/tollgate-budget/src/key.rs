@@ -219,7 +219,7 @@ impl Key {
     ///
     /// ```
     /// use std::net::IpAddr;
-    /// use tollgate_core::Key;
+    /// use tollgate_budget::Key;
     ///
     /// let a: IpAddr = "203.0.113.7".parse().unwrap();
     /// let b: IpAddr = "203.0.113.200".parse().unwrap();
@@ -375,12 +375,12 @@ impl Key {
     /// byte that needs none), so every key has exactly one text form.
     pub fn parse(text: &str) -> Result<Self, InvalidKey> {
         let parts = decode(text)?;
-        if let [only] = parts.as_slice() {
-            if let Some(addr) = Addr::parse_component(only) {
-                return Ok(Self {
-                    repr: Repr::Addr(addr),
-                });
-            }
+        if let [only] = parts.as_slice()
+            && let Some(addr) = Addr::parse_component(only)
+        {
+            return Ok(Self {
+                repr: Repr::Addr(addr),
+            });
         }
         Ok(Self {
             repr: Repr::Text(text.as_bytes().to_vec()),

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use num_rational::Ratio;
 use proptest::prelude::*;
-use tollgate_core::{Charge, Key, ManualClock, MemoryStore, Policy, Rate, Reservation, Verdict};
+use tollgate_budget::{Charge, Key, ManualClock, MemoryStore, Policy, Rate, Reservation, Verdict};
 
 type Q = Ratio<i128>;
 

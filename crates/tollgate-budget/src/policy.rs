@@ -362,7 +362,7 @@ impl Policy {
     /// `numerator / denominator` tokens per nanosecond) overflows 64 bits.
     ///
     /// ```
-    /// use tollgate_core::{Policy, Rate};
+    /// use tollgate_budget::{Policy, Rate};
     /// let export = Policy::token_bucket("export", 3, Rate::per_second(2)).unwrap();
     /// assert_eq!(export.capacity(), 3);
     /// assert!(Policy::token_bucket("bad", 0, Rate::per_second(2)).is_err());

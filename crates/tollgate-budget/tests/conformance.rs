@@ -1,7 +1,7 @@
 //! The shared conformance table against `MemoryStore`.
 
-use tollgate_core::conformance::{cases, run_case};
-use tollgate_core::{ManualClock, MemoryStore};
+use tollgate_budget::conformance::{cases, run_case};
+use tollgate_budget::{ManualClock, MemoryStore};
 
 fn block_on<F: std::future::Future>(f: F) -> F::Output {
     let mut f = std::pin::pin!(f);
@@ -26,7 +26,7 @@ fn memory_store_reproduces_every_case() {
 #[test]
 fn memory_store_behind_a_trait_object_agrees() {
     use std::sync::Arc;
-    use tollgate_core::DynStore;
+    use tollgate_budget::DynStore;
     let clock = ManualClock::new(0);
     let store: Arc<dyn DynStore> = Arc::new(MemoryStore::builder().clock(clock.clone()).build());
     for case in cases() {

@@ -263,10 +263,10 @@ impl<W: Words> Table<W> {
         if let Some(c) = self.compact.find(hash, |c| c.key() == key) {
             return Some(c.state());
         }
-        if !self.wide.is_empty() {
-            if let Some(w) = self.wide.find(hash, |w| w.key() == key) {
-                return Some(w.state());
-            }
+        if !self.wide.is_empty()
+            && let Some(w) = self.wide.find(hash, |w| w.key() == key)
+        {
+            return Some(w.state());
         }
         if self.reserving.is_empty() {
             return None;

@@ -49,10 +49,12 @@ impl MemoryStore {
     pub fn charge_now(&self, charges: &[Charge]) -> Result<Outcome, StoreError> {
         let inner = &*self.inner;
         let now = inner.clock.now();
-        if let [charge] = charges {
-            if charge.max_delay().is_none() && charge.can_fit() && !charge.is_refundable() {
-                return self.charge_one(charge, now);
-            }
+        if let [charge] = charges
+            && charge.max_delay().is_none()
+            && charge.can_fit()
+            && !charge.is_refundable()
+        {
+            return self.charge_one(charge, now);
         }
         if let Some(outcome) = Outcome::never_fits(charges) {
             return Ok(outcome);
