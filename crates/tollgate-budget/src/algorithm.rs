@@ -450,7 +450,11 @@ fn settle(
             // The epoch the charge was reserved in, and where its units
             // are counted now: this epoch's or the one before's (older
             // ones have lapsed).
-            let epoch = (counted / MAX_RESERVATION).saturating_sub(2);
+            // (A receipt is never earlier than two epochs: one that is
+            // names no reservation.)
+            let Some(epoch) = (counted / MAX_RESERVATION).checked_sub(2) else {
+                return state;
+            };
             let units = if epoch == l.epoch {
                 &mut l.reserved
             } else if epoch.saturating_add(1) == l.epoch {

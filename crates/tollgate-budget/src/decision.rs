@@ -219,13 +219,22 @@ pub struct Outcome {
 /// order, where its admission was counted, in the store's own time
 /// ([`crate::algorithm::receipt`]: a window's start, so that a refund
 /// never comes out of a window the admission was not counted in; for a
-/// token bucket, until when its reservation can be settled).
+/// token bucket, when its reservation lapses), or [`Receipt::NOTHING`] for
+/// a charge that was not refundable: settling it does nothing.
+///
+/// A receipt settles its call once. A token bucket's reservations are
+/// counted per key and minute, not per call: settling a receipt again
+/// may settle units another call of the same key reserved in that minute
+/// (never more than the key has reserved, never above its capacity).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Receipt {
     windows: Vec<crate::Nanos>,
 }
 
 impl Receipt {
+    /// The entry of a charge that was not refundable: nothing to settle.
+    pub const NOTHING: crate::Nanos = crate::Nanos::MAX;
+
     /// A receipt with one window per charge of the call, in charge order.
     pub fn new(windows: Vec<crate::Nanos>) -> Self {
         Self { windows }

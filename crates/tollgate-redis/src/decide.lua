@@ -7,8 +7,9 @@
 -- ARGV[4]   the store epoch, in Unix seconds
 -- ARGV[5]   "charge" (write only if every charge is admitted), "peek" (never
 --           write), "refund" (give back an earlier admission), "confirm"
---           (settle a reserved one as counted) or "cancel" (give back a
---           delayed call's reservations)
+--           (settle a reserved one as counted), "undo" (give back the
+--           admissions of a call charged slot by slot and refused) or
+--           "cancel" (give back a delayed call's reservations)
 -- ARGV[5 + i] charge i: eight little-endian doubles (struct "<dddddddd"):
 --           algorithm (1 token bucket, 2 fixed window, 3 sliding window),
 --           p1, p2, p3, p4, need, then for refunds the window start (era,
@@ -156,6 +157,11 @@ end
 local NE = floor(sec / ERA_SEC)
 local NO = (sec - NE * ERA_SEC) * 1000000000 + nsec
 local mode = ARGV[5]
+-- "undo" (the store's own undoing of a call charged slot by slot and
+-- refused) is a refund that may also give back plain admissions (window
+-- (0, 0)); a receipt's refund never does.
+local undo = mode == "undo"
+if undo then mode = "refund" end
 
 -- A write that deletes: a refund that leaves no state.
 local NONE = ""
@@ -485,6 +491,9 @@ local created_now = {}
 -- Shaping: per charge, a shaped token bucket's numbers and credit; whether
 -- it was refused; the index of its write; whether a key repeats.
 local buckets, refused, wrote, repeated = {}, {}, {}, false
+-- Every shaped charge's longest wait (ns), shapable or not: none may be
+-- held past its own.
+local waits = {}
 -- Initially-empty buckets a refused call found with room, as they stand:
 -- written so that they are kept a minute from now (tollgate_budget's
 -- algorithm::as_of).
@@ -551,6 +560,7 @@ end
 for i = 1, n do
   local key = KEYS[i]
   local algo, p1, p2, p3, p4, need, re, ro = charge_args(ARGV[5 + i])
+  if mode == "charge" and re > 0 then waits[i] = re end
   -- The first charge of the call on this key reads what is stored.
   local stored = not seen[key]
   seen[key] = true
@@ -619,7 +629,7 @@ for i = 1, n do
       ok = 1
       if stored_level == nil then
         -- No state: nothing to give back or settle.
-      elseif mode == "refund" and re == 0 and ro == 0 then
+      elseif undo and re == 0 and ro == 0 then
         -- A plain admission given back at once (a call charged slot by
         -- slot and refused): the cost back as of now, up to what the
         -- bucket may hold; a state dated later (a debt) owes less;
@@ -833,8 +843,8 @@ if mode == "charge" and not all and not repeated and next(buckets) ~= nil then
   -- Every shaped bucket is held until the release: none past its own
   -- longest wait (the release may be another bucket's later fit).
   if fits then
-    for _, b in pairs(buckets) do
-      if diff(re_e, re_o, NE, NO) > b.wait then fits = false break end
+    for _, w in pairs(waits) do
+      if diff(re_e, re_o, NE, NO) > w then fits = false break end
     end
   end
   if fits then

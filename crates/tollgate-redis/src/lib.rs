@@ -965,7 +965,10 @@ impl RedisStore {
                 all &= d.is_admitted();
                 decisions[i] = d;
                 before[i] = b;
-                windows[i] = script::window(values);
+                windows[i] = match charges[i].is_refundable() {
+                    true => script::window(values),
+                    false => Receipt::NOTHING,
+                };
             }
             if shaping {
                 let reserved: Vec<(usize, (Duration, State))> = group
@@ -1138,7 +1141,7 @@ impl RedisStore {
 
     async fn refund_one(&self, prepared: Prepared, reply: &[i64], deadline: tokio::time::Instant) {
         let refund = prepared.with_windows(reply);
-        if let Err(e) = self.invoke(&refund, Mode::Refund, deadline).await {
+        if let Err(e) = self.invoke(&refund, Mode::Undo, deadline).await {
             // The budget stays spent: conservative, never over-admits.
             tracing::warn!(error = %e, "refund after a cross-slot refusal failed");
         }
@@ -1368,11 +1371,20 @@ impl RedisStore {
         receipt: &Receipt,
         mode: Mode,
     ) -> Result<(), StoreError> {
-        let n = charges.len().min(receipt.windows().len());
-        let (charges, windows) = (&charges[..n], &receipt.windows()[..n]);
+        // (Entries of charges that were not refundable settle nothing.)
+        let (charges, windows): (Vec<Charge>, Vec<Nanos>) = charges
+            .iter()
+            .zip(receipt.windows())
+            .filter(|(_, w)| **w != Receipt::NOTHING)
+            .map(|(c, w)| (c.clone(), *w))
+            .unzip();
+        let n = charges.len();
+        if n == 0 {
+            return Ok(());
+        }
         let keys: Vec<String> = charges.iter().map(|c| self.redis_key(c)).collect();
         if let (Some(cache), Mode::Refund) = (&self.inner.cache, mode) {
-            for (key, charge) in keys.iter().zip(charges) {
+            for (key, charge) in keys.iter().zip(&charges) {
                 cache.forget(key, charge);
             }
         }

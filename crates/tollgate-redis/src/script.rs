@@ -39,9 +39,13 @@ pub(crate) enum Mode {
     Charge,
     /// Decide without writing anything.
     Peek,
-    /// Give back admissions: at once (a call charged slot by slot and
-    /// refused), or reserved ones ([`Store::refund`](tollgate_budget::Store::refund)).
+    /// Give back reserved admissions ([`Store::refund`](tollgate_budget::Store::refund)).
     Refund,
+    /// Undo a call charged slot by slot and refused: plain admissions
+    /// given back at once (a window of (0, 0)), reserved ones as by
+    /// `Refund`. Only the store sends it, with the windows its own charge
+    /// reported: a receipt never takes this path.
+    Undo,
     /// Settle reserved admissions as counted
     /// ([`Store::confirm`](tollgate_budget::Store::confirm)).
     Confirm,
@@ -349,6 +353,7 @@ impl Prepared {
             Mode::Charge => "charge",
             Mode::Peek => "peek",
             Mode::Refund => "refund",
+            Mode::Undo => "undo",
             Mode::Confirm => "confirm",
             Mode::Cancel => "cancel",
         });

@@ -347,3 +347,123 @@ async fn shaping_agrees_with_the_memory_store() {
         "{delayed} delayed, {dropped} dropped"
     );
 }
+
+/// From the second review: what a receipt can settle, and what a shaped
+/// call may wait, the same in both stores.
+mod settlement {
+    use std::time::Duration;
+
+    use tollgate_budget::{Charge, Key, MemoryStore, Outcome, Policy, Rate, Receipt, Store};
+    use tollgate_redis::RedisStore;
+    use tollgate_redis::testing::RedisServer;
+
+    const S: u64 = 1_000_000_000;
+
+    async fn both(memory: &MemoryStore, redis: &RedisStore, call: &[Charge]) -> Outcome {
+        let m = memory.charge(call).await.unwrap();
+        let r = redis.charge(call).await.unwrap();
+        assert_eq!(m, r, "the stores disagree on {call:?}");
+        m
+    }
+
+    async fn refund_both(memory: &MemoryStore, redis: &RedisStore, call: &[Charge], r: &Receipt) {
+        memory.refund(call, r).await.unwrap();
+        redis.refund(call, r).await.unwrap();
+    }
+
+    /// A receipt names reservations: one that names none (made up, from
+    /// before any could lapse, or a plain charge's entry) gives nothing
+    /// back. Redis gave a plain admission back for a receipt of 0, which
+    /// its own undoing of a refused cross-slot call uses (now a mode of
+    /// its own), so repeated refunds filled an emptied bucket.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_receipt_that_names_no_reservation_gives_nothing_back() {
+        let Some(server) = RedisServer::start() else {
+            return;
+        };
+        let (clock, redis, memory) = super::side_by_side(&server, false);
+        let hourly = Policy::token_bucket("forged", 3, Rate::per_hour(1)).unwrap();
+        let plain = Charge::new(Key::new("k").with("a"), hourly.clone(), 1).unwrap();
+        clock.set(1_000 * S);
+        for _ in 0..3 {
+            assert!(
+                both(&memory, &redis, std::slice::from_ref(&plain))
+                    .await
+                    .is_admitted()
+            );
+        }
+        for made_up in [0, 90 * S, 1_000 * S, Receipt::NOTHING, u64::MAX - 1] {
+            let receipt = Receipt::new(vec![made_up]);
+            for _ in 0..3 {
+                refund_both(&memory, &redis, std::slice::from_ref(&plain), &receipt).await;
+            }
+        }
+        assert!(
+            !both(&memory, &redis, std::slice::from_ref(&plain))
+                .await
+                .is_admitted()
+        );
+        // A call of a refundable and a plain charge: only the refundable
+        // has an entry to settle; refunding the whole call gives back it
+        // alone.
+        let other = Policy::token_bucket("other", 3, Rate::per_hour(1)).unwrap();
+        let call = [
+            Charge::new(Key::new("k").with("b"), other.clone(), 1)
+                .unwrap()
+                .refundable(),
+            Charge::new(Key::new("k").with("c"), other, 1).unwrap(),
+        ];
+        let admitted = both(&memory, &redis, &call).await;
+        let receipt = admitted.receipt().unwrap();
+        assert_eq!(receipt.windows()[1], Receipt::NOTHING);
+        refund_both(&memory, &redis, &call, receipt).await;
+        let left = |o: &Outcome, i: usize| match o.limits()[i] {
+            tollgate_budget::Decision::Admitted { remaining, .. } => remaining,
+            d => panic!("{d:?}"),
+        };
+        let again = both(&memory, &redis, &call).await;
+        assert_eq!((left(&again, 0), left(&again, 1)), (2, 1));
+    }
+
+    /// No shaped charge is held past its own longest wait, also one that
+    /// cannot be shaped (a window; a bucket with units reserved) beside one
+    /// that can: Redis held such a call 20 s past a 500 ms wait.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_shaped_call_waits_no_longer_than_any_of_its_charges_allows() {
+        let Some(server) = RedisServer::start() else {
+            return;
+        };
+        let (clock, redis, memory) = super::side_by_side(&server, false);
+        clock.set(1_000 * S);
+        let slow = Policy::token_bucket("slow", 1, Rate::new(1, Duration::from_secs(20))).unwrap();
+        let spend = Charge::new(Key::new("s").with("x"), slow.clone(), 1).unwrap();
+        assert!(
+            both(&memory, &redis, std::slice::from_ref(&spend))
+                .await
+                .is_admitted()
+        );
+        let long = spend.clone().shaped(Duration::from_secs(30));
+        let window = Policy::fixed_window("window", 10, Duration::from_secs(60)).unwrap();
+        let reserving = Policy::token_bucket("reserving", 10, Rate::per_second(5)).unwrap();
+        let reserved = Charge::new(Key::new("r").with("x"), reserving, 1).unwrap();
+        assert!(
+            both(&memory, &redis, &[reserved.clone().refundable()])
+                .await
+                .is_admitted()
+        );
+        let short = Duration::from_millis(500);
+        for beside in [
+            Charge::new(Key::new("w").with("x"), window, 1)
+                .unwrap()
+                .shaped(short),
+            reserved.shaped(short),
+        ] {
+            let outcome = both(&memory, &redis, &[beside, long.clone()]).await;
+            assert!(!outcome.is_admitted(), "{outcome:?}");
+            assert_eq!(outcome.delay(), Duration::ZERO);
+        }
+        // Alone, the long wait holds the call 20 s.
+        let outcome = both(&memory, &redis, std::slice::from_ref(&long)).await;
+        assert_eq!(outcome.delay(), Duration::from_secs(20));
+    }
+}

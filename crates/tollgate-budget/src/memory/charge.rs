@@ -131,7 +131,11 @@ impl MemoryStore {
         if admitted && charges.iter().any(Charge::is_refundable) {
             let windows = steps
                 .iter()
-                .map(|d| algorithm::receipt(d.policy, &d.step))
+                .zip(charges)
+                .map(|(d, c)| match c.is_refundable() {
+                    true => algorithm::receipt(d.policy, &d.step),
+                    false => Receipt::NOTHING,
+                })
                 .collect();
             outcome = outcome.with_receipt(Receipt::new(windows));
         }
@@ -301,6 +305,9 @@ impl MemoryStore {
         let inner = &*self.inner;
         let now = inner.clock.now();
         for (charge, &window) in charges.iter().zip(receipt.windows()) {
+            if window == Receipt::NOTHING {
+                continue;
+            }
             let id = inner.id(charge)?;
             let mut shard = inner.lock(inner.shard_of(&id));
             let (state, from) = inner.state(&mut shard, &id, charge.policy(), now);
