@@ -17,7 +17,7 @@ use super::fleet::Slot;
 use super::in_flight::{Held, hold};
 use super::layer::Config;
 use super::limiter::Saturated;
-use super::service::refusal;
+use super::service::{refusal, respond};
 use super::stall::Stalls;
 use crate::ResponseBody;
 use crate::response::Protocol;
@@ -81,6 +81,17 @@ where
             state: State::Calling {
                 future: inner.call(req),
                 permit: Some(permit),
+                stalls,
+            },
+        }
+    }
+
+    /// Exempt: called at once, holding no slot.
+    pub(crate) fn exempt(mut inner: S, req: Request<ReqB>, stalls: Arc<Stalls>) -> Self {
+        Self {
+            state: State::Calling {
+                future: inner.call(req),
+                permit: None,
                 stalls,
             },
         }
@@ -153,7 +164,7 @@ where
                         match ready!(acquire.as_mut().poll(cx)) {
                             Ok(slot) => *acquired = Some(slot),
                             Err(full) => {
-                                let response = refusal(config, full).into_response(*protocol);
+                                let response = respond(config, refusal(config, full), *protocol);
                                 this.state.set(State::Refused {
                                     response: Some(response),
                                 });

@@ -15,6 +15,9 @@ use super::limiter::{ConcurrencyStats, Limiter, Limits};
 use super::stall::{DEFAULT_BODY_IDLE_TIMEOUT, Stalls};
 use crate::ClientIpResolver;
 use crate::identity::{KeyPart, MissingPrincipal};
+use crate::rate_limit::Exemption;
+use crate::response::{RefusalBody, RefusalInfo, Shape};
+use http::HeaderValue;
 
 #[derive(Clone)]
 pub(crate) struct Config {
@@ -31,6 +34,12 @@ pub(crate) struct Config {
     pub(crate) body_idle: Duration,
     /// The watch over response bodies in flight (made with `limiter`).
     pub(crate) stalls: Arc<Stalls>,
+    /// Requests that skip the limit.
+    pub(crate) exemptions: Vec<Exemption>,
+    /// The application's refusal bodies, if it writes them.
+    pub(crate) shape: Option<Shape>,
+    /// The challenge sent with `401` (RFC 9110 requires one).
+    pub(crate) www_authenticate: HeaderValue,
 }
 
 /// A shared limit's lease: how long, how often waiters poll, what a store
@@ -156,6 +165,9 @@ impl ConcurrencyLimitLayer {
                 key: Vec::new(),
                 missing: MissingPrincipal::Reject,
                 resolver: ClientIpResolver::peer_only(),
+                exemptions: Vec::new(),
+                shape: None,
+                www_authenticate: HeaderValue::from_static("Bearer"),
             }),
         })
     }
@@ -336,6 +348,49 @@ impl ConcurrencyLimitLayer {
     /// How client addresses are resolved for [`KeyPart::ClientIp`].
     pub fn client_ip(self, resolver: ClientIpResolver) -> Self {
         self.edit(|c, _| c.resolver = resolver)
+    }
+
+    /// Lets requests that `exemption` matches skip this limit (repeat to
+    /// add more; any one exempts), as
+    /// [`RateLimitLayer::exempt`](crate::RateLimitLayer::exempt) does: an
+    /// exempt request is not counted in flight, never waits and is never
+    /// refused, so a health check or a `/metrics` route stays up when the
+    /// service is at capacity. Exemptions by network read the client
+    /// address as [`client_ip`](Self::client_ip) resolves it.
+    ///
+    /// ```
+    /// use std::num::NonZeroUsize;
+    /// use tollgate::{ConcurrencyLimitLayer, Exemption};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let limit = ConcurrencyLimitLayer::new("in-flight")?
+    ///     .global(NonZeroUsize::new(64).unwrap())
+    ///     .exempt(Exemption::when(|req| req.uri.path() == "/metrics"));
+    /// # Ok(()) }
+    /// ```
+    pub fn exempt(self, exemption: Exemption) -> Self {
+        self.edit(|c, _| c.exemptions.push(exemption))
+    }
+
+    /// Writes the body of this layer's HTTP refusals (`429`, `503`, `401`,
+    /// `400`) with `body`, as
+    /// [`RateLimitLayer::refusal_body`](crate::RateLimitLayer::refusal_body)
+    /// does (the same [`RefusalInfo`], so one function can serve both
+    /// layers); the status and every header stay tollgate's, gRPC refusals
+    /// are unchanged. [`RefusalInfo::retry_after`] is `None` here (no time
+    /// can be promised for a slot).
+    pub fn refusal_body(
+        self,
+        body: impl Fn(&RefusalInfo<'_>) -> RefusalBody + Send + Sync + 'static,
+    ) -> Self {
+        self.edit(|c, _| c.shape = Some(Shape(Arc::new(body))))
+    }
+
+    /// The `WWW-Authenticate` challenge sent with `401` when the per-key
+    /// parts need a principal and the request has none (default:
+    /// `Bearer`), as
+    /// [`RateLimitLayer::www_authenticate`](crate::RateLimitLayer::www_authenticate).
+    pub fn www_authenticate(self, challenge: HeaderValue) -> Self {
+        self.edit(|c, _| c.www_authenticate = challenge)
     }
 
     /// The counters: in flight, waiting, refused. For a

@@ -13,6 +13,7 @@ use super::layer::Config;
 use super::limiter::Saturated;
 use crate::identity::RequestIdentity;
 use crate::observe::{self, Refuser};
+use crate::rate_limit::any_matches;
 use crate::response::{Answer, FieldWriter, Limit, Protocol, Refusal};
 use tollgate_budget::Unit;
 
@@ -60,6 +61,17 @@ impl<S> ConcurrencyLimit<S> {
     pub fn into_inner(self) -> S {
         self.inner
     }
+}
+
+/// `answer` as this layer's response: its body written by the
+/// application's [`refusal_body`](super::ConcurrencyLimitLayer::refusal_body)
+/// when there is one.
+pub(crate) fn respond(
+    config: &Config,
+    answer: Answer,
+    protocol: Protocol,
+) -> Response<http_body_util::Full<bytes::Bytes>> {
+    answer.into_shaped_response(protocol, config.shape.as_ref())
 }
 
 /// The refusal for a full limit.
@@ -128,15 +140,22 @@ where
         let config = &self.config;
         let (parts, body) = req.into_parts();
         let protocol = Protocol::of(&parts.headers);
+        let mut who = RequestIdentity::new(&parts, &config.resolver);
+        if any_matches(&config.exemptions, &mut who, &parts) {
+            let req = Request::from_parts(parts, body);
+            return ResponseFuture::exempt(inner, req, config.stalls.clone());
+        }
         let key: Option<Box<str>> = if config.limiter.limits.per_key_max.is_some() {
-            let mut who = RequestIdentity::new(&parts, &config.resolver);
             match who.key(&config.key, config.missing, None) {
                 Ok(key) => key.map(|k| k.text().into()),
                 Err(error) => {
                     let limits = &config.limiter.limits;
                     observe::key_refused(&error, Refuser::InFlight(&limits.name), limits.log_level);
-                    let answer = Answer::for_key(error, &limits.name);
-                    return ResponseFuture::refused(answer.into_response(protocol));
+                    let mut answer = Answer::for_key(error, &limits.name);
+                    if answer.challenge.is_some() {
+                        answer.challenge = Some(config.www_authenticate.clone());
+                    }
+                    return ResponseFuture::refused(respond(config, answer, protocol));
                 }
             }
         } else {
@@ -172,7 +191,7 @@ where
             }
             Err(full) => {
                 let answer = refusal(config, config.limiter.refused(full, key.as_deref()));
-                ResponseFuture::refused(answer.into_response(protocol))
+                ResponseFuture::refused(respond(config, answer, protocol))
             }
         }
     }

@@ -183,6 +183,7 @@ mod shaping;
 
 pub use crate::response::{RefusalBody, RefusalInfo};
 pub use exempt::Exemption;
+pub(crate) use exempt::any_matches;
 pub use future::ResponseFuture;
 pub use handle::RulesHandle;
 pub use layer::{OnStoreError, RateLimitLayer, UnsupportedRule};
