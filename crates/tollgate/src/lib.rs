@@ -88,6 +88,7 @@
 //!
 //! | module | job |
 //! |---|---|
+//! | [`guide`] | the guide, in chapters: every recipe and reference beyond this page |
 //! | [`rate_limit`] | [`RateLimitLayer`], [`Rule`], [`Cost`]: the table of answers, the order they are given in, when a charge is made |
 //! | [`identity`] | who is asking: [`Principal`], [`ClientIpResolver`] (the trusted-proxy walk), [`Operation`], [`KeyPart`] |
 //! | [`concurrency`] | [`ConcurrencyLimitLayer`] and the [`concurrency::InFlight`] handle |
@@ -108,6 +109,7 @@ mod body;
 #[cfg(feature = "client")]
 pub mod client;
 pub mod concurrency;
+pub mod guide;
 pub mod identity;
 mod observe;
 pub use observe::set_log_fingerprint_key;
