@@ -276,9 +276,9 @@ pub struct Reserved {
     /// The charge's index in its call.
     pub index: usize,
     /// The state the reservation wrote.
-    pub written: crate::algorithm::State,
+    pub written: crate::state::State,
     /// The state it replaced (`None`: the key had none).
-    pub before: Option<crate::algorithm::State>,
+    pub before: Option<crate::state::State>,
 }
 
 impl Reservation {

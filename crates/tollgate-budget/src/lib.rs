@@ -53,6 +53,7 @@ mod key;
 mod lease;
 mod memory;
 mod policy;
+mod state;
 mod store;
 
 pub use clock::{Clock, ManualClock, Nanos, SystemClock};

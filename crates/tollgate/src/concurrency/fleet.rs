@@ -21,7 +21,7 @@ use tollgate_budget::{
 };
 
 use super::limiter::{Limiter, Permit, Saturated};
-use super::release::{Releases, give_back};
+use super::release::{Owner, Releases, give_back};
 use crate::observe::Throttle;
 
 /// What a fleet-wide concurrency limit does when its lease store fails or
@@ -185,6 +185,20 @@ impl Line {
         } else {
             self.waiting.front().is_some_and(|w| w.id == id)
         }
+    }
+}
+
+impl Owner for Fleet {
+    fn store(&self) -> &dyn LeaseStore {
+        &*self.sharing.store
+    }
+
+    fn releases(&self) -> &Releases {
+        &self.releases
+    }
+
+    fn slot_freed(&self) {
+        self.line().slot_freed();
     }
 }
 

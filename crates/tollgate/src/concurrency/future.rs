@@ -13,11 +13,11 @@ use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use super::PermitBody;
+use super::config::Config;
 use super::fleet::Slot;
 use super::in_flight::{Held, hold};
-use super::layer::Config;
 use super::limiter::Saturated;
-use super::service::{refusal, respond};
+use super::refusal::{refusal, respond};
 use super::stall::Stalls;
 use crate::ResponseBody;
 use crate::response::Protocol;

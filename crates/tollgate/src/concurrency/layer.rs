@@ -10,6 +10,7 @@ use tollgate_budget::{InvalidName, LeaseStore, check_name};
 use tower_layer::Layer;
 
 use super::ConcurrencyLimit;
+use super::config::{Config, LeaseOptions};
 use super::fleet::{Fleet, MAX_LEASE, MIN_LEASE, OnLeaseError, Sharing};
 use super::limiter::{ConcurrencyStats, Limiter, Limits};
 use super::stall::{DEFAULT_BODY_IDLE_TIMEOUT, Stalls};
@@ -18,48 +19,6 @@ use crate::identity::{KeyPart, MissingPrincipal};
 use crate::rate_limit::Exemption;
 use crate::response::{RefusalBody, RefusalInfo, Shape};
 use http::HeaderValue;
-
-#[derive(Clone)]
-pub(crate) struct Config {
-    pub(crate) limiter: Arc<Limiter>,
-    /// Where the limit is shared by a fleet, if it is, and how.
-    pub(crate) lease_store: Option<Arc<dyn LeaseStore>>,
-    pub(crate) lease: LeaseOptions,
-    /// The shared limit's counters in this process (made with `limiter`).
-    pub(crate) fleet: Option<Arc<Fleet>>,
-    pub(crate) key: Vec<KeyPart>,
-    pub(crate) missing: MissingPrincipal,
-    pub(crate) resolver: ClientIpResolver,
-    /// How long a response body may make no progress.
-    pub(crate) body_idle: Duration,
-    /// The watch over response bodies in flight (made with `limiter`).
-    pub(crate) stalls: Arc<Stalls>,
-    /// Requests that skip the limit.
-    pub(crate) exemptions: Vec<Exemption>,
-    /// The application's refusal bodies, if it writes them.
-    pub(crate) shape: Option<Shape>,
-    /// The challenge sent with `401` (RFC 9110 requires one).
-    pub(crate) www_authenticate: HeaderValue,
-}
-
-/// A shared limit's lease: how long, how often waiters poll, what a store
-/// failure does.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct LeaseOptions {
-    ttl: Duration,
-    poll: Duration,
-    on_error: OnLeaseError,
-}
-
-impl Default for LeaseOptions {
-    fn default() -> Self {
-        Self {
-            ttl: Duration::from_secs(10),
-            poll: Duration::from_millis(50),
-            on_error: OnLeaseError::FailClosed,
-        }
-    }
-}
 
 /// A shared limit's lease must last at least this many times its lease
 /// store's timeout ([`LeaseStore::timeout`]): renewals go every third of

@@ -50,11 +50,13 @@
 //! ```
 
 mod body;
+mod config;
 mod fleet;
 mod future;
 mod in_flight;
 mod layer;
 mod limiter;
+mod refusal;
 mod release;
 mod service;
 mod stall;

@@ -15,10 +15,21 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use tollgate_budget::Lease;
+use tollgate_budget::{Lease, LeaseStore};
 
-use super::fleet::Fleet;
 use crate::observe::Throttle;
+
+/// Whose leases are given back: a shared limit (its fleet), with the store
+/// the leases are in, its releases still to retry, and the line of its
+/// waiters, told when a slot comes free.
+pub(crate) trait Owner: Send + Sync + 'static {
+    /// The store the leases are in.
+    fn store(&self) -> &dyn LeaseStore;
+    /// The releases still to be retried.
+    fn releases(&self) -> &Releases;
+    /// A slot came free: the first waiter may ask.
+    fn slot_freed(&self);
+}
 
 /// The most releases one layer keeps for retrying. Each is a lease that
 /// would hold a slot until its time to live if given up; past this many
@@ -66,7 +77,7 @@ impl Releases {
 /// the release goes straight to the queue rather than adding a call to a
 /// store that is not answering. Without a runtime the lease expires by
 /// itself, one time to live after its last renewal.
-pub(crate) fn give_back(fleet: &Arc<Fleet>, lease: Lease, failing: bool) {
+pub(crate) fn give_back<F: Owner>(fleet: &Arc<F>, lease: Lease, failing: bool) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         tracing::warn!(
             limit = &*lease.request.limit,
@@ -76,14 +87,14 @@ pub(crate) fn give_back(fleet: &Arc<Fleet>, lease: Lease, failing: bool) {
     };
     // Behind releases already queued: the store was failing a moment ago,
     // and the retrying task sends them in order.
-    if failing || fleet.releases.lock().retrying {
+    if failing || fleet.releases().lock().retrying {
         queue(fleet, &runtime, lease);
         return;
     }
     let fleet = fleet.clone();
     runtime.clone().spawn(async move {
-        match fleet.sharing.store.release(&lease).await {
-            Ok(()) => fleet.line().slot_freed(),
+        match fleet.store().release(&lease).await {
+            Ok(()) => fleet.slot_freed(),
             Err(_) => queue(&fleet, &runtime, lease),
         }
     });
@@ -91,11 +102,11 @@ pub(crate) fn give_back(fleet: &Arc<Fleet>, lease: Lease, failing: bool) {
 
 /// Queues `lease` for the retrying task (started if none runs), or leaves
 /// it to expire when the queue is full.
-fn queue(fleet: &Arc<Fleet>, runtime: &tokio::runtime::Handle, lease: Lease) {
-    let mut pending = fleet.releases.lock();
+fn queue<F: Owner>(fleet: &Arc<F>, runtime: &tokio::runtime::Handle, lease: Lease) {
+    let mut pending = fleet.releases().lock();
     if pending.queue.len() >= MAX_PENDING_RELEASES {
         drop(pending);
-        fleet.releases.abandoned.fetch_add(1, Ordering::Relaxed);
+        fleet.releases().abandoned.fetch_add(1, Ordering::Relaxed);
         static THROTTLE: Throttle = Throttle::new();
         if let Some(suppressed) = THROTTLE.admit() {
             tracing::warn!(
@@ -125,13 +136,13 @@ fn queue(fleet: &Arc<Fleet>, runtime: &tokio::runtime::Handle, lease: Lease) {
 /// Releases the queued leases one at a time: after a pause that doubles
 /// while the store fails, and back to back once it answers. Ends when the
 /// queue is empty; leases that have expired meanwhile are dropped.
-async fn retry(fleet: Arc<Fleet>) {
+async fn retry<F: Owner>(fleet: Arc<F>) {
     let mut pause = FIRST_PAUSE;
     loop {
         tokio::time::sleep(pause).await;
         loop {
             let next = {
-                let mut pending = fleet.releases.lock();
+                let mut pending = fleet.releases().lock();
                 let now = tokio::time::Instant::now();
                 while pending
                     .queue
@@ -150,9 +161,9 @@ async fn retry(fleet: Arc<Fleet>) {
                     }
                 }
             };
-            match fleet.sharing.store.release(&next.0).await {
+            match fleet.store().release(&next.0).await {
                 Ok(()) => {
-                    fleet.line().slot_freed();
+                    fleet.slot_freed();
                     pause = FIRST_PAUSE;
                 }
                 Err(error) => {
@@ -165,7 +176,7 @@ async fn retry(fleet: Arc<Fleet>) {
                             "could not release an in-flight lease; trying again"
                         );
                     }
-                    fleet.releases.lock().queue.push_front(next);
+                    fleet.releases().lock().queue.push_front(next);
                     pause = (pause * 2).min(MAX_PAUSE);
                     break;
                 }

@@ -4,15 +4,10 @@
 use std::fmt;
 use std::sync::Arc;
 
-use arc_swap::ArcSwap;
 use tollgate_budget::{DynStore, Policy, Store};
 
 use super::Rule;
-use super::layer::{UnsupportedRule, check};
-
-/// The rules of a layer, swapped whole: a request reads one set, start to
-/// end.
-pub(crate) type RuleSet = Arc<ArcSwap<Vec<Rule>>>;
+use super::config::{RuleSet, UnsupportedRule, check};
 
 /// Replaces the rules (or one policy) of a [`RateLimitLayer`](crate::RateLimitLayer)
 /// while it serves, from [`RateLimitLayer::rules_handle`](crate::RateLimitLayer::rules_handle).

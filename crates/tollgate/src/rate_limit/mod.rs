@@ -170,6 +170,7 @@
 //! # let _ = app.into_make_service_with_connect_info::<SocketAddr>();
 //! ```
 
+mod config;
 mod exempt;
 mod future;
 mod handle;
@@ -182,11 +183,12 @@ mod service;
 mod shaping;
 
 pub use crate::response::{RefusalBody, RefusalInfo};
+pub use config::{OnStoreError, UnsupportedRule};
 pub use exempt::Exemption;
 pub(crate) use exempt::any_matches;
 pub use future::ResponseFuture;
 pub use handle::RulesHandle;
-pub use layer::{OnStoreError, RateLimitLayer, UnsupportedRule};
+pub use layer::RateLimitLayer;
 pub use plans::InvalidPlan;
 pub use route::InvalidRoute;
 pub use rule::{Cost, CostError, CostFn, Rule};

@@ -19,8 +19,8 @@ use http::{HeaderValue, StatusCode};
 use smallvec::SmallVec;
 use tollgate_budget::{Algorithm, Charge, Decision, DynStore, Outcome, Store, StoreError, Verdict};
 
+use super::config::{Config, OnStoreError};
 use super::exempt::any_matches;
-use super::layer::{Config, OnStoreError};
 use super::route::RouteMatch;
 use super::rule::{Applies, CostRefusal, Shaping, StatusFilter};
 use super::shaping::{Line, Place, Wait, WaitKeys};

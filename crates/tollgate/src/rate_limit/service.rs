@@ -10,7 +10,7 @@ use tollgate_budget::Store;
 use tower_service::Service;
 
 use super::ResponseFuture;
-use super::layer::Config;
+use super::config::Config;
 use super::pipeline::{self, Admit, Now, Plan};
 use crate::response::Protocol;
 

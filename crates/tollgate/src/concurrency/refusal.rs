@@ -1,0 +1,67 @@
+//! The concurrency layer's refusals, as answers and as responses.
+
+use bytes::Bytes;
+use http::Response;
+use http_body_util::Full;
+use tollgate_budget::Unit;
+
+use super::config::Config;
+use super::limiter::Saturated;
+use crate::response::{Answer, FieldWriter, Limit, Protocol, Refusal};
+
+/// `answer` as this layer's response: its body written by the
+/// application's [`refusal_body`](super::ConcurrencyLimitLayer::refusal_body)
+/// when there is one.
+pub(crate) fn respond(
+    config: &Config,
+    answer: Answer,
+    protocol: Protocol,
+) -> Response<Full<Bytes>> {
+    answer.into_shaped_response(protocol, config.shape.as_ref())
+}
+
+/// The refusal for a full limit.
+pub(crate) fn refusal(config: &Config, full: Saturated) -> Answer {
+    let l = &config.limiter.limits;
+    match full {
+        Saturated::PerKey => {
+            let max = l.per_key_max.unwrap_or(0);
+            let mut answer = Answer::new(
+                Refusal::TooManyInFlight,
+                format!(
+                    "at most {max} {} of yours may be in flight at once ({:?})",
+                    if max == 1 { "request" } else { "requests" },
+                    &*l.name
+                ),
+            );
+            answer.policy = Some(Limit::InFlight(l.name.clone()));
+            // No window and no reset: no time can be promised.
+            let mut fields = FieldWriter::new();
+            fields.policy(
+                &l.name,
+                u64::try_from(max).unwrap_or(u64::MAX),
+                None,
+                &Unit::ConcurrentRequests,
+            );
+            fields.current(&l.name, 0, None);
+            answer.fields = fields.finish().map(Box::new);
+            answer
+        }
+        Saturated::Unavailable => {
+            let mut answer = Answer::new(
+                Refusal::StoreUnavailable,
+                "the in-flight limit's store is unavailable; try again later",
+            );
+            answer.policy = Some(Limit::InFlight(l.name.clone()));
+            answer
+        }
+        Saturated::Global | Saturated::Queue => {
+            let mut answer = Answer::new(
+                Refusal::Overloaded,
+                "the service is at capacity; try again later",
+            );
+            answer.policy = Some(Limit::InFlight(l.name.clone()));
+            answer
+        }
+    }
+}

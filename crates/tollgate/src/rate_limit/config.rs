@@ -1,0 +1,163 @@
+//! What a [`RateLimitLayer`](super::RateLimitLayer) is made of, shared by
+//! the layer, its services and its [`RulesHandle`](super::RulesHandle):
+//! the configuration, what a store failure means, and the check of a rule
+//! against the store.
+
+use std::fmt;
+use std::sync::Arc;
+use std::sync::atomic::AtomicBool;
+
+use arc_swap::ArcSwap;
+use http::HeaderValue;
+use tollgate_budget::{Algorithm, DynStore, Store, StoreError, StoreErrorKind};
+
+use super::shaping::Waiters;
+use super::{Exemption, Rule};
+use crate::ClientIpResolver;
+use crate::response::Shape;
+
+/// The rules of a layer, swapped whole: a request reads one set, start to
+/// end.
+pub(crate) type RuleSet = Arc<ArcSwap<Vec<Rule>>>;
+
+/// What the layer does when the store fails or times out.
+#[derive(Clone, Default)]
+#[non_exhaustive]
+pub enum OnStoreError {
+    /// Refuse with `503 Service Unavailable` and `Cache-Control: no-store`
+    /// (gRPC: UNAVAILABLE). Never admits beyond the budget (default).
+    #[default]
+    FailClosed,
+    /// Admit the request, and count and log that it was admitted unchecked.
+    FailOpen,
+    /// Ask another store (e.g. a local [`tollgate_budget::MemoryStore`]); if it
+    /// fails too, fail closed.
+    Fallback(Arc<dyn DynStore>),
+}
+
+impl fmt::Debug for OnStoreError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            OnStoreError::FailClosed => f.write_str("FailClosed"),
+            OnStoreError::FailOpen => f.write_str("FailOpen"),
+            OnStoreError::Fallback(_) => f.write_str("Fallback(..)"),
+        }
+    }
+}
+
+/// A copy starts with nothing reported: it may be a different layer.
+impl<St> Clone for Config<St> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            rules: self.rules.clone(),
+            resolver: self.resolver.clone(),
+            on_store_error: self.on_store_error.clone(),
+            headers_on_admitted: self.headers_on_admitted,
+            exemptions: self.exemptions.clone(),
+            dry_run: self.dry_run,
+            www_authenticate: self.www_authenticate.clone(),
+            log_level: self.log_level,
+            shape: self.shape.clone(),
+            max_waiting: self.max_waiting,
+            waiters: Arc::default(),
+            reported_no_matched_path: AtomicBool::new(false),
+        }
+    }
+}
+
+pub(crate) struct Config<St> {
+    pub(crate) store: Arc<St>,
+    /// Swapped whole by a [`RulesHandle`](super::RulesHandle); every builder call that changes
+    /// the rules makes a new set, so that services already made (and
+    /// handles already taken) keep theirs.
+    pub(crate) rules: RuleSet,
+    pub(crate) resolver: ClientIpResolver,
+    pub(crate) on_store_error: OnStoreError,
+    pub(crate) headers_on_admitted: bool,
+    pub(crate) exemptions: Vec<Exemption>,
+    /// Every rule is dry-run.
+    pub(crate) dry_run: bool,
+    /// The challenge sent with `401` (RFC 9110 requires one).
+    pub(crate) www_authenticate: HeaderValue,
+    /// The level refusals are logged at.
+    pub(crate) log_level: tracing::Level,
+    /// The application's refusal body writer, if any.
+    pub(crate) shape: Option<Shape>,
+    /// At most this many requests held by shaping rules at once.
+    pub(crate) max_waiting: usize,
+    /// The requests shaping rules hold now.
+    pub(crate) waiters: Arc<Waiters>,
+    /// Set once requests without axum's `MatchedPath` were reported, so the
+    /// error is logged once per layer, not per request.
+    pub(crate) reported_no_matched_path: AtomicBool,
+}
+
+/// A rule the layer's store cannot serve (a policy it cannot hold, or a
+/// [`Rule::charge_only_when`] on a store that cannot give charges back),
+/// refused by [`RateLimitLayer::try_rule`](super::RateLimitLayer::try_rule)
+/// (or, as a panic, [`RateLimitLayer::rule`](super::RateLimitLayer::rule)).
+#[derive(Debug, thiserror::Error)]
+#[error("rule {policy:?} cannot be added to this store: {source}")]
+pub struct UnsupportedRule {
+    policy: String,
+    #[source]
+    source: StoreError,
+}
+
+impl UnsupportedRule {
+    /// The name of the refused rule's policy.
+    pub fn policy(&self) -> &str {
+        &self.policy
+    }
+}
+
+/// Whether `store` can serve `rule`: every policy of it (plans and
+/// overrides too), and [`Rule::charge_only_when`]'s refunds.
+pub(crate) fn check(store: &(impl Store + ?Sized), rule: &Rule) -> Result<(), UnsupportedRule> {
+    let refuse = |source| UnsupportedRule {
+        policy: rule.policy().name().to_owned(),
+        source,
+    };
+    for policy in rule.policies() {
+        store.check_policy(policy).map_err(refuse)?;
+    }
+    if rule.charge_when.is_some() && !store.can_refund() {
+        return Err(refuse(StoreError::new(
+            StoreErrorKind::Unsupported,
+            "charge_only_when needs a store that can give a charge back (Store::refund): \
+             it reserves when the request is checked and gives back when the response \
+             does not match",
+        )));
+    }
+    if let Some(shaping) = &rule.shaping {
+        if shaping.max_delay.is_zero() {
+            return Err(refuse(StoreError::new(
+                StoreErrorKind::Unsupported,
+                "shape needs a longest wait above zero (a zero wait shapes nothing)",
+            )));
+        }
+        if !store.can_shape() {
+            return Err(refuse(StoreError::new(
+                StoreErrorKind::Unsupported,
+                "shape needs a store that can reserve credit for later (Store::can_shape)",
+            )));
+        }
+        for policy in rule.policies() {
+            let shapes = match policy.algorithm() {
+                Algorithm::TokenBucket(b) => b.units_per_nanosecond() <= b.units_per_token(),
+                _ => false,
+            };
+            if !shapes {
+                return Err(refuse(StoreError::new(
+                    StoreErrorKind::Unsupported,
+                    format!(
+                        "shape needs token buckets refilling at most one token per nanosecond; \
+                         {policy} cannot be shaped"
+                    ),
+                )));
+            }
+        }
+    }
+    Ok(())
+}
