@@ -89,21 +89,7 @@ impl<St: Store> RulesHandle<St> {
     /// `content-kib`, say), as [`Rule::plan`] does. Checked against the
     /// store first.
     pub fn set_policy(&self, policy: Policy) -> Result<usize, UnsupportedRule> {
-        let current = self.rules.load();
-        let matches = |r: &Rule| r.policy().same_budget(&r.in_rule_unit(policy.clone()));
-        let changed = |rules: &[Rule]| -> Vec<Rule> {
-            rules
-                .iter()
-                .map(|r| {
-                    if matches(r) {
-                        r.clone().with_default_policy(policy.clone())
-                    } else {
-                        r.clone()
-                    }
-                })
-                .collect()
-        };
-        self.apply(&current, matches, changed)
+        self.change_budget(&policy, |rule, policy| rule.with_default_policy(policy))
     }
 
     /// Makes `policy` the policy of principals on `plan`
@@ -127,39 +113,36 @@ impl<St: Store> RulesHandle<St> {
     /// # Ok(()) }
     /// ```
     pub fn set_plan(&self, plan: &str, policy: Policy) -> Result<usize, UnsupportedRule> {
-        let current = self.rules.load();
+        self.change_budget(&policy, |rule, policy| rule.with_plan_policy(plan, policy))
+    }
+
+    /// Applies `change` (with `policy`) to every rule whose own policy is
+    /// `policy`'s budget (its name and unit, in the rule's unit), once
+    /// each changed rule is checked against the store; how many changed.
+    /// Applied to the latest rules: another change may have landed since.
+    fn change_budget(
+        &self,
+        policy: &Policy,
+        change: impl Fn(Rule, Policy) -> Rule,
+    ) -> Result<usize, UnsupportedRule> {
         let matches = |r: &Rule| r.policy().same_budget(&r.in_rule_unit(policy.clone()));
         let changed = |rules: &[Rule]| -> Vec<Rule> {
             rules
                 .iter()
-                .map(|r| {
-                    if matches(r) {
-                        r.clone().with_plan_policy(plan, policy.clone())
-                    } else {
-                        r.clone()
-                    }
+                .map(|r| match matches(r) {
+                    true => change(r.clone(), policy.clone()),
+                    false => r.clone(),
                 })
                 .collect()
         };
-        self.apply(&current, matches, changed)
-    }
-
-    /// Checks every rule `changed` changes (those that `matches`), then
-    /// applies `changed` to the latest rules; how many changed.
-    fn apply(
-        &self,
-        current: &[Rule],
-        matches: impl Fn(&Rule) -> bool,
-        changed: impl Fn(&[Rule]) -> Vec<Rule>,
-    ) -> Result<usize, UnsupportedRule> {
-        for (before, after) in current.iter().zip(changed(current)) {
+        let current = self.rules.load();
+        for (before, after) in current.iter().zip(changed(&current)) {
             if matches(before) {
                 self.check(&after)?;
             }
         }
         let count = current.iter().filter(|r| matches(r)).count();
         if count > 0 {
-            // Another change may have landed since: apply to the latest set.
             self.rules.rcu(|rules| changed(rules));
         }
         Ok(count)
