@@ -11,8 +11,9 @@
 //! - rules: per address or per account, on one route or all, a fixed cost
 //!   (sometimes one that can never fit), token buckets (starting full or
 //!   empty), fixed and sliding windows, plans for the principal and the
-//!   rule's policy changed at runtime (`RulesHandle::set_policy`) among up
-//!   to four policies of one name, shaping, charging by outcome
+//!   rule's policy and its plans' changed at runtime
+//!   (`RulesHandle::set_policy`, `RulesHandle::set_plan`) among up to four
+//!   policies of one name, shaping, charging by outcome
 //!   (`charge_only_when`), dry-run, exemptions by network;
 //! - events: requests (answered at once, or held by the inner service
 //!   until the trace says how they end), their completions with a `200` or
@@ -269,6 +270,9 @@ enum Event {
     Plan(usize, usize),
     /// A rule's own policy becomes its `n`th.
     SetPolicy(usize, usize),
+    /// A rule's plan `pN` (N >= 1) becomes its `k`th policy
+    /// (`RulesHandle::set_plan`).
+    SetPlan(usize, usize, usize),
 }
 
 fn event() -> impl Strategy<Value = Event> {
@@ -314,6 +318,7 @@ fn event() -> impl Strategy<Value = Event> {
         1 => (0usize..8).prop_map(Event::Drop),
         2 => (0..ACCOUNTS.len(), 0usize..4).prop_map(|(a, p)| Event::Plan(a, p)),
         3 => (0usize..3, 0usize..4).prop_map(|(r, p)| Event::SetPolicy(r, p)),
+        2 => (0usize..3, 1usize..4, 0usize..4).prop_map(|(r, n, k)| Event::SetPlan(r, n, k)),
     ]
 }
 
@@ -626,6 +631,9 @@ struct Sent {
     /// policies): a policy changed later does not change how it was
     /// decided.
     own: Vec<usize>,
+    /// Each rule's policy per plan when it was sent (plan `pN` is
+    /// `plans[rule][N]`, an index into its policies).
+    plans: Vec<Vec<usize>>,
     /// Sent beside a release (the case's echo): its own release echoes
     /// nothing, so echoes do not breed.
     echo: bool,
@@ -668,6 +676,8 @@ struct Model<'c> {
     seen: &'c Seen,
     /// Each rule's own policy now (an index into its policies).
     own: Vec<usize>,
+    /// Each rule's policy per plan now (see `Sent::plans`).
+    plans: Vec<Vec<usize>>,
     budgets: HashMap<(usize, String), Budget>,
 }
 
@@ -676,7 +686,7 @@ impl Model<'_> {
     fn policy(&self, i: usize, s: &Sent) -> PolicySpec {
         let spec = &self.case.rules[i];
         let k = if s.account.is_some() && s.plan >= 1 && s.plan < spec.policies.len() {
-            s.plan
+            s.plans[i][s.plan]
         } else {
             s.own[i]
         };
@@ -914,6 +924,7 @@ struct Seen {
     kept_by_outcome: AtomicU64,
     probes: AtomicU64,
     policy_changes: AtomicU64,
+    plan_changes: AtomicU64,
     dropped: AtomicU64,
     outcome_budgets_checked: AtomicU64,
 }
@@ -932,6 +943,7 @@ impl Seen {
             ("kept by outcome", &self.kept_by_outcome),
             ("probes after Retry-After", &self.probes),
             ("policy changes", &self.policy_changes),
+            ("plans changed", &self.plan_changes),
             ("dropped while waiting", &self.dropped),
             ("outcome budgets checked", &self.outcome_budgets_checked),
         ]
@@ -1143,6 +1155,7 @@ impl Drive<'_> {
             route,
             answer,
             own: self.model.own.clone(),
+            plans: self.model.plans.clone(),
             echo,
         }
     }
@@ -1263,6 +1276,20 @@ impl Drive<'_> {
                         Seen::note(&self.seen.policy_changes);
                     }
                 }
+                Event::SetPlan(rule, plan, k) => {
+                    let Some(spec) = self.case.rules.get(rule) else {
+                        continue;
+                    };
+                    if plan >= spec.policies.len() {
+                        continue;
+                    }
+                    let k = k % spec.policies.len();
+                    let policy = spec.policies[k].policy(&format!("r{rule}"));
+                    if self.handle.set_plan(&format!("p{plan}"), policy).is_ok() {
+                        self.model.plans[rule][plan] = k;
+                        Seen::note(&self.seen.plan_changes);
+                    }
+                }
             }
             self.model.check_envelope()?;
         }
@@ -1344,6 +1371,7 @@ impl Drive<'_> {
             at: self.clock.now(),
             answer: Some(200),
             own: self.model.own.clone(),
+            plans: self.model.plans.clone(),
             ..s.clone()
         };
         self.next_id += 1;
@@ -1407,6 +1435,11 @@ fn run_case(
                 case,
                 seen,
                 own: vec![0; case.rules.len()],
+                plans: case
+                    .rules
+                    .iter()
+                    .map(|r| (0..r.policies.len()).collect())
+                    .collect(),
                 budgets: HashMap::new(),
             },
             waiting: Vec::new(),
