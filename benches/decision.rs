@@ -19,7 +19,10 @@ use governor::clock::FakeRelativeClock;
 use governor::middleware::NoOpMiddleware;
 use governor::state::keyed::DashMapStateStore;
 use governor::{Quota, RateLimiter};
-use tollgate::{Charge, Key, ManualClock, MemoryStore, Policy, Rate};
+use tollgate::{
+    MemoryStore, Policy, Rate,
+    store::{Charge, Key, ManualClock},
+};
 
 const BIG: u32 = 1_000_000_000;
 

@@ -26,10 +26,11 @@ fn main() {
 }
 
 async fn run() {
-    let layer = ConcurrencyLimitLayer::new("fair")
-        .expect("valid name")
+    let layer = ConcurrencyLimitLayer::builder("fair")
         .global(NonZeroUsize::new(8).expect("8"))
-        .wait(64, Duration::from_millis(50));
+        .wait(64, Duration::from_millis(50))
+        .build()
+        .unwrap();
     let inner = tower::service_fn(|_req: Request<()>| async {
         tokio::time::sleep(Duration::from_millis(5)).await;
         Ok::<_, Infallible>(Response::new(http_body_util::Empty::<bytes::Bytes>::new()))

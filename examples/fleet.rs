@@ -32,7 +32,11 @@ async fn instance(
     let export = Policy::token_bucket("export", 3, Rate::per_second(2))?;
     let app = Router::new()
         .route("/export", post(|| async { "export started\n" }))
-        .layer(RateLimitLayer::new(store).rule(Rule::per_account(export)))
+        .layer(
+            RateLimitLayer::builder(store)
+                .rule(Rule::per_account(export))
+                .build()?,
+        )
         // Stands in for authentication.
         .layer(axum::Extension(Principal::new("fleet-demo", account)));
     let listener = TcpListener::bind("127.0.0.1:0").await?;

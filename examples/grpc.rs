@@ -37,8 +37,8 @@ use axum::middleware::{self, Next};
 use axum::response::Response;
 use tokio::net::TcpListener;
 use tollgate::{
-    ConcurrencyLimitLayer, DynStore, KeyPart, MemoryStore, Policy, Principal, Rate, RateLimitLayer,
-    RedisStore, Rule,
+    ConcurrencyLimitLayer, KeyPart, MemoryStore, Policy, Principal, Rate, RateLimitLayer,
+    RedisStore, Rule, store::DynStore,
 };
 use tonic::Code;
 use tonic::transport::Channel;
@@ -70,21 +70,24 @@ async fn app(store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std::error::Err
     reporter
         .set_service_status("", ServingStatus::Serving)
         .await;
-    let limits = RateLimitLayer::new(store)
-        .try_rule(Rule::per_client_ip(Policy::token_bucket(
+    let limits = RateLimitLayer::builder(store)
+        .rule(Rule::per_client_ip(Policy::token_bucket(
             "per-ip",
             20,
             Rate::per_second(10),
-        )?))?
-        .try_rule(Rule::per_account(Policy::token_bucket(
+        )?))
+        .rule(Rule::per_account(Policy::token_bucket(
             "per-account",
             3,
             Rate::per_second(1),
-        )?))?;
-    let in_flight = ConcurrencyLimitLayer::new("calls")?.per_key(
-        NonZeroUsize::new(1).ok_or("1 is not zero")?,
-        [KeyPart::Account],
-    );
+        )?))
+        .build()?;
+    let in_flight = ConcurrencyLimitLayer::builder("calls")
+        .per_key(
+            NonZeroUsize::new(1).ok_or("1 is not zero")?,
+            [KeyPart::Account],
+        )
+        .build()?;
     // Keep the reporter alive with the service it reports for.
     let keep = Arc::new(reporter);
     Ok(tonic::service::Routes::new(health)

@@ -78,8 +78,10 @@ use http_body::Frame;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpSocket};
 use tollgate::{
-    ClientIpResolver, ConcurrencyLimitLayer, Cost, DynStore, Exemption, ForwardedHeader, KeyPart,
-    LeaseStore, MemoryStore, Policy, Principal, Rate, RateLimitLayer, RedisStore, Rule,
+    ClientIpResolver, ConcurrencyLimitLayer, Cost, Exemption, KeyPart, MemoryStore, Policy,
+    Principal, Rate, RateLimitLayer, RedisStore, Rule,
+    identity::ForwardedHeader,
+    store::{DynStore, LeaseStore},
 };
 use tower_http::timeout::TimeoutLayer;
 use tracing_subscriber::layer::SubscriberExt as _;
@@ -327,9 +329,10 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
     let upload = Policy::token_bucket("upload", 1024, Rate::per_second(256))?
         .with_unit(tollgate::Unit::Other("kib".into()));
 
-    // `try_rule` refuses, here at start, a policy the store cannot hold (a
-    // Redis store refuses numbers it cannot decide exactly).
-    let limits = RateLimitLayer::new(store)
+    // `build` refuses, here at start, a rule that cannot be used: a bad
+    // route, a plan of another budget, or a policy the store cannot hold
+    // (a Redis store refuses numbers it cannot decide exactly).
+    let limits = RateLimitLayer::builder(store)
         .client_ip(ClientIpResolver::trusting(
             options.trusted,
             ForwardedHeader::XForwardedFor,
@@ -341,41 +344,41 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
                 && (req.method == http::Method::GET || req.method == http::Method::HEAD)
         }))
         .dry_run(options.dry_run)
-        .try_rule(Rule::per_client_ip(per_ip).exempt(Exemption::networks(options.exempt)?))?
-        .try_rule(
+        .rule(Rule::per_client_ip(per_ip).exempt(Exemption::networks(options.exempt)?))
+        .rule(
             Rule::per_account_operation(export)
                 .on_route("/export")
-                .try_plan("pro", export_pro)?,
-        )?
+                .plan("pro", export_pro),
+        )
         // Failed logins, and every other 401 of a route that needs a
         // principal: reserved with the request, kept only for a 401.
-        .try_rule(
+        .rule(
             GUESSED
                 .iter()
                 .fold(Rule::per_client_ip(login_failures), |rule, route| {
                     rule.on_route(route)
                 })
                 .charge_only_when(|status| status == StatusCode::UNAUTHORIZED),
-        )?
+        )
         // Held up to 2 s instead of refused, at most 4 waiting per account.
-        .try_rule(Rule::per_account(shaped).on_route("/shaped").shape(
+        .rule(Rule::per_account(shaped).on_route("/shaped").shape(
             Duration::from_secs(2),
             NonZeroUsize::new(4).ok_or("4 is not zero")?,
-        ))?
-        .try_rule(
+        ))
+        .rule(
             Rule::per_account(upload)
                 .on_route("/upload")
                 .with_cost(Cost::content_kib()),
-        )?;
-
+        );
     let limits = match options.log_refusals {
         Some(level) => limits.log_refusals(level),
         None => limits,
-    };
+    }
+    .build()?;
 
     // Slow work: per account at most 2 in flight, 8 in all, each bounded by a
     // timeout inside the limit so a stuck request cannot hold its slot.
-    let in_flight = ConcurrencyLimitLayer::new("slow")?
+    let in_flight = ConcurrencyLimitLayer::builder("slow")
         .per_key(
             NonZeroUsize::new(2).ok_or("2 is not zero")?,
             [KeyPart::Account],
@@ -388,13 +391,14 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
     // leases of 2 s, renewed every 2/3 s, so a dead instance's slots are
     // free again at most 2 s after its last renewal.
     let in_flight = match options.leases {
-        Some(leases) => in_flight.shared(leases)?.lease_ttl(SLOW_LEASE)?,
+        Some(leases) => in_flight.shared(leases).lease_ttl(SLOW_LEASE),
         None => in_flight,
     };
     let in_flight = match options.log_refusals {
         Some(level) => in_flight.log_refusals(level),
         None => in_flight,
-    };
+    }
+    .build()?;
     let slow_route = get(slow)
         .route_layer(TimeoutLayer::with_status_code(
             StatusCode::SERVICE_UNAVAILABLE,
@@ -458,7 +462,7 @@ async fn main() -> ExitCode {
                 (None, None) => b,
                 _ => {
                     return Err(tollgate::StoreError::new(
-                        tollgate::StoreErrorKind::Config,
+                        tollgate::store::StoreErrorKind::Config,
                         "--redis-cert and --redis-key go together",
                     ));
                 }

@@ -17,7 +17,8 @@ use http::{HeaderValue, StatusCode};
 use tokio::sync::Semaphore;
 use tollgate::{
     ConcurrencyLimitLayer, Exemption, KeyPart, MemoryStore, Policy, Rate, RateLimitLayer,
-    RefusalBody, RefusalInfo, Rule,
+    RefusalBody, RefusalInfo, Rule, concurrency::ConcurrencyLimitBuilder,
+    rate_limit::RateLimitBuilder,
 };
 
 const CHALLENGE: &str = "Bearer realm=\"api\"";
@@ -34,30 +35,29 @@ fn envelope(refusal: &RefusalInfo<'_>) -> RefusalBody {
 /// A rate limit of one request an hour per address (per account on
 /// `/private`), with `edit` applied.
 fn rate_limited(
-    edit: impl FnOnce(RateLimitLayer<MemoryStore>) -> RateLimitLayer<MemoryStore>,
+    edit: impl FnOnce(RateLimitBuilder<MemoryStore>) -> RateLimitBuilder<MemoryStore>,
 ) -> Router {
     let hourly = |name| Policy::token_bucket(name, 1, Rate::per_hour(1)).unwrap();
-    let layer = RateLimitLayer::new(MemoryStore::new())
+    let layer = RateLimitLayer::builder(MemoryStore::new())
         .rule(Rule::per_client_ip(hourly("hourly")).on_route("/"))
         .rule(Rule::per_account(hourly("private")).on_route("/private"));
     Router::new()
         .route("/", get(|| async { "ok" }))
         .route("/metrics", get(|| async { "metrics" }))
         .route("/private", get(|| async { "ok" }))
-        .layer(edit(layer))
+        .layer(edit(layer).build().unwrap())
 }
 
 /// One request in flight in all: `/hold` waits for a permit of `gate`;
 /// with `edit` applied.
 fn in_flight(
     gate: Arc<Semaphore>,
-    edit: impl FnOnce(ConcurrencyLimitLayer) -> ConcurrencyLimitLayer,
+    edit: impl FnOnce(ConcurrencyLimitBuilder) -> ConcurrencyLimitBuilder,
 ) -> (Router, ConcurrencyLimitLayer) {
-    let limit = edit(
-        ConcurrencyLimitLayer::new("one-at-a-time")
-            .unwrap()
-            .global(NonZeroUsize::new(1).unwrap()),
-    );
+    let limit =
+        edit(ConcurrencyLimitLayer::builder("one-at-a-time").global(NonZeroUsize::new(1).unwrap()))
+            .build()
+            .unwrap();
     let app = Router::new()
         .route(
             "/hold",
@@ -176,10 +176,11 @@ async fn www_authenticate_on_the_rate_limit_layer() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn www_authenticate_on_the_concurrency_layer() {
-    let limit = ConcurrencyLimitLayer::new("per-account")
-        .unwrap()
+    let limit = ConcurrencyLimitLayer::builder("per-account")
         .per_key(NonZeroUsize::new(1).unwrap(), [KeyPart::Account])
-        .www_authenticate(HeaderValue::from_static(CHALLENGE));
+        .www_authenticate(HeaderValue::from_static(CHALLENGE))
+        .build()
+        .unwrap();
     let app = Router::new()
         .route("/private", get(|| async { "ok" }))
         .layer(limit);

@@ -411,7 +411,7 @@ async fn an_empty_retry_budget_stops_retries() {
 #[tokio::test]
 async fn a_reused_retry_service_retries_every_request_afresh() {
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use tollgate::ManualClock;
+    use tollgate::store::ManualClock;
     use tower::{Service, ServiceExt};
 
     /// Sleeps by moving the manual clock.
@@ -483,7 +483,7 @@ async fn a_reused_retry_service_retries_every_request_afresh() {
 #[tokio::test]
 async fn nested_retry_layers_each_see_a_new_request() {
     use std::sync::atomic::{AtomicUsize, Ordering};
-    use tollgate::ManualClock;
+    use tollgate::store::ManualClock;
     use tower::{Service, ServiceExt};
 
     #[derive(Clone)]

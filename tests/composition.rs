@@ -68,10 +68,12 @@ use http_body_util::Empty;
 use num_rational::Ratio;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestRunner};
-use tollgate::core::Nanos;
+use tollgate::store::Nanos;
 use tollgate::{
-    Charge, Clock, Cost, Exemption, Initial, MemoryStore, Outcome, PeerAddr, Policy, Principal,
-    Rate, RateLimitLayer, Rule, Store, StoreError,
+    Cost, Exemption, Initial, MemoryStore, Policy, Principal, Rate, RateLimitLayer, Rule, Store,
+    StoreError,
+    identity::PeerAddr,
+    store::{Charge, Clock, Outcome},
 };
 use tollgate_budget::{Receipt, Reservation};
 use tollgate_redis::RedisStore;
@@ -534,9 +536,9 @@ struct Inner {
 
 type Shared = Arc<Mutex<Inner>>;
 
-type Svc = tollgate::RateLimit<
+type Svc = tollgate::rate_limit::RateLimit<
     tower::util::BoxCloneSyncService<Request<()>, Response<Empty<Bytes>>, Infallible>,
-    Arc<dyn tollgate::DynStore>,
+    Arc<dyn tollgate::store::DynStore>,
 >;
 
 type Fut = <Svc as Service<Request<()>>>::Future;
@@ -966,7 +968,7 @@ struct Drive<'c> {
     case: &'c Case,
     seen: &'c Seen,
     svc: Svc,
-    handle: tollgate::RulesHandle<Arc<dyn tollgate::DynStore>>,
+    handle: tollgate::RulesHandle<Arc<dyn tollgate::store::DynStore>>,
     shared: Shared,
     clock: Virtual,
     model: Model<'c>,
@@ -1403,7 +1405,7 @@ impl Drive<'_> {
 fn run_case(
     case: &Case,
     seen: &Seen,
-    store: impl FnOnce(Virtual) -> Arc<dyn tollgate::DynStore>,
+    store: impl FnOnce(Virtual) -> Arc<dyn tollgate::store::DynStore>,
 ) -> Result<(), String> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
@@ -1415,12 +1417,11 @@ fn run_case(
             origin: tokio::time::Instant::now(),
         };
         let store = store(clock.clone());
-        let mut layer = RateLimitLayer::new(store).dry_run(case.layer_dry_run);
+        let mut layer = RateLimitLayer::builder(store).dry_run(case.layer_dry_run);
         for (i, spec) in case.rules.iter().enumerate() {
-            layer = layer
-                .try_rule(build_rule(i, spec))
-                .map_err(|e| e.to_string())?;
+            layer = layer.rule(build_rule(i, spec));
         }
+        let layer = layer.build().map_err(|e| e.to_string())?;
         let handle = layer.rules_handle();
         let shared = Shared::default();
         let svc = layer.layer(inner(shared.clone(), clock.clone()));

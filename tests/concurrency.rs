@@ -121,7 +121,10 @@ fn streaming_app(
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_streaming_body_holds_its_permit_until_fully_sent() {
-    let limit = ConcurrencyLimitLayer::new("stream").unwrap().global(n(1));
+    let limit = ConcurrencyLimitLayer::builder("stream")
+        .global(n(1))
+        .build()
+        .unwrap();
     let (app, senders) = streaming_app(limit.clone());
     let a = serve(app).await;
     let (mut stream, head) = open(a, ip("127.0.31.1"), "/stream", &[], 6).await;
@@ -167,7 +170,10 @@ async fn wait_until(mut f: impl FnMut() -> bool) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_that_disconnects_mid_body_frees_its_permit() {
-    let limit = ConcurrencyLimitLayer::new("stream").unwrap().global(n(1));
+    let limit = ConcurrencyLimitLayer::builder("stream")
+        .global(n(1))
+        .build()
+        .unwrap();
     let (app, senders) = streaming_app(limit.clone());
     let a = serve(app).await;
     let (stream, _) = open(a, ip("127.0.32.1"), "/stream", &[], 6).await;
@@ -208,10 +214,11 @@ fn slow_app(limit: ConcurrencyLimitLayer) -> Router {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn bounded_waiting_admits_within_its_time_or_refuses_after_it() {
-    let limit = ConcurrencyLimitLayer::new("wait")
-        .unwrap()
+    let limit = ConcurrencyLimitLayer::builder("wait")
         .global(n(1))
-        .wait(4, Duration::from_millis(600));
+        .wait(4, Duration::from_millis(600))
+        .build()
+        .unwrap();
     let a = serve(slow_app(limit.clone())).await;
     // Held for 200 ms: a waiter gets in after it.
     let holder =
@@ -247,10 +254,11 @@ async fn bounded_waiting_admits_within_its_time_or_refuses_after_it() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_waiting_queue_never_exceeds_its_bound_under_a_burst() {
-    let limit = ConcurrencyLimitLayer::new("burst")
-        .unwrap()
+    let limit = ConcurrencyLimitLayer::builder("burst")
         .global(n(1))
-        .wait(3, Duration::from_millis(800));
+        .wait(3, Duration::from_millis(800))
+        .build()
+        .unwrap();
     let a = serve(slow_app(limit.clone())).await;
     let holder =
         tokio::spawn(
@@ -289,14 +297,18 @@ async fn the_waiting_queue_never_exceeds_its_bound_under_a_burst() {
 #[tokio::test(flavor = "multi_thread")]
 async fn composes_with_the_rate_limiter_in_either_order() {
     let rate = || {
-        RateLimitLayer::new(MemoryStore::new()).rule(Rule::per_client_ip(
-            Policy::token_bucket("per-ip", 2, Rate::per_hour(1)).unwrap(),
-        ))
+        RateLimitLayer::builder(MemoryStore::new())
+            .rule(Rule::per_client_ip(
+                Policy::token_bucket("per-ip", 2, Rate::per_hour(1)).unwrap(),
+            ))
+            .build()
+            .unwrap()
     };
     let conc = || {
-        ConcurrencyLimitLayer::new("conc")
-            .unwrap()
+        ConcurrencyLimitLayer::builder("conc")
             .per_key(n(1), [KeyPart::ClientIp])
+            .build()
+            .unwrap()
     };
     let inner_rate = Router::new()
         .route("/", get(|| async { "ok" }))
@@ -362,9 +374,10 @@ async fn an_upgraded_connection_holds_its_slot_while_it_lives() {
             .unwrap()
     }
 
-    let limit = ConcurrencyLimitLayer::new("tunnels")
-        .unwrap()
-        .per_key(n(1), [KeyPart::ClientIp]);
+    let limit = ConcurrencyLimitLayer::builder("tunnels")
+        .per_key(n(1), [KeyPart::ClientIp])
+        .build()
+        .unwrap();
     let app = serve(Router::new().route("/ws", get(echo)).layer(limit)).await;
     let from = ip("127.0.31.1");
     let upgrade_headers = [("Upgrade", "echo"), ("Connection", "upgrade")];
@@ -412,8 +425,14 @@ async fn nested_layers_all_count_an_upgraded_connection() {
             .body(axum::body::Body::empty())
             .unwrap()
     }
-    let outer = ConcurrencyLimitLayer::new("outer").unwrap().global(n(10));
-    let inner = ConcurrencyLimitLayer::new("inner").unwrap().global(n(10));
+    let outer = ConcurrencyLimitLayer::builder("outer")
+        .global(n(10))
+        .build()
+        .unwrap();
+    let inner = ConcurrencyLimitLayer::builder("inner")
+        .global(n(10))
+        .build()
+        .unwrap();
     let app: Router = Router::new()
         .route("/ws", get(upgrade).route_layer(inner.clone()))
         .layer(outer.clone());
@@ -434,10 +453,11 @@ async fn nested_layers_all_count_an_upgraded_connection() {
 /// keeps yielding frames is not, however long it runs.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_body_that_makes_no_progress_frees_its_slot() {
-    let limit = ConcurrencyLimitLayer::new("stream")
-        .unwrap()
+    let limit = ConcurrencyLimitLayer::builder("stream")
         .global(n(1))
-        .body_idle_timeout(Duration::from_millis(300));
+        .body_idle_timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
     let (app, senders) = streaming_app(limit.clone());
     let a = serve(app).await;
     // A body that yields a frame every 100 ms for a second keeps its slot.
@@ -510,10 +530,11 @@ impl http_body::Body for Big {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_steady_reader_of_large_frames_is_not_taken_for_stalled() {
     use tokio::io::AsyncWriteExt;
-    let limit = ConcurrencyLimitLayer::new("download")
-        .unwrap()
+    let limit = ConcurrencyLimitLayer::builder("download")
         .global(n(1))
-        .body_idle_timeout(Duration::from_secs(1));
+        .body_idle_timeout(Duration::from_secs(1))
+        .build()
+        .unwrap();
     let app = Router::new()
         .route(
             "/big",

@@ -14,8 +14,11 @@ use axum::routing::{get, post};
 use common::{ip, param, send, serve, sf_list};
 use http::{HeaderValue, StatusCode};
 use tollgate::{
-    Charge, ClientIpResolver, Cost, Exemption, ForwardedHeader, Key, KeyPart, MemoryStore,
-    OnKeyCap, Policy, Principal, Rate, RateLimitLayer, Rule,
+    ClientIpResolver, Cost, Exemption, KeyPart, MemoryStore, Policy, Principal, Rate,
+    RateLimitLayer, Rule,
+    identity::ForwardedHeader,
+    rate_limit::RateLimitBuilder,
+    store::{Charge, Key, OnKeyCap},
 };
 
 fn bucket(name: &str, capacity: u64) -> Policy {
@@ -56,7 +59,7 @@ const LIMITED: StatusCode = StatusCode::TOO_MANY_REQUESTS;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn exempt_networks_are_checked_against_the_resolved_address() {
-    let layer = RateLimitLayer::new(MemoryStore::new())
+    let layer = RateLimitLayer::builder(MemoryStore::new())
         .client_ip(
             ClientIpResolver::trusting(
                 ["127.0.30.1/32".parse().unwrap()],
@@ -67,7 +70,9 @@ async fn exempt_networks_are_checked_against_the_resolved_address() {
         .rule(Rule::per_client_ip(bucket("per-ip", 2)).exempt(
             // Written in IPv4-mapped form: the IPv4 network 127.0.31.0/24.
             Exemption::networks(["::ffff:127.0.31.0/120".parse().unwrap()]).unwrap(),
-        ));
+        ))
+        .build()
+        .unwrap();
     let addr = serve(
         Router::new()
             .route("/", get(|| async { "ok" }))
@@ -121,12 +126,14 @@ fn a_mapped_exempt_network_shorter_than_96_is_refused() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn exempt_principals_skip_only_their_rule() {
-    let layer = RateLimitLayer::new(MemoryStore::new())
+    let layer = RateLimitLayer::builder(MemoryStore::new())
         .rule(Rule::per_client_ip(bucket("per-ip", 4)))
         .rule(
             Rule::per_account(bucket("per-account", 1))
                 .exempt(Exemption::principals(|p| p.tenant() == "internal")),
-        );
+        )
+        .build()
+        .unwrap();
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(layer)
@@ -162,10 +169,12 @@ async fn an_exempt_health_check_answers_while_the_store_fails() {
         .build();
     let occupied = Charge::new(Key::new("occupied"), bucket("x", 1), 1).unwrap();
     assert!(broken.charge_now(&[occupied]).unwrap().is_admitted());
-    let layer = RateLimitLayer::new(broken)
+    let layer = RateLimitLayer::builder(broken)
         .exempt(Exemption::when(|req| req.uri.path() == "/healthz"))
         .rule(Rule::per_client_ip(bucket("per-ip", 5)))
-        .rule(Rule::per_account(bucket("per-account", 5)));
+        .rule(Rule::per_account(bucket("per-account", 5)))
+        .build()
+        .unwrap();
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .route("/healthz", get(|| async { "up" }))
@@ -198,14 +207,16 @@ async fn an_exempt_health_check_answers_while_the_store_fails() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn layer_wide_dry_run_refuses_nothing_and_shows_the_spent_budget() {
-    let layer = RateLimitLayer::new(MemoryStore::new())
+    let layer = RateLimitLayer::builder(MemoryStore::new())
         .dry_run(true)
         .rule(Rule::per_client_ip(bucket("per-ip", 2)))
         .rule(
             Rule::per_client_ip(bucket("upload", 4))
                 .on_route("/upload")
                 .with_cost(Cost::content_kib()),
-        );
+        )
+        .build()
+        .unwrap();
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .route("/upload", post(|| async { "stored" }))
@@ -243,9 +254,11 @@ async fn dry_run_and_enforced_rules_mix_all_or_nothing() {
         Rate::new(1, std::time::Duration::from_secs(7200)),
     )
     .unwrap();
-    let layer = RateLimitLayer::with_shared_store(store.clone())
+    let layer = RateLimitLayer::builder(store.clone())
         .rule(Rule::per_client_ip(enforced.clone()))
-        .rule(Rule::per_client_ip(trial.clone()).dry_run(true));
+        .rule(Rule::per_client_ip(trial.clone()).dry_run(true))
+        .build()
+        .unwrap();
     let addr = serve(
         Router::new()
             .route("/", get(|| async { "ok" }))
@@ -283,9 +296,11 @@ async fn dry_run_and_enforced_rules_mix_all_or_nothing() {
     let small = bucket("small", 1);
     let roomy = bucket("roomy", 5);
     let store = Arc::new(MemoryStore::new());
-    let layer = RateLimitLayer::with_shared_store(store.clone())
+    let layer = RateLimitLayer::builder(store.clone())
         .rule(Rule::per_client_ip(small))
-        .rule(Rule::per_client_ip(roomy.clone()).dry_run(true));
+        .rule(Rule::per_client_ip(roomy.clone()).dry_run(true))
+        .build()
+        .unwrap();
     let addr = serve(
         Router::new()
             .route("/", get(|| async { "ok" }))
@@ -302,9 +317,11 @@ async fn dry_run_and_enforced_rules_mix_all_or_nothing() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn dry_run_rules_still_refuse_requests_that_lack_what_they_need() {
-    let layer = RateLimitLayer::new(MemoryStore::new())
+    let layer = RateLimitLayer::builder(MemoryStore::new())
         .dry_run(true)
-        .rule(Rule::new(bucket("acct", 5)).keyed_by([KeyPart::Account]));
+        .rule(Rule::new(bucket("acct", 5)).keyed_by([KeyPart::Account]))
+        .build()
+        .unwrap();
     let addr = serve(
         Router::new()
             .route("/", get(|| async { "ok" }))
@@ -317,17 +334,22 @@ async fn dry_run_rules_still_refuse_requests_that_lack_what_they_need() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_401_carries_a_configurable_challenge_and_grpc_gets_none() {
-    let app = |layer: RateLimitLayer<MemoryStore>| {
+    let app = |layer: RateLimitBuilder<MemoryStore>| {
         Router::new()
             .route("/", get(|| async { "ok" }).post(|| async { "ok" }))
-            .layer(layer.rule(Rule::per_account(bucket("acct", 5))))
+            .layer(
+                layer
+                    .rule(Rule::per_account(bucket("acct", 5)))
+                    .build()
+                    .unwrap(),
+            )
     };
-    let default = serve(app(RateLimitLayer::new(MemoryStore::new()))).await;
+    let default = serve(app(RateLimitLayer::builder(MemoryStore::new()))).await;
     let r = send(default, ip("127.0.38.1"), "GET", "/", &[], b"").await;
     assert_eq!(r.status, StatusCode::UNAUTHORIZED);
     assert_eq!(r.header("www-authenticate"), Some("Bearer"));
 
-    let custom = serve(app(RateLimitLayer::new(MemoryStore::new())
+    let custom = serve(app(RateLimitLayer::builder(MemoryStore::new())
         .www_authenticate(HeaderValue::from_static("Bearer realm=\"api\""))))
     .await;
     let r = send(custom, ip("127.0.38.1"), "GET", "/", &[], b"").await;
@@ -358,42 +380,46 @@ async fn a_policy_the_store_cannot_hold_is_refused_when_the_rule_is_added() {
         Policy::fixed_window("monthly", 1000, std::time::Duration::from_secs(30 * 86_400)).unwrap();
     let huge = Policy::token_bucket("huge", 1 << 30, Rate::per_second(1)).unwrap();
     let fine = bucket("fine", 5);
-    let dynamic: Arc<dyn tollgate::DynStore> = Arc::new(redis);
+    let dynamic: Arc<dyn tollgate::store::DynStore> = Arc::new(redis);
     for policy in [&month, &huge] {
-        let e = RateLimitLayer::new(dynamic.clone())
-            .try_rule(Rule::per_client_ip(policy.clone()))
+        let e = RateLimitLayer::builder(dynamic.clone())
+            .rule(Rule::per_client_ip(policy.clone()))
+            .build()
             .unwrap_err();
         assert_eq!(e.policy(), policy.name());
         assert!(e.to_string().contains(policy.name()), "{e}");
     }
     assert!(
-        RateLimitLayer::new(dynamic.clone())
-            .try_rule(Rule::per_client_ip(fine.clone()))
+        RateLimitLayer::builder(dynamic.clone())
+            .rule(Rule::per_client_ip(fine.clone()))
+            .build()
             .is_ok()
     );
-    // `rule` panics with the same reason, as axum's `route` does.
-    let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        RateLimitLayer::new(dynamic.clone()).rule(Rule::per_client_ip(huge.clone()))
-    }))
-    .unwrap_err();
-    let text = panic.downcast_ref::<String>().unwrap();
-    assert!(text.contains("huge"), "{text}");
+    // The store refused it, not the rule itself.
+    let e = RateLimitLayer::builder(dynamic.clone())
+        .rule(Rule::per_client_ip(huge.clone()))
+        .build()
+        .unwrap_err();
+    assert!(e.is_unsupported_by_store(), "{e}");
+    assert!(e.to_string().contains("huge"), "{e}");
     // A fallback store is held to the same, whichever is set first.
-    let e = RateLimitLayer::new(MemoryStore::new())
+    let e = RateLimitLayer::builder(MemoryStore::new())
         .on_store_error(tollgate::OnStoreError::Fallback(dynamic.clone()))
-        .try_rule(Rule::per_client_ip(huge.clone()))
+        .rule(Rule::per_client_ip(huge.clone()))
+        .build()
         .unwrap_err();
     assert_eq!(e.policy(), "huge");
-    let panic = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-        RateLimitLayer::new(MemoryStore::new())
-            .rule(Rule::per_client_ip(huge.clone()))
-            .on_store_error(tollgate::OnStoreError::Fallback(dynamic.clone()))
-    }));
-    assert!(panic.is_err());
+    let e = RateLimitLayer::builder(MemoryStore::new())
+        .rule(Rule::per_client_ip(huge.clone()))
+        .on_store_error(tollgate::OnStoreError::Fallback(dynamic.clone()))
+        .build()
+        .unwrap_err();
+    assert_eq!(e.policy(), "huge");
     // The in-memory store holds every valid policy.
     assert!(
-        RateLimitLayer::new(MemoryStore::new())
-            .try_rule(Rule::per_client_ip(month))
+        RateLimitLayer::builder(MemoryStore::new())
+            .rule(Rule::per_client_ip(month))
+            .build()
             .is_ok()
     );
 }
@@ -426,7 +452,7 @@ async fn custom_key_parts_from_a_trusted_extension_and_from_client_bytes() {
             .map(str::to_owned)
     })
     .unwrap();
-    let layer = RateLimitLayer::new(MemoryStore::new())
+    let layer = RateLimitLayer::builder(MemoryStore::new())
         .rule(
             Rule::new(bucket("per-api-key", 2))
                 .on_route("/keyed")
@@ -437,7 +463,9 @@ async fn custom_key_parts_from_a_trusted_extension_and_from_client_bytes() {
                 .on_route("/region")
                 .keyed_by([KeyPart::ClientIp, region])
                 .when_no_principal(tollgate::MissingPrincipal::Skip),
-        );
+        )
+        .build()
+        .unwrap();
     let app = Router::new()
         .route("/keyed", get(|| async { "ok" }))
         .route("/region", get(|| async { "ok" }))
@@ -494,7 +522,7 @@ async fn custom_key_parts_from_a_trusted_extension_and_from_client_bytes() {
 /// "requests" in refusals or in `RateLimit-Policy`.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_unit_follows_its_cost() {
-    let layer = RateLimitLayer::new(MemoryStore::new())
+    let layer = RateLimitLayer::builder(MemoryStore::new())
         .rule(
             Rule::per_client_ip(bucket("kib", 2))
                 .on_route("/upload")
@@ -506,7 +534,9 @@ async fn a_unit_follows_its_cost() {
                 .with_cost(Cost::computed(tollgate::Unit::Other("rows".into()), |_| {
                     Ok(9)
                 })),
-        );
+        )
+        .build()
+        .unwrap();
     let app = Router::new()
         .route("/upload", post(|| async { "ok" }))
         .route("/query", get(|| async { "ok" }))
@@ -592,7 +622,10 @@ async fn eventually_limited(addr: std::net::SocketAddr, from: &str) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn only_failed_logins_are_charged() {
-    let layer = RateLimitLayer::new(MemoryStore::new()).rule(failures_rule());
+    let layer = RateLimitLayer::builder(MemoryStore::new())
+        .rule(failures_rule())
+        .build()
+        .unwrap();
     let addr = serve(login_app(layer, 0)).await;
     // Successes charge nothing.
     assert_eq!(logins(addr, "127.0.41.1", "right", 6).await, [OK; 6]);
@@ -633,7 +666,10 @@ async fn concurrent_failures<St: tollgate::Store>(layer: RateLimitLayer<St>, fro
 #[tokio::test(flavor = "multi_thread")]
 async fn concurrent_failed_logins_spend_the_budget_in_memory() {
     concurrent_failures(
-        RateLimitLayer::new(MemoryStore::new()).rule(failures_rule()),
+        RateLimitLayer::builder(MemoryStore::new())
+            .rule(failures_rule())
+            .build()
+            .unwrap(),
         "127.0.42.1",
     )
     .await;
@@ -651,12 +687,18 @@ async fn failed_logins_are_charged_in_redis_too() {
             .unwrap()
     };
     concurrent_failures(
-        RateLimitLayer::new(store()).rule(failures_rule()),
+        RateLimitLayer::builder(store())
+            .rule(failures_rule())
+            .build()
+            .unwrap(),
         "127.0.43.1",
     )
     .await;
     let addr = serve(login_app(
-        RateLimitLayer::new(store()).rule(failures_rule()),
+        RateLimitLayer::builder(store())
+            .rule(failures_rule())
+            .build()
+            .unwrap(),
         0,
     ))
     .await;
@@ -673,18 +715,22 @@ fn a_rule_charged_after_the_response_needs_a_store_that_can_check() {
         fn charge<'a>(
             &'a self,
             charges: &'a [Charge],
-        ) -> impl std::future::Future<Output = Result<tollgate::Outcome, tollgate::StoreError>> + Send + 'a
-        {
+        ) -> impl std::future::Future<
+            Output = Result<tollgate::store::Outcome, tollgate::StoreError>,
+        > + Send
+        + 'a {
             self.0.charge(charges)
         }
     }
-    let e = RateLimitLayer::new(ChargeOnly(MemoryStore::new()))
-        .try_rule(failures_rule())
+    let e = RateLimitLayer::builder(ChargeOnly(MemoryStore::new()))
+        .rule(failures_rule())
+        .build()
         .unwrap_err();
     assert!(e.to_string().contains("charge_only_when"), "{e}");
     assert!(
-        RateLimitLayer::new(ChargeOnly(MemoryStore::new()))
-            .try_rule(Rule::per_client_ip(bucket("plain", 1)))
+        RateLimitLayer::builder(ChargeOnly(MemoryStore::new()))
+            .rule(Rule::per_client_ip(bucket("plain", 1)))
+            .build()
             .is_ok()
     );
 }
@@ -705,14 +751,16 @@ async fn custom_refusal_bodies_keep_tollgate_headers() {
                 .map_or(0, |d| d.as_secs() + u64::from(d.subsec_nanos() > 0)),
         ))
     };
-    let layer = RateLimitLayer::new(MemoryStore::new())
+    let layer = RateLimitLayer::builder(MemoryStore::new())
         .refusal_body(envelope)
         .rule(Rule::per_client_ip(bucket("per-ip", 1)))
         .rule(
             Rule::per_client_ip(bucket("bytes", 1))
                 .on_route("/upload")
                 .with_cost(Cost::content_kib()),
-        );
+        )
+        .build()
+        .unwrap();
     let app = Router::new()
         .route("/", get(|| async { "ok" }).post(|| async { "ok" }))
         .route("/upload", post(|| async { "ok" }))

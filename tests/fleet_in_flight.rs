@@ -19,8 +19,12 @@ use bytes::Bytes;
 use common::{Quickstart, ip, quickstart, send, serve};
 use http::StatusCode;
 use http_body::Frame;
-use tollgate::redis::testing::RedisServer;
-use tollgate::{ConcurrencyLimitLayer, KeyPart, LeaseStore, OnLeaseError, RedisStore};
+use tollgate::{
+    ConcurrencyLimitLayer, KeyPart, RedisStore,
+    concurrency::{ConcurrencyLimitBuilder, OnLeaseError},
+    store::LeaseStore,
+};
+use tollgate_redis::testing::RedisServer;
 
 const ALICE: (&str, &str) = ("Authorization", "Bearer alice-key-1");
 const BOB: (&str, &str) = ("Authorization", "Bearer bob-key");
@@ -280,18 +284,16 @@ use std::future::Future as _;
 /// per address shared through `store`, with short leases.
 fn streaming_app(store: &RedisStore, wait: Option<Duration>, on_error: OnLeaseError) -> Router {
     let leases: Arc<dyn LeaseStore> = Arc::new(store.clone());
-    let mut limit = ConcurrencyLimitLayer::new("stream")
-        .unwrap()
+    let mut limit = ConcurrencyLimitLayer::builder("stream")
         .per_key(n(1), [KeyPart::ClientIp])
         .shared(leases)
-        .unwrap()
         .lease_ttl(Duration::from_millis(300))
-        .unwrap()
         .poll_every(Duration::from_millis(20))
         .on_lease_error(on_error);
     if let Some(wait) = wait {
         limit = limit.wait(4, wait);
     }
+    let limit = limit.build().unwrap();
     Router::new()
         .route(
             "/",
@@ -440,18 +442,16 @@ fn held_app_polling(
     wait: Option<Duration>,
     poll: Duration,
 ) -> Router {
-    let mut limit = ConcurrencyLimitLayer::new("held")
-        .unwrap()
+    let mut limit = ConcurrencyLimitLayer::builder("held")
         .global(n(global))
         .shared(leases)
-        .unwrap()
         .lease_ttl(Duration::from_secs(10))
-        .unwrap()
         .poll_every(poll)
         .on_lease_error(OnLeaseError::Local);
     if let Some(wait) = wait {
         limit = limit.wait(8, wait);
     }
+    let limit = limit.build().unwrap();
     Router::new()
         .route(
             "/",
@@ -606,9 +606,10 @@ struct SlowAsks {
 impl LeaseStore for SlowAsks {
     fn acquire<'a>(
         &'a self,
-        request: &'a tollgate::LeaseRequest,
+        request: &'a tollgate::store::LeaseRequest,
         id: u128,
-    ) -> tollgate::core::StoreFuture<'a, Result<tollgate::Acquired, tollgate::StoreError>> {
+    ) -> tollgate::store::StoreFuture<'a, Result<tollgate::store::Acquired, tollgate::StoreError>>
+    {
         let n = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         let delay = self.delays.get(n).copied().unwrap_or_default();
         let late = self.late_replies.get(n).copied().unwrap_or_default();
@@ -622,16 +623,16 @@ impl LeaseStore for SlowAsks {
 
     fn renew<'a>(
         &'a self,
-        lease: &'a tollgate::Lease,
-    ) -> tollgate::core::StoreFuture<'a, Result<tollgate::core::Renewed, tollgate::StoreError>>
+        lease: &'a tollgate::store::Lease,
+    ) -> tollgate::store::StoreFuture<'a, Result<tollgate::store::Renewed, tollgate::StoreError>>
     {
         self.store.renew(lease)
     }
 
     fn release<'a>(
         &'a self,
-        lease: &'a tollgate::Lease,
-    ) -> tollgate::core::StoreFuture<'a, Result<(), tollgate::StoreError>> {
+        lease: &'a tollgate::store::Lease,
+    ) -> tollgate::store::StoreFuture<'a, Result<(), tollgate::StoreError>> {
         self.store.release(lease)
     }
 }
@@ -670,9 +671,9 @@ async fn waiters_keep_their_arrival_order_whatever_order_their_asks_are_answered
 }
 
 /// Takes the one slot in all of `limit` as another instance would.
-async fn remote_holder(store: &RedisStore, limit: &str) -> tollgate::Lease {
-    let remote = tollgate::Lease {
-        request: tollgate::LeaseRequest {
+async fn remote_holder(store: &RedisStore, limit: &str) -> tollgate::store::Lease {
+    let remote = tollgate::store::Lease {
+        request: tollgate::store::LeaseRequest {
             limit: limit.into(),
             key: None,
             per_key: None,
@@ -683,7 +684,7 @@ async fn remote_holder(store: &RedisStore, limit: &str) -> tollgate::Lease {
     };
     assert!(matches!(
         store.acquire(&remote.request, remote.id).await.unwrap(),
-        tollgate::Acquired::Granted(_)
+        tollgate::store::Acquired::Granted(_)
     ));
     remote
 }
@@ -805,14 +806,11 @@ fn per_address(
     per_key: usize,
     leases: Arc<dyn LeaseStore>,
     poll: Duration,
-) -> ConcurrencyLimitLayer {
-    ConcurrencyLimitLayer::new(name)
-        .unwrap()
+) -> ConcurrencyLimitBuilder {
+    ConcurrencyLimitLayer::builder(name)
         .per_key(n(per_key), [KeyPart::ClientIp])
         .shared(leases)
-        .unwrap()
         .lease_ttl(Duration::from_secs(10))
-        .unwrap()
         .poll_every(poll)
         .wait(8, Duration::from_secs(5))
 }
@@ -820,7 +818,7 @@ fn per_address(
 /// `/` under `limit`, each request holding its slot `hold(its address,
 /// how many were served before it)` milliseconds.
 fn holding_app(
-    limit: ConcurrencyLimitLayer,
+    limit: ConcurrencyLimitBuilder,
     hold: impl Fn(std::net::IpAddr, usize) -> u64 + Clone + Send + Sync + 'static,
 ) -> Router {
     use axum::extract::ConnectInfo;
@@ -839,7 +837,7 @@ fn holding_app(
                 },
             ),
         )
-        .route_layer(limit)
+        .route_layer(limit.build().unwrap())
 }
 
 /// Another instance's requests, and this instance's sent 50 ms apart after
@@ -1045,15 +1043,14 @@ async fn a_full_line_refuses_the_later_arrival_whatever_order_the_asks_are_answe
         late_replies: vec![],
         delays: vec![Duration::ZERO, Duration::from_millis(300)],
     };
-    let limit = ConcurrencyLimitLayer::new("held")
-        .unwrap()
+    let limit = ConcurrencyLimitLayer::builder("held")
         .global(n(1))
         .shared(Arc::new(slow))
-        .unwrap()
         .lease_ttl(Duration::from_secs(10))
-        .unwrap()
         .poll_every(Duration::from_millis(20))
-        .wait(1, Duration::from_secs(5));
+        .wait(1, Duration::from_secs(5))
+        .build()
+        .unwrap();
     let app = Router::new()
         .route(
             "/",
@@ -1172,8 +1169,8 @@ async fn local_fallback_counts_the_leases_already_held() {
 /// free. Now the turn passes down the line on admission too.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_slot_freed_by_another_instance_reaches_every_waiter() {
-    use tollgate::Acquired;
-    use tollgate::LeaseRequest;
+    use tollgate::store::Acquired;
+    use tollgate::store::LeaseRequest;
     use tower::ServiceExt;
     let Some(redis) = RedisServer::start() else {
         return;
@@ -1256,14 +1253,13 @@ async fn releases_retried_during_a_stall_are_bounded() {
         .build()
         .unwrap();
     let leases: Arc<dyn LeaseStore> = Arc::new(store.clone());
-    let limit = ConcurrencyLimitLayer::new("held")
-        .unwrap()
+    let limit = ConcurrencyLimitLayer::builder("held")
         .global(n(100_000))
         .shared(leases)
-        .unwrap()
         .lease_ttl(Duration::from_secs(3600))
-        .unwrap()
-        .on_lease_error(OnLeaseError::FailClosed);
+        .on_lease_error(OnLeaseError::FailClosed)
+        .build()
+        .unwrap();
     let app = Router::new()
         .route("/", get(|| async { "done" }))
         .route_layer(limit.clone());
@@ -1337,15 +1333,17 @@ fn a_lease_shorter_than_three_store_timeouts_is_refused() {
         .build()
         .unwrap();
     let leases: Arc<dyn LeaseStore> = Arc::new(store);
-    let layer = || ConcurrencyLimitLayer::new("ttl").unwrap().global(n(2));
-    let shared = layer().shared(leases.clone()).unwrap();
+    let layer = || ConcurrencyLimitLayer::builder("ttl").global(n(2));
+    let shared = layer().shared(leases.clone());
     let error = shared
         .clone()
         .lease_ttl(Duration::from_millis(100))
+        .build()
         .unwrap_err();
+    assert_eq!(error.name(), "ttl");
     assert_eq!(
-        (error.ttl(), error.timeout()),
-        (Duration::from_millis(100), Duration::from_millis(200))
+        error.lease(),
+        Some((Duration::from_millis(100), Duration::from_millis(200)))
     );
     let text = error.to_string();
     assert!(
@@ -1356,19 +1354,20 @@ fn a_lease_shorter_than_three_store_timeouts_is_refused() {
         shared
             .clone()
             .lease_ttl(Duration::from_millis(599))
+            .build()
             .is_err()
     );
-    assert!(shared.lease_ttl(Duration::from_millis(600)).is_ok());
-    // Set before sharing: checked when shared.
-    let early = layer().lease_ttl(Duration::from_millis(100)).unwrap();
-    assert!(early.shared(leases.clone()).is_err());
+    assert!(shared.lease_ttl(Duration::from_millis(600)).build().is_ok());
+    // Set before sharing: checked all the same.
+    let early = layer().lease_ttl(Duration::from_millis(100));
+    assert!(early.shared(leases.clone()).build().is_err());
     // The default lease (10 s) fits a store timeout up to 3.33 s.
     let slow = RedisStore::builder("redis://127.0.0.1:1")
         .unwrap()
         .timeout(Duration::from_secs(4))
         .build()
         .unwrap();
-    assert!(layer().shared(Arc::new(slow)).is_err());
+    assert!(layer().shared(Arc::new(slow)).build().is_err());
 }
 
 /// Found in review: `.wait(n, Duration::MAX)` (wait as long as it takes)

@@ -218,10 +218,13 @@ fn limited(capacity: u64) -> Policy {
 /// not charge HEAD.
 #[tokio::test(flavor = "multi_thread")]
 async fn head_is_charged_by_a_get_rule() {
-    let layer = RateLimitLayer::new(MemoryStore::new()).rule(
-        Rule::per_client_ip(Policy::token_bucket("get-only", 1, Rate::per_hour(1)).unwrap())
-            .on_method(Method::GET),
-    );
+    let layer = RateLimitLayer::builder(MemoryStore::new())
+        .rule(
+            Rule::per_client_ip(Policy::token_bucket("get-only", 1, Rate::per_hour(1)).unwrap())
+                .on_method(Method::GET),
+        )
+        .build()
+        .unwrap();
     let app = serve(
         Router::new()
             .route("/", get(|| async { "hi" }))
@@ -249,10 +252,13 @@ async fn head_is_charged_by_a_get_rule() {
     );
 
     // A rule can still name HEAD alone: GET is then not charged.
-    let head_only = RateLimitLayer::new(MemoryStore::new()).rule(
-        Rule::per_client_ip(Policy::token_bucket("head-only", 1, Rate::per_hour(1)).unwrap())
-            .on_method(Method::HEAD),
-    );
+    let head_only = RateLimitLayer::builder(MemoryStore::new())
+        .rule(
+            Rule::per_client_ip(Policy::token_bucket("head-only", 1, Rate::per_hour(1)).unwrap())
+                .on_method(Method::HEAD),
+        )
+        .build()
+        .unwrap();
     let app = serve(
         Router::new()
             .route("/", get(|| async { "hi" }))
@@ -285,10 +291,13 @@ async fn head_is_charged_by_a_get_rule() {
 /// two methods does not double a per-operation budget.
 #[tokio::test(flavor = "multi_thread")]
 async fn head_and_get_share_one_operation_budget() {
-    let layer = RateLimitLayer::new(MemoryStore::new()).rule(
-        Rule::per_account_operation(limited(2))
-            .when_no_principal(tollgate::MissingPrincipal::FallbackToClientIp),
-    );
+    let layer = RateLimitLayer::builder(MemoryStore::new())
+        .rule(
+            Rule::per_account_operation(limited(2))
+                .when_no_principal(tollgate::MissingPrincipal::FallbackToClientIp),
+        )
+        .build()
+        .unwrap();
     let app = serve(
         Router::new()
             .route("/doc", get(|| async { "doc" }))
@@ -317,25 +326,50 @@ async fn head_and_get_share_one_operation_budget() {
 /// Finding 5: route patterns in axum 0.7 syntax matched nothing, silently.
 #[test]
 fn route_patterns_in_old_syntax_are_refused_when_the_rule_is_built() {
-    let e = Rule::per_client_ip(limited(1))
-        .try_on_route("/items/:id")
+    let built = |route: &str| {
+        RateLimitLayer::builder(MemoryStore::new())
+            .rule(Rule::per_client_ip(limited(1)).on_route(route))
+            .build()
+    };
+    let e = built("/items/:id").unwrap_err();
+    assert!(e.to_string().contains("/items/{id}"), "{e}");
+    assert_eq!(e.policy(), limited(1).name());
+    assert!(!e.is_unsupported_by_store(), "{e}");
+    let e = built("/files/*rest").unwrap_err();
+    assert!(e.to_string().contains("/files/{*rest}"), "{e}");
+    // A valid route after an invalid one does not hide it: the first
+    // problem is kept.
+    let e = RateLimitLayer::builder(MemoryStore::new())
+        .rule(
+            Rule::per_client_ip(limited(1))
+                .on_route("/items/:id")
+                .on_route("/ok"),
+        )
+        .build()
         .unwrap_err();
     assert!(e.to_string().contains("/items/{id}"), "{e}");
-    let panic =
-        std::panic::catch_unwind(|| Rule::per_client_ip(limited(1)).on_route("/files/*rest"))
-            .unwrap_err();
-    let message = panic.downcast_ref::<String>().cloned().unwrap_or_default();
-    assert!(message.contains("/files/{*rest}"), "{message}");
+    // Through a RulesHandle too: nothing changes on an error.
+    let layer = built("/ok").unwrap();
+    let handle = layer.rules_handle();
+    assert!(
+        handle
+            .replace([Rule::per_client_ip(limited(1)).on_route("/items/:id")])
+            .is_err()
+    );
+    assert_eq!(handle.rules().len(), 1);
 }
 
 /// Finding 5: a second `.on_route()` replaced the first; it now adds.
 #[tokio::test(flavor = "multi_thread")]
 async fn repeated_on_route_adds_routes() {
-    let layer = RateLimitLayer::new(MemoryStore::new()).rule(
-        Rule::per_client_ip(Policy::token_bucket("two-routes", 1, Rate::per_hour(1)).unwrap())
-            .on_route("/a")
-            .on_route("/b/{id}"),
-    );
+    let layer = RateLimitLayer::builder(MemoryStore::new())
+        .rule(
+            Rule::per_client_ip(Policy::token_bucket("two-routes", 1, Rate::per_hour(1)).unwrap())
+                .on_route("/a")
+                .on_route("/b/{id}"),
+        )
+        .build()
+        .unwrap();
     let app = serve(
         Router::new()
             .route("/a", get(|| async { "a" }))
@@ -379,7 +413,7 @@ async fn authenticated(
 #[tokio::test(flavor = "multi_thread")]
 async fn route_rules_apply_when_the_layer_wraps_the_router_from_outside() {
     logs::capture();
-    let layer = RateLimitLayer::new(MemoryStore::new())
+    let layer = RateLimitLayer::builder(MemoryStore::new())
         .rule(
             Rule::per_client_ip(
                 Policy::token_bucket("outside-items", 1, Rate::per_hour(1)).unwrap(),
@@ -392,7 +426,9 @@ async fn route_rules_apply_when_the_layer_wraps_the_router_from_outside() {
             )
             .on_route("/x")
             .on_route("/y"),
-        );
+        )
+        .build()
+        .unwrap();
     let router = Router::new()
         .route("/items/{id}", get(|| async { "item" }))
         .route("/x", post(|| async { "x" }))
@@ -447,10 +483,13 @@ async fn route_rules_apply_when_the_layer_wraps_the_router_from_outside() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_route_that_only_ends_with_a_rules_pattern_is_reported() {
     logs::capture();
-    let layer = RateLimitLayer::new(MemoryStore::new()).rule(
-        Rule::per_client_ip(Policy::token_bucket("outer-items", 1, Rate::per_hour(1)).unwrap())
-            .on_route("/things/{id}"),
-    );
+    let layer = RateLimitLayer::builder(MemoryStore::new())
+        .rule(
+            Rule::per_client_ip(Policy::token_bucket("outer-items", 1, Rate::per_hour(1)).unwrap())
+                .on_route("/things/{id}"),
+        )
+        .build()
+        .unwrap();
     let api = Router::new().route("/things/{id}", get(|| async { "thing" }));
     let app = serve(
         Router::new()
@@ -480,10 +519,15 @@ async fn a_route_that_only_ends_with_a_rules_pattern_is_reported() {
 #[tokio::test(flavor = "multi_thread")]
 async fn route_rules_inside_a_nested_router_apply_and_name_the_full_path() {
     logs::capture();
-    let layer = RateLimitLayer::new(MemoryStore::new()).rule(
-        Rule::per_client_ip(Policy::token_bucket("nested-items", 1, Rate::per_hour(1)).unwrap())
+    let layer = RateLimitLayer::builder(MemoryStore::new())
+        .rule(
+            Rule::per_client_ip(
+                Policy::token_bucket("nested-items", 1, Rate::per_hour(1)).unwrap(),
+            )
             .on_route("/items/{id}"),
-    );
+        )
+        .build()
+        .unwrap();
     let api = Router::new()
         .route("/items/{id}", get(|| async { "item" }))
         .route("/v2/items/{id}", get(|| async { "v2" }))
@@ -527,9 +571,12 @@ async fn route_rules_inside_a_nested_router_apply_and_name_the_full_path() {
 /// plain HTTP, gRPC-Web is answered in its own content type.
 #[tokio::test(flavor = "multi_thread")]
 async fn grpc_refusals_only_for_grpc_media_types() {
-    let layer = RateLimitLayer::new(MemoryStore::new()).rule(Rule::per_client_ip(
-        Policy::token_bucket("grpc-kinds", 1, Rate::per_hour(1)).unwrap(),
-    ));
+    let layer = RateLimitLayer::builder(MemoryStore::new())
+        .rule(Rule::per_client_ip(
+            Policy::token_bucket("grpc-kinds", 1, Rate::per_hour(1)).unwrap(),
+        ))
+        .build()
+        .unwrap();
     let app = serve(
         Router::new()
             .route("/svc/M", post(|| async { "" }))
@@ -585,12 +632,18 @@ async fn guessing_is_limited_when_authentication_rejects_before_tollgate() {
             .insert(Principal::new("north", "alice"));
         next.run(req).await
     }
-    let per_address = RateLimitLayer::new(MemoryStore::new()).rule(Rule::per_client_ip(
-        Policy::token_bucket("outer-ip", 5, Rate::per_hour(1)).unwrap(),
-    ));
-    let per_account = RateLimitLayer::new(MemoryStore::new()).rule(Rule::per_account(
-        Policy::token_bucket("inner-account", 2, Rate::per_hour(1)).unwrap(),
-    ));
+    let per_address = RateLimitLayer::builder(MemoryStore::new())
+        .rule(Rule::per_client_ip(
+            Policy::token_bucket("outer-ip", 5, Rate::per_hour(1)).unwrap(),
+        ))
+        .build()
+        .unwrap();
+    let per_account = RateLimitLayer::builder(MemoryStore::new())
+        .rule(Rule::per_account(
+            Policy::token_bucket("inner-account", 2, Rate::per_hour(1)).unwrap(),
+        ))
+        .build()
+        .unwrap();
     let app = serve(
         Router::new()
             .route("/export", post(|| async { "ok" }))
@@ -645,12 +698,15 @@ async fn guessing_is_limited_when_authentication_rejects_before_tollgate() {
 /// budget. Every non-standard method is now one operation.
 #[tokio::test(flavor = "multi_thread")]
 async fn invented_method_names_share_one_operation_budget() {
-    let layer = RateLimitLayer::new(MemoryStore::new()).rule(
-        Rule::per_account_operation(
-            Policy::token_bucket("any-method", 2, Rate::per_hour(1)).unwrap(),
+    let layer = RateLimitLayer::builder(MemoryStore::new())
+        .rule(
+            Rule::per_account_operation(
+                Policy::token_bucket("any-method", 2, Rate::per_hour(1)).unwrap(),
+            )
+            .when_no_principal(tollgate::MissingPrincipal::FallbackToClientIp),
         )
-        .when_no_principal(tollgate::MissingPrincipal::FallbackToClientIp),
-    );
+        .build()
+        .unwrap();
     let app = serve(
         Router::new()
             .route("/x", axum::routing::any(|| async { "any" }))

@@ -13,8 +13,9 @@ use common::{ip, send, serve};
 use http::StatusCode;
 use tokio::net::TcpListener;
 use tollgate::{
-    ClientIpResolver, Cost, DynStore, KeyPart, MemoryStore, MissingPrincipal, OnKeyCap,
-    OnStoreError, Policy, Principal, Rate, RateLimitLayer, Rule,
+    ClientIpResolver, Cost, KeyPart, MemoryStore, MissingPrincipal, OnStoreError, Policy,
+    Principal, Rate, RateLimitLayer, Rule,
+    store::{DynStore, OnKeyCap},
 };
 
 fn bucket(name: &str, capacity: u64) -> Policy {
@@ -28,7 +29,9 @@ fn full_store() -> MemoryStore {
         .max_keys(1, OnKeyCap::RefuseNewKeys)
         .shards(1)
         .build();
-    let first = tollgate::Charge::new(tollgate::Key::new("occupied"), bucket("x", 1), 1).unwrap();
+    let first =
+        tollgate::store::Charge::new(tollgate::store::Key::new("occupied"), bucket("x", 1), 1)
+            .unwrap();
     assert!(store.charge_now(&[first]).unwrap().is_admitted());
     store
 }
@@ -36,11 +39,15 @@ fn full_store() -> MemoryStore {
 #[tokio::test(flavor = "multi_thread")]
 async fn store_failure_is_not_429_and_follows_the_configured_outcome() {
     let hello = || Router::new().route("/", get(|| async { "ok" }));
-    let closed =
-        serve(hello().layer(
-            RateLimitLayer::new(full_store()).rule(Rule::per_client_ip(bucket("per-ip", 5))),
-        ))
-        .await;
+    let closed = serve(
+        hello().layer(
+            RateLimitLayer::builder(full_store())
+                .rule(Rule::per_client_ip(bucket("per-ip", 5)))
+                .build()
+                .unwrap(),
+        ),
+    )
+    .await;
     let r = send(closed, ip("127.0.8.1"), "GET", "/", &[], b"").await;
     assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(r.header("cache-control"), Some("no-store"));
@@ -48,9 +55,11 @@ async fn store_failure_is_not_429_and_follows_the_configured_outcome() {
 
     let open = serve(
         hello().layer(
-            RateLimitLayer::new(full_store())
+            RateLimitLayer::builder(full_store())
                 .rule(Rule::per_client_ip(bucket("per-ip", 5)))
-                .on_store_error(OnStoreError::FailOpen),
+                .on_store_error(OnStoreError::FailOpen)
+                .build()
+                .unwrap(),
         ),
     )
     .await;
@@ -66,9 +75,11 @@ async fn store_failure_is_not_429_and_follows_the_configured_outcome() {
     let fallback: Arc<dyn DynStore> = Arc::new(MemoryStore::new());
     let fb = serve(
         hello().layer(
-            RateLimitLayer::new(full_store())
+            RateLimitLayer::builder(full_store())
                 .rule(Rule::per_client_ip(bucket("per-ip", 2)))
-                .on_store_error(OnStoreError::Fallback(fallback)),
+                .on_store_error(OnStoreError::Fallback(fallback))
+                .build()
+                .unwrap(),
         ),
     )
     .await;
@@ -94,7 +105,10 @@ async fn grpc_requests_get_resource_exhausted() {
     let app = Router::new()
         .route("/pkg.Service/Method", post(|| async { "ok" }))
         .layer(
-            RateLimitLayer::new(MemoryStore::new()).rule(Rule::per_client_ip(bucket("per-ip", 1))),
+            RateLimitLayer::builder(MemoryStore::new())
+                .rule(Rule::per_client_ip(bucket("per-ip", 1)))
+                .build()
+                .unwrap(),
         );
     let a = serve(app).await;
     let grpc = [
@@ -132,12 +146,14 @@ async fn grpc_requests_get_resource_exhausted() {
 #[tokio::test(flavor = "multi_thread")]
 async fn single_proxy_contract_rejects_a_list() {
     let app = Router::new().route("/", get(|| async { "ok" })).layer(
-        RateLimitLayer::new(MemoryStore::new())
+        RateLimitLayer::builder(MemoryStore::new())
             .client_ip(ClientIpResolver::single_proxy(
                 ip("127.0.10.1"),
                 http::HeaderName::from_static("x-real-ip"),
             ))
-            .rule(Rule::per_client_ip(bucket("per-ip", 1))),
+            .rule(Rule::per_client_ip(bucket("per-ip", 1)))
+            .build()
+            .unwrap(),
     );
     let a = serve(app).await;
     let proxy = ip("127.0.10.1");
@@ -196,7 +212,12 @@ async fn operations_are_separate_keys_and_query_strings_are_ignored() {
             get(|| async { "item" }).delete(|| async { "deleted" }),
         )
         .route("/thumbnail", get(|| async { "thumb" }))
-        .layer(RateLimitLayer::new(MemoryStore::new()).rule(per_op))
+        .layer(
+            RateLimitLayer::builder(MemoryStore::new())
+                .rule(per_op)
+                .build()
+                .unwrap(),
+        )
         // Stands in for an authentication layer that verified alice.
         .layer(axum::Extension(Principal::new("north", "alice")));
     let a = serve(app).await;
@@ -225,8 +246,10 @@ async fn operations_are_separate_keys_and_query_strings_are_ignored() {
 async fn missing_principal_policies() {
     let app = |what| {
         Router::new().route("/", get(|| async { "ok" })).layer(
-            RateLimitLayer::new(MemoryStore::new())
-                .rule(Rule::per_account(bucket("acct", 1)).when_no_principal(what)),
+            RateLimitLayer::builder(MemoryStore::new())
+                .rule(Rule::per_account(bucket("acct", 1)).when_no_principal(what))
+                .build()
+                .unwrap(),
         )
     };
     let reject = serve(app(MissingPrincipal::Reject)).await;
@@ -265,7 +288,10 @@ async fn missing_principal_policies() {
 #[tokio::test(flavor = "multi_thread")]
 async fn missing_peer_address_is_a_clear_configuration_error() {
     let app = Router::new().route("/", get(|| async { "ok" })).layer(
-        RateLimitLayer::new(MemoryStore::new()).rule(Rule::per_client_ip(bucket("per-ip", 5))),
+        RateLimitLayer::builder(MemoryStore::new())
+            .rule(Rule::per_client_ip(bucket("per-ip", 5)))
+            .build()
+            .unwrap(),
     );
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let a = listener.local_addr().unwrap();
@@ -288,8 +314,12 @@ async fn route_layer_limits_one_route_and_content_length_is_required() {
         .route("/free", get(|| async { "free" }))
         .route(
             "/upload",
-            post(|| async { "stored" })
-                .route_layer(RateLimitLayer::new(MemoryStore::new()).rule(upload)),
+            post(|| async { "stored" }).route_layer(
+                RateLimitLayer::builder(MemoryStore::new())
+                    .rule(upload)
+                    .build()
+                    .unwrap(),
+            ),
         );
     let a = serve(app).await;
     let from = ip("127.0.14.1");
@@ -343,9 +373,11 @@ async fn plain_hyper_server_with_peer_addr_and_infallible_inner() {
         )))
     });
     let limited = tower::Layer::layer(
-        &RateLimitLayer::new(MemoryStore::new())
+        &RateLimitLayer::builder(MemoryStore::new())
             .headers_on_admitted(false)
-            .rule(Rule::per_client_ip(bucket("per-ip", 2))),
+            .rule(Rule::per_client_ip(bucket("per-ip", 2)))
+            .build()
+            .unwrap(),
         inner,
     );
     // The inner error type passes through unchanged.
@@ -364,7 +396,8 @@ async fn plain_hyper_server_with_peer_addr_and_infallible_inner() {
             tokio::spawn(async move {
                 let hyper_svc = hyper::service::service_fn(
                     move |mut req: http::Request<hyper::body::Incoming>| {
-                        req.extensions_mut().insert(tollgate::PeerAddr(peer));
+                        req.extensions_mut()
+                            .insert(tollgate::identity::PeerAddr(peer));
                         svc.clone().oneshot(req)
                     },
                 );

@@ -16,7 +16,7 @@ use axum::extract::Request;
 use axum::routing::get;
 use common::nginx::Nginx;
 use common::{send_bytes, serve};
-use tollgate::{ClientIpResolver, ForwardedHeader};
+use tollgate::{ClientIpResolver, identity::ForwardedHeader};
 
 /// The trusted networks, in both configurations.
 const TRUSTED: &[&str] = &[

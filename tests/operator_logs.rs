@@ -14,8 +14,8 @@ use axum::routing::get;
 use common::{ip, logs, quickstart, send, serve};
 use http::StatusCode;
 use tollgate::{
-    ConcurrencyLimitLayer, Cost, CostError, KeyPart, MemoryStore, OnStoreError, Policy, Principal,
-    Rate, RateLimitLayer, RedisStore, Rule, Unit,
+    ConcurrencyLimitLayer, Cost, KeyPart, MemoryStore, OnStoreError, Policy, Principal, Rate,
+    RateLimitLayer, RedisStore, Rule, Unit, rate_limit::CostError,
 };
 use tracing::Level;
 
@@ -34,7 +34,7 @@ fn with_principal(app: Router) -> Router {
 #[tokio::test(flavor = "multi_thread")]
 async fn refusals_are_logged_at_the_chosen_level_without_the_key() {
     logs::capture();
-    let layer = RateLimitLayer::new(MemoryStore::new())
+    let layer = RateLimitLayer::builder(MemoryStore::new())
         .log_refusals(Level::WARN)
         .rule(Rule::per_client_ip(
             Policy::token_bucket("logged-ip", 2, Rate::per_hour(1)).unwrap(),
@@ -44,11 +44,14 @@ async fn refusals_are_logged_at_the_chosen_level_without_the_key() {
                 Policy::token_bucket("logged-account", 5, Rate::per_hour(1)).unwrap(),
             )
             .on_route("/private"),
-        );
-    let in_flight = ConcurrencyLimitLayer::new("logged-slow")
-        .unwrap()
+        )
+        .build()
+        .unwrap();
+    let in_flight = ConcurrencyLimitLayer::builder("logged-slow")
         .per_key(NonZeroUsize::new(1).unwrap(), [KeyPart::ClientIp])
-        .log_refusals(Level::WARN);
+        .log_refusals(Level::WARN)
+        .build()
+        .unwrap();
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .route("/private", get(|| async { "ok" }))
@@ -115,9 +118,12 @@ async fn repeated_errors_are_logged_at_a_bounded_rate() {
         .unwrap()
         .build()
         .unwrap();
-    let layer = RateLimitLayer::new(down).rule(Rule::per_client_ip(
-        Policy::token_bucket("down", 5, Rate::per_second(1)).unwrap(),
-    ));
+    let layer = RateLimitLayer::builder(down)
+        .rule(Rule::per_client_ip(
+            Policy::token_bucket("down", 5, Rate::per_second(1)).unwrap(),
+        ))
+        .build()
+        .unwrap();
     let addr = serve(
         Router::new()
             .route("/", get(|| async { "ok" }))
@@ -134,9 +140,12 @@ async fn repeated_errors_are_logged_at_a_bounded_rate() {
     );
 
     // No peer address: the app is served without connect info.
-    let layer = RateLimitLayer::new(MemoryStore::new()).rule(Rule::per_client_ip(
-        Policy::token_bucket("no-peer", 5, Rate::per_second(1)).unwrap(),
-    ));
+    let layer = RateLimitLayer::builder(MemoryStore::new())
+        .rule(Rule::per_client_ip(
+            Policy::token_bucket("no-peer", 5, Rate::per_second(1)).unwrap(),
+        ))
+        .build()
+        .unwrap();
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(layer);
@@ -175,10 +184,11 @@ async fn serve_without_peer(app: Router) -> SocketAddr {
 #[tokio::test(flavor = "multi_thread")]
 async fn the_in_flight_limit_logs_its_own_refusals() {
     logs::capture();
-    let by_account = ConcurrencyLimitLayer::new("slots-by-account")
-        .unwrap()
+    let by_account = ConcurrencyLimitLayer::builder("slots-by-account")
         .per_key(NonZeroUsize::new(1).unwrap(), [KeyPart::Account])
-        .log_refusals(Level::WARN);
+        .log_refusals(Level::WARN)
+        .build()
+        .unwrap();
     let addr = serve(with_principal(
         Router::new()
             .route("/", get(|| async { "ok" }))
@@ -198,10 +208,11 @@ async fn the_in_flight_limit_logs_its_own_refusals() {
         1
     );
 
-    let by_ip = ConcurrencyLimitLayer::new("slots-no-peer")
-        .unwrap()
+    let by_ip = ConcurrencyLimitLayer::builder("slots-no-peer")
         .per_key(NonZeroUsize::new(1).unwrap(), [KeyPart::ClientIp])
-        .log_refusals(Level::WARN);
+        .log_refusals(Level::WARN)
+        .build()
+        .unwrap();
     let bare = serve_without_peer(
         Router::new()
             .route("/", get(|| async { "ok" }))
@@ -220,7 +231,7 @@ async fn the_in_flight_limit_logs_its_own_refusals() {
             Level::ERROR,
             &[
                 "into_make_service_with_connect_info",
-                "tollgate::PeerAddr",
+                "tollgate::identity::PeerAddr",
                 "layer=\"slots-no-peer\""
             ]
         ),
@@ -242,7 +253,7 @@ async fn cost_refusals_are_logged_at_the_chosen_level_with_the_key() {
             .and_then(|v| v.to_str().ok()?.parse().ok())
             .ok_or_else(|| CostError("x-rows is not a count of rows".into()))
     };
-    let layer = RateLimitLayer::new(MemoryStore::new())
+    let layer = RateLimitLayer::builder(MemoryStore::new())
         .log_refusals(Level::INFO)
         .rule(
             Rule::per_client_ip(Policy::token_bucket("uploads", 4, Rate::per_hour(1)).unwrap())
@@ -253,7 +264,9 @@ async fn cost_refusals_are_logged_at_the_chosen_level_with_the_key() {
             Rule::per_client_ip(Policy::token_bucket("rows", 10, Rate::per_hour(1)).unwrap())
                 .with_cost(Cost::computed(Unit::Other("rows".into()), rows))
                 .on_route("/rows"),
-        );
+        )
+        .build()
+        .unwrap();
     let app = Router::new()
         .route("/upload", get(|| async { "ok" }).post(|| async { "ok" }))
         .route("/rows", get(|| async { "ok" }))
@@ -337,7 +350,7 @@ fn fingerprints(level: Level, needles: &[&str]) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread")]
 async fn one_address_has_one_fingerprint_in_every_layer() {
     logs::capture();
-    let layer = RateLimitLayer::new(MemoryStore::new())
+    let layer = RateLimitLayer::builder(MemoryStore::new())
         .log_refusals(Level::WARN)
         .rule(
             Rule::per_client_ip(Policy::token_bucket("fp-ip", 1, Rate::per_hour(1)).unwrap())
@@ -346,11 +359,14 @@ async fn one_address_has_one_fingerprint_in_every_layer() {
         .rule(
             Rule::per_account(Policy::token_bucket("fp-account", 1, Rate::per_hour(1)).unwrap())
                 .on_route("/account"),
-        );
-    let in_flight = ConcurrencyLimitLayer::new("fp-slots")
-        .unwrap()
+        )
+        .build()
+        .unwrap();
+    let in_flight = ConcurrencyLimitLayer::builder("fp-slots")
         .per_key(NonZeroUsize::new(1).unwrap(), [KeyPart::ClientIp])
-        .log_refusals(Level::WARN);
+        .log_refusals(Level::WARN)
+        .build()
+        .unwrap();
     let app = Router::new()
         .route("/", get(|| async { "ok" }))
         .route("/account", get(|| async { "ok" }))
@@ -404,11 +420,13 @@ async fn each_kind_of_store_failure_is_logged() {
             .unwrap()
     };
     let layer = |name: &str, on_error: OnStoreError| {
-        RateLimitLayer::new(down())
+        RateLimitLayer::builder(down())
             .on_store_error(on_error)
             .rule(Rule::per_client_ip(
                 Policy::token_bucket(name, 5, Rate::per_second(1)).unwrap(),
             ))
+            .build()
+            .unwrap()
     };
     let open = serve(
         Router::new()
@@ -447,10 +465,13 @@ async fn each_kind_of_store_failure_is_logged() {
 #[tokio::test(flavor = "multi_thread")]
 async fn messages_carry_no_source_indentation() {
     logs::capture();
-    let layer = RateLimitLayer::new(MemoryStore::new()).rule(
-        Rule::per_client_ip(Policy::token_bucket("ends-with", 5, Rate::per_hour(1)).unwrap())
-            .on_route("/things/{id}"),
-    );
+    let layer = RateLimitLayer::builder(MemoryStore::new())
+        .rule(
+            Rule::per_client_ip(Policy::token_bucket("ends-with", 5, Rate::per_hour(1)).unwrap())
+                .on_route("/things/{id}"),
+        )
+        .build()
+        .unwrap();
     let app = serve(
         Router::new()
             .route("/things/{id}", get(|| async { "thing" }))

@@ -18,7 +18,8 @@ use common::{ip, param, send, serve, sf_list};
 use http::StatusCode;
 use num_rational::Ratio;
 use tollgate::{
-    Clock, ManualClock, MemoryStore, Policy, Principal, Rate, RateLimitLayer, Rule, Store,
+    MemoryStore, Policy, Principal, Rate, RateLimitLayer, Rule, Store,
+    store::{Clock, ManualClock},
 };
 
 /// Test-only authentication: `X-Test-User: tenant/account` is the
@@ -78,7 +79,7 @@ async fn upgrade_and_downgrade<St: Store>(store: St, clock: ManualClock) {
     let rule = Rule::per_account(export(3, 2)).plan("pro", export(10, 5));
     let app = Router::new()
         .route("/export", get(|| async { "ok" }))
-        .layer(RateLimitLayer::new(store).rule(rule))
+        .layer(RateLimitLayer::builder(store).rule(rule).build().unwrap())
         .layer(middleware::from_fn(test_auth));
     let addr = serve(app).await;
     let alice = "north/alice";
@@ -125,7 +126,7 @@ async fn a_plan_upgrade_and_downgrade_carry_the_budget_over_in_memory() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_plan_upgrade_and_downgrade_carry_the_budget_over_in_redis() {
-    let Some(server) = tollgate::redis::testing::RedisServer::start() else {
+    let Some(server) = tollgate_redis::testing::RedisServer::start() else {
         return;
     };
     let clock = ManualClock::new(0);
@@ -155,7 +156,7 @@ async fn overrides_come_before_plans_and_the_chooser_before_the_principals_plan(
         });
     let app = Router::new()
         .route("/export", get(|| async { "ok" }))
-        .layer(RateLimitLayer::new(store).rule(rule))
+        .layer(RateLimitLayer::builder(store).rule(rule).build().unwrap())
         .layer(middleware::from_fn(test_auth));
     let addr = serve(app).await;
     let q = |r: (StatusCode, Option<i64>, Option<i64>)| r.2;
@@ -167,25 +168,27 @@ async fn overrides_come_before_plans_and_the_chooser_before_the_principals_plan(
     assert_eq!(ask(addr, "beta/eve", Some("pro")).await.0, LIMITED);
 }
 
+/// `rule` as a layer's `build` checks it, on the in-memory store.
+fn checked(rule: Rule) -> Result<(), tollgate::InvalidRule> {
+    RateLimitLayer::builder(tollgate::MemoryStore::new())
+        .rule(rule)
+        .build()
+        .map(drop)
+}
+
 #[test]
 fn a_plan_must_share_the_rules_budget() {
     let other_name = Policy::token_bucket("export-pro", 10, Rate::per_second(5)).unwrap();
-    let e = Rule::per_account(export(3, 2))
-        .try_plan("pro", other_name)
-        .unwrap_err();
-    assert_eq!(e.rule(), "export");
+    let e = checked(Rule::per_account(export(3, 2)).plan("pro", other_name)).unwrap_err();
+    assert_eq!(e.policy(), "export");
     assert!(e.to_string().contains("\"export-pro\""), "{e}");
     let bytes = export(10, 5).with_unit(tollgate::Unit::Bytes);
-    assert!(
-        Rule::per_account(export(3, 2))
-            .try_for_tenant("t", bytes)
-            .is_err()
-    );
+    assert!(checked(Rule::per_account(export(3, 2)).for_tenant("t", bytes)).is_err());
     // A plan counting in requests takes the rule's unit.
-    let rule = Rule::per_account(export(3, 2).with_unit(tollgate::Unit::Bytes))
-        .try_plan("pro", export(10, 5))
-        .unwrap();
+    let rule =
+        Rule::per_account(export(3, 2).with_unit(tollgate::Unit::Bytes)).plan("pro", export(10, 5));
     assert_eq!(rule.policy().unit(), &tollgate::Unit::Bytes);
+    checked(rule).unwrap();
 }
 
 /// A store that refuses one policy's numbers, as a Redis store refuses
@@ -193,15 +196,16 @@ fn a_plan_must_share_the_rules_budget() {
 #[tokio::test]
 async fn a_plan_the_store_cannot_hold_is_refused_when_the_rule_is_added() {
     let huge = Policy::token_bucket("export", 1 << 30, Rate::per_second(1)).unwrap();
-    let Some(server) = tollgate::redis::testing::RedisServer::start() else {
+    let Some(server) = tollgate_redis::testing::RedisServer::start() else {
         return;
     };
     let store = tollgate::RedisStore::builder(&server.url())
         .unwrap()
         .build()
         .unwrap();
-    let e = RateLimitLayer::new(store)
-        .try_rule(Rule::per_account(export(3, 2)).plan("big", huge))
+    let e = RateLimitLayer::builder(store)
+        .rule(Rule::per_account(export(3, 2)).plan("big", huge))
+        .build()
         .unwrap_err();
     assert_eq!(e.policy(), "export");
     assert!(e.to_string().contains("2^53"), "{e}");
@@ -221,7 +225,10 @@ struct Answer {
 /// between rounds the global limit changes: lowered at round 8, raised at
 /// round 16. Returns every answer.
 async fn change_under_load<St: Store>(store: St, clock: ManualClock) -> Vec<Answer> {
-    let layer = RateLimitLayer::new(store).rule(Rule::new(export(20, 10)));
+    let layer = RateLimitLayer::builder(store)
+        .rule(Rule::new(export(20, 10)))
+        .build()
+        .unwrap();
     let handle = layer.rules_handle();
     let app = Router::new()
         .route("/export", get(|| async { "ok" }))
@@ -335,7 +342,7 @@ async fn a_limit_changed_under_load_keeps_to_the_envelope_in_memory() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_limit_changed_under_load_keeps_to_the_envelope_in_redis() {
-    let Some(server) = tollgate::redis::testing::RedisServer::start() else {
+    let Some(server) = tollgate_redis::testing::RedisServer::start() else {
         return;
     };
     let clock = ManualClock::new(0);
@@ -354,7 +361,10 @@ async fn a_limit_changed_under_load_keeps_to_the_envelope_in_redis() {
 async fn replacing_the_rules_checks_them_first_and_keeps_the_budget() {
     let clock = ManualClock::new(0);
     let store = MemoryStore::builder().clock(clock.clone()).build();
-    let layer = RateLimitLayer::new(store).rule(Rule::per_account(export(3, 2)));
+    let layer = RateLimitLayer::builder(store)
+        .rule(Rule::per_account(export(3, 2)))
+        .build()
+        .unwrap();
     let handle = layer.rules_handle();
     let app = Router::new()
         .route("/export", get(|| async { "ok" }))
@@ -386,8 +396,10 @@ async fn replacing_the_rules_checks_them_first_and_keeps_the_budget() {
 fn set_policy_takes_the_rules_unit() {
     let upload =
         |capacity| Policy::token_bucket("upload", capacity, Rate::per_second(256)).unwrap();
-    let layer = RateLimitLayer::new(MemoryStore::new())
-        .rule(Rule::per_account(upload(1024)).with_cost(tollgate::Cost::content_kib()));
+    let layer = RateLimitLayer::builder(MemoryStore::new())
+        .rule(Rule::per_account(upload(1024)).with_cost(tollgate::Cost::content_kib()))
+        .build()
+        .unwrap();
     let handle = layer.rules_handle();
     assert_eq!(handle.set_policy(upload(2048)).unwrap(), 1);
     let rules = handle.rules();
@@ -405,7 +417,7 @@ async fn one_plan_changes_at_runtime_and_keeps_what_was_spent() {
     let rule = Rule::per_account(export(3, 2))
         .plan("pro", export(10, 5))
         .plan("team", export(20, 5));
-    let layer = RateLimitLayer::new(store).rule(rule);
+    let layer = RateLimitLayer::builder(store).rule(rule).build().unwrap();
     let handle = layer.rules_handle();
     let app = Router::new()
         .route("/export", get(|| async { "ok" }))
@@ -447,25 +459,29 @@ async fn one_plan_changes_at_runtime_and_keeps_what_was_spent() {
 /// last one silently kept.
 #[test]
 fn a_plan_given_twice_is_an_error() {
-    let e = Rule::per_account(export(3, 2))
-        .plan("pro", export(10, 5))
-        .try_plan("pro", export(20, 5))
-        .unwrap_err();
-    assert_eq!(e.rule(), "export");
+    let e = checked(
+        Rule::per_account(export(3, 2))
+            .plan("pro", export(10, 5))
+            .plan("pro", export(20, 5)),
+    )
+    .unwrap_err();
+    assert_eq!(e.policy(), "export");
     assert!(e.to_string().contains("given twice"), "{e}");
     let twice = Rule::per_account(export(3, 2))
         .for_tenant("t", export(10, 5))
-        .try_for_tenant("t", export(10, 5));
-    assert!(twice.is_err());
+        .for_tenant("t", export(10, 5));
+    assert!(checked(twice).is_err());
     let twice = Rule::per_account(export(3, 2))
         .for_account("t", "a", export(10, 5))
-        .try_for_account("t", "a", export(10, 5));
-    assert!(twice.is_err());
+        .for_account("t", "a", export(10, 5));
+    assert!(checked(twice).is_err());
     // The same name as a plan and as a tenant are different entries.
     assert!(
-        Rule::per_account(export(3, 2))
-            .plan("x", export(10, 5))
-            .try_for_tenant("x", export(10, 5))
-            .is_ok()
+        checked(
+            Rule::per_account(export(3, 2))
+                .plan("x", export(10, 5))
+                .for_tenant("x", export(10, 5))
+        )
+        .is_ok()
     );
 }

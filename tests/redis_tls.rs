@@ -6,7 +6,7 @@ mod common;
 
 use common::{ip, quickstart, send};
 use http::StatusCode;
-use tollgate::redis::testing::{RedisServer, TestCertificates, free_loopback_port};
+use tollgate_redis::testing::{RedisServer, TestCertificates, free_loopback_port};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_quickstart_shares_budgets_through_a_tls_redis() {

@@ -94,7 +94,7 @@ async fn a_burst_is_released_at_the_sustained_rate_in_memory() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_burst_is_released_at_the_sustained_rate_in_redis() {
-    let Some(server) = tollgate::redis::testing::RedisServer::start() else {
+    let Some(server) = tollgate_redis::testing::RedisServer::start() else {
         return;
     };
     let q = quickstart(&["--store", &server.url()]);
@@ -113,13 +113,15 @@ async fn a_request_refused_for_its_own_reasons_is_never_held() {
 }
 
 fn shaped_app(per_key: usize, layer_max: usize) -> Router {
-    let layer = RateLimitLayer::new(MemoryStore::new())
+    let layer = RateLimitLayer::builder(MemoryStore::new())
         .max_waiting(layer_max)
         .rule(
             Rule::new(Policy::token_bucket("held", 1, Rate::per_second(4)).unwrap())
                 .keyed_by([tollgate::KeyPart::ClientIp])
                 .shape(Duration::from_secs(5), NonZeroUsize::new(per_key).unwrap()),
-        );
+        )
+        .build()
+        .unwrap();
     Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(layer)
@@ -151,11 +153,14 @@ async fn waiting_is_bounded_per_key_and_per_layer() {
 /// A bucket of 1 at 2/s that may hold a request 10 s, but at most two of
 /// one address at once.
 fn tight_app<St: tollgate::Store + Clone>(store: St) -> Router {
-    let layer = RateLimitLayer::new(store).rule(
-        Rule::new(Policy::token_bucket("tight", 1, Rate::per_second(2)).unwrap())
-            .keyed_by([tollgate::KeyPart::ClientIp])
-            .shape(Duration::from_secs(10), NonZeroUsize::new(2).unwrap()),
-    );
+    let layer = RateLimitLayer::builder(store)
+        .rule(
+            Rule::new(Policy::token_bucket("tight", 1, Rate::per_second(2)).unwrap())
+                .keyed_by([tollgate::KeyPart::ClientIp])
+                .shape(Duration::from_secs(10), NonZeroUsize::new(2).unwrap()),
+        )
+        .build()
+        .unwrap();
     Router::new()
         .route("/", get(|| async { "ok" }))
         .layer(layer)
@@ -212,7 +217,7 @@ async fn a_burst_beyond_per_key_spends_nothing_in_memory() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_burst_beyond_per_key_spends_nothing_in_redis() {
-    let Some(server) = tollgate::redis::testing::RedisServer::start() else {
+    let Some(server) = tollgate_redis::testing::RedisServer::start() else {
         return;
     };
     let store = tollgate::RedisStore::builder(&server.url())

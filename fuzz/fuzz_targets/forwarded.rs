@@ -10,10 +10,14 @@ use std::net::IpAddr;
 use http::{HeaderMap, HeaderValue};
 use libfuzzer_sys::fuzz_target;
 use tollgate::identity::forwarded;
-use tollgate::{ClientIpResolver, ForwardedHeader};
+use tollgate::{ClientIpResolver, identity::ForwardedHeader};
 
 const NAMES: [(&str, ForwardedHeader, &str); 3] = [
-    ("x-forwarded-for", ForwardedHeader::XForwardedFor, "198.51.100.7"),
+    (
+        "x-forwarded-for",
+        ForwardedHeader::XForwardedFor,
+        "198.51.100.7",
+    ),
     ("forwarded", ForwardedHeader::Forwarded, "for=198.51.100.7"),
     ("x-real-ip", ForwardedHeader::XRealIp, "198.51.100.7"),
 ];
@@ -43,7 +47,11 @@ fuzz_target!(|data: &[u8]| {
         // A proxy that adds a line of its own.
         let mut own_line = headers.clone();
         own_line.append(name, HeaderValue::from_static(appended));
-        assert_eq!(r.resolve_from(proxy, &own_line).unwrap().addr(), client, "{name}");
+        assert_eq!(
+            r.resolve_from(proxy, &own_line).unwrap().addr(),
+            client,
+            "{name}"
+        );
         // An nginx-style proxy: the client's lines joined, then its entry.
         if header != ForwardedHeader::XRealIp {
             let mut joined = lines.join(&b", "[..]);
@@ -52,11 +60,18 @@ fuzz_target!(|data: &[u8]| {
             if let Ok(v) = HeaderValue::from_bytes(&joined) {
                 let mut one = HeaderMap::new();
                 one.insert(name, v);
-                assert_eq!(r.resolve_from(proxy, &one).unwrap().addr(), client, "{name}");
+                assert_eq!(
+                    r.resolve_from(proxy, &one).unwrap().addr(),
+                    client,
+                    "{name}"
+                );
             }
         }
     }
     let single = ClientIpResolver::single_proxy(proxy, http::HeaderName::from_static("x-real-ip"));
     let _ = single.resolve_from(proxy, &headers);
-    assert_eq!(single.resolve_from(outsider, &headers).unwrap().addr(), outsider);
+    assert_eq!(
+        single.resolve_from(outsider, &headers).unwrap().addr(),
+        outsider
+    );
 });

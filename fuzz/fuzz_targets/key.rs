@@ -3,7 +3,7 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
-use tollgate::Key;
+use tollgate::store::Key;
 
 fuzz_target!(|input: (Vec<Vec<u8>>, Vec<Vec<u8>>, &str)| {
     let (a, b, text) = input;

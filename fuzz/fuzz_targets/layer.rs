@@ -12,8 +12,10 @@ use std::sync::{Arc, OnceLock};
 use http::{HeaderName, HeaderValue, Request, Response, StatusCode};
 use libfuzzer_sys::fuzz_target;
 use tollgate::{
-    Charge, ClientIpResolver, Cost, CostError, ForwardedHeader, Key, MemoryStore, PeerAddr, Policy,
-    Principal, Rate, RateLimitLayer, Rule,
+    ClientIpResolver, Cost, MemoryStore, Policy, Principal, Rate, RateLimitLayer, Rule,
+    identity::{ForwardedHeader, PeerAddr},
+    rate_limit::CostError,
+    store::{Charge, Key},
 };
 use tower::{Layer, Service};
 
@@ -33,35 +35,54 @@ fn per_ip() -> Policy {
     Policy::token_bucket("ip", 1 << 20, Rate::per_hour(1)).unwrap()
 }
 
-fn setup() -> &'static (Arc<MemoryStore>, RateLimitLayer<MemoryStore>) {
-    static LAYER: OnceLock<(Arc<MemoryStore>, RateLimitLayer<MemoryStore>)> = OnceLock::new();
+fn setup() -> &'static (Arc<MemoryStore>, RateLimitLayer<Arc<MemoryStore>>) {
+    static LAYER: OnceLock<(Arc<MemoryStore>, RateLimitLayer<Arc<MemoryStore>>)> = OnceLock::new();
     LAYER.get_or_init(|| {
-        let store = Arc::new(MemoryStore::builder().clock(tollgate::ManualClock::new(0)).build());
-        let layer = RateLimitLayer::with_shared_store(store.clone())
+        let store = Arc::new(
+            MemoryStore::builder()
+                .clock(tollgate::store::ManualClock::new(0))
+                .build(),
+        );
+        let layer = RateLimitLayer::builder(store.clone())
             .client_ip(
-                ClientIpResolver::trusting(["10.0.0.0/8".parse().unwrap()], ForwardedHeader::Forwarded)
-                    .unwrap(),
+                ClientIpResolver::trusting(
+                    ["10.0.0.0/8".parse().unwrap()],
+                    ForwardedHeader::Forwarded,
+                )
+                .unwrap(),
             )
             .rule(Rule::per_client_ip(per_ip()))
             .rule(
-                Rule::per_client_ip(Policy::token_bucket("bytes", 4096, Rate::per_second(1024)).unwrap())
-                    .on_route("/upload")
-                    .with_cost(Cost::content_bytes()),
+                Rule::per_client_ip(
+                    Policy::token_bucket("bytes", 4096, Rate::per_second(1024)).unwrap(),
+                )
+                .on_route("/upload")
+                .with_cost(Cost::content_bytes()),
             )
-            .rule(Rule::per_account(Policy::token_bucket("acct", 3, Rate::per_second(1)).unwrap()).on_route("/export"))
             .rule(
-                Rule::per_account_operation(Policy::token_bucket("work", 50, Rate::per_second(1)).unwrap())
-                    .on_route("/items/{id}")
-                    .when_no_principal(tollgate::MissingPrincipal::FallbackToClientIp)
-                    .with_cost(Cost::computed(tollgate::Unit::Other("work".into()), |parts| {
+                Rule::per_account(Policy::token_bucket("acct", 3, Rate::per_second(1)).unwrap())
+                    .on_route("/export"),
+            )
+            .rule(
+                Rule::per_account_operation(
+                    Policy::token_bucket("work", 50, Rate::per_second(1)).unwrap(),
+                )
+                .on_route("/items/{id}")
+                .when_no_principal(tollgate::MissingPrincipal::FallbackToClientIp)
+                .with_cost(Cost::computed(
+                    tollgate::Unit::Other("work".into()),
+                    |parts| {
                         parts
                             .headers
                             .get("x-cost")
                             .and_then(|v| v.to_str().ok())
                             .and_then(|v| v.parse().ok())
                             .ok_or_else(|| CostError("x-cost".into()))
-                    })),
-            );
+                    },
+                )),
+            )
+            .build()
+            .unwrap();
         (store, layer)
     })
 }
@@ -80,19 +101,29 @@ fuzz_target!(|input: (u8, u8, u8, bool, Vec<(Vec<u8>, Vec<u8>)>)| {
     let mut svc = layer.layer(inner);
     let method = ["GET", "HEAD", "POST", "PUT"][usize::from(method % 4)];
     let path = ["/", "/upload", "/export", "/items/7", "/items/", "/other"][usize::from(route % 6)];
-    let mut req = Request::builder().method(method).uri(path).body(()).unwrap();
+    let mut req = Request::builder()
+        .method(method)
+        .uri(path)
+        .body(())
+        .unwrap();
     for (name, value) in headers.iter().take(32) {
         if let (Ok(n), Ok(v)) = (HeaderName::from_bytes(name), HeaderValue::from_bytes(value)) {
             req.headers_mut().append(n, v);
         }
     }
     if principal {
-        req.extensions_mut().insert(Principal::new("north", "alice"));
+        req.extensions_mut()
+            .insert(Principal::new("north", "alice"));
     }
     // An untrusted peer (keyed by itself) or a trusted one (keyed by what
     // its Forwarded header says: only the untrusted peers are checked).
-    let peer_ip = if peer % 2 == 0 { format!("198.51.100.{peer}") } else { "10.1.2.3".to_owned() };
-    req.extensions_mut().insert(PeerAddr(SocketAddr::new(peer_ip.parse().unwrap(), 1)));
+    let peer_ip = if peer % 2 == 0 {
+        format!("198.51.100.{peer}")
+    } else {
+        "10.1.2.3".to_owned()
+    };
+    req.extensions_mut()
+        .insert(PeerAddr(SocketAddr::new(peer_ip.parse().unwrap(), 1)));
     let before = remaining(store, &peer_ip);
     let response = block_on(svc.call(req)).unwrap();
     let status = response.status();
@@ -118,7 +149,11 @@ fuzz_target!(|input: (u8, u8, u8, bool, Vec<(Vec<u8>, Vec<u8>)>)| {
         if for_budget {
             assert_eq!(after, before, "refused for budget, yet spent");
         } else if status != StatusCode::SERVICE_UNAVAILABLE {
-            assert_eq!(after.map(|a| a + 1), before, "answered {status} without spending");
+            assert_eq!(
+                after.map(|a| a + 1),
+                before,
+                "answered {status} without spending"
+            );
         }
     }
 });

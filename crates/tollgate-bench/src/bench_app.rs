@@ -60,9 +60,11 @@ pub fn app(mode: &str, refuse: bool) -> Result<Router, String> {
                 admitting("bench")
             }?;
             Ok(hello.layer(
-                RateLimitLayer::new(MemoryStore::new())
+                RateLimitLayer::builder(MemoryStore::new())
                     .headers_on_admitted(false)
-                    .rule(Rule::per_client_ip(policy)),
+                    .rule(Rule::per_client_ip(policy))
+                    .build()
+                    .unwrap(),
             ))
         }
         "governor" => {
@@ -85,10 +87,12 @@ pub fn app(mode: &str, refuse: bool) -> Result<Router, String> {
             }?;
             Ok(export
                 .layer(
-                    RateLimitLayer::new(MemoryStore::new())
+                    RateLimitLayer::builder(MemoryStore::new())
                         .headers_on_admitted(false)
                         .rule(Rule::per_client_ip(per_ip))
-                        .rule(Rule::per_account_operation(per_account).on_route(EXPORT_PATH)),
+                        .rule(Rule::per_account_operation(per_account).on_route(EXPORT_PATH))
+                        .build()
+                        .unwrap(),
                 )
                 // Outside the limiter, as an authentication layer goes.
                 .layer(middleware::from_fn(authenticate)))

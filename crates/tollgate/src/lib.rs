@@ -53,15 +53,18 @@
 //! }
 //!
 //! #[tokio::main(flavor = "current_thread")]
-//! async fn main() -> std::io::Result<()> {
+//! async fn main() -> Result<(), Box<dyn std::error::Error>> {
 //!     let per_ip = Policy::token_bucket("per-ip", 20, Rate::per_second(10)).unwrap();
 //!     let export = Policy::token_bucket("export", 3, Rate::per_minute(6)).unwrap();
 //!
 //!     // Address rules go outside authentication, so a `401` for a guessed
 //!     // key still spends from the guesser's address.
-//!     let by_address = RateLimitLayer::new(MemoryStore::new()).rule(Rule::per_client_ip(per_ip));
-//!     let by_account = RateLimitLayer::new(MemoryStore::new())
-//!         .rule(Rule::per_account_operation(export).on_route("/export"));
+//!     let by_address = RateLimitLayer::builder(MemoryStore::new())
+//!         .rule(Rule::per_client_ip(per_ip))
+//!         .build()?;
+//!     let by_account = RateLimitLayer::builder(MemoryStore::new())
+//!         .rule(Rule::per_account_operation(export).on_route("/export"))
+//!         .build()?;
 //!
 //!     let app = Router::new()
 //!         .route("/", get(|| async { "hello" }))
@@ -75,7 +78,8 @@
 //!         listener,
 //!         app.into_make_service_with_connect_info::<SocketAddr>(),
 //!     )
-//!     .await
+//!     .await?;
+//!     Ok(())
 //! }
 //! ```
 //!
@@ -93,7 +97,7 @@
 //! | [`identity`] | who is asking: [`Principal`], [`ClientIpResolver`] (the trusted-proxy walk), [`Operation`], [`KeyPart`] |
 //! | [`concurrency`] | [`ConcurrencyLimitLayer`] and the [`concurrency::InFlight`] handle |
 //! | [`client`] | `Retry-After` parsing and a retry policy for callers (feature `client`) |
-//! | [`core`] | [`tollgate_budget`]: policies, keys, charges, [`Decision`] / [`Outcome`] / [`Verdict`], [`MemoryStore`], the [`Store`] trait |
+//! | [`core`] | [`tollgate_budget`]: policies, keys, charges, [`Decision`](crate::store::Decision) / [`Outcome`](crate::store::Outcome) / [`Verdict`](crate::store::Verdict), [`MemoryStore`], the [`Store`] trait |
 //! | `redis` | the Redis store for fleets (feature `redis`) |
 //!
 //! # Features
@@ -112,34 +116,31 @@ pub mod concurrency;
 pub mod guide;
 pub mod identity;
 mod observe;
-pub use observe::set_log_fingerprint_key;
 pub mod rate_limit;
+#[cfg(feature = "redis")]
+pub mod redis;
 mod response;
+pub mod store;
 
 pub use body::ResponseBody;
-pub use concurrency::{
-    ConcurrencyLimit, ConcurrencyLimitLayer, InvalidLease, MIN_LEASE_PER_STORE_TIMEOUT,
-    OnLeaseError,
-};
-pub use identity::{
-    ClientIp, ClientIpError, ClientIpResolver, CustomPart, ForwardedHeader, InvalidNetwork,
-    InvalidPrefix, KeyPart, MissingPrincipal, Operation, PeerAddr, Principal,
-};
-pub use rate_limit::{
-    Cost, CostError, Exemption, InvalidPlan, InvalidRoute, OnStoreError, RateLimit, RateLimitLayer,
-    RefusalBody, RefusalInfo, Rule, RulesHandle, UnsupportedRule,
-};
+pub use concurrency::layer::{ConcurrencyLimitLayer, InvalidLimit};
+pub use identity::client_ip::ClientIpResolver;
+pub use identity::keys::{KeyPart, MissingPrincipal};
+pub use identity::operation::Operation;
+pub use identity::principal::Principal;
+pub use observe::set_log_fingerprint_key;
+pub use rate_limit::config::OnStoreError;
+pub use rate_limit::exempt::Exemption;
+pub use rate_limit::handle::RulesHandle;
+pub use rate_limit::invalid::InvalidRule;
+pub use rate_limit::layer::RateLimitLayer;
+pub use rate_limit::rule::{Cost, Rule};
+pub use response::{RefusalBody, RefusalInfo};
 pub use tollgate_budget::{
-    self as core, Acquired, Algorithm, Charge, Clock, Decision, DynStore, Initial, InvalidCharge,
-    InvalidKey, InvalidName, InvalidPolicy, Key, Lease, LeaseRequest, LeaseStore, ManualClock,
-    MemoryStore, MemoryStoreBuilder, MemoryStoreStats, OnKeyCap, Outcome, Policy, Rate, Store,
-    StoreError, StoreErrorKind, SystemClock, Unit, Verdict,
+    Initial, InvalidName, InvalidPolicy, MemoryStore, Policy, Rate, Store, StoreError, Unit,
 };
-/// The Redis store (feature `redis`): see [`tollgate_redis`].
 #[cfg(feature = "redis")]
-pub use tollgate_redis as redis;
-#[cfg(feature = "redis")]
-pub use tollgate_redis::{RedisStore, RedisStoreBuilder};
+pub use tollgate_redis::RedisStore;
 
 /// The README's examples, compiled as doctests so they stay true.
 #[doc = include_str!("../README.md")]

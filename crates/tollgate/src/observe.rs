@@ -1,23 +1,76 @@
 //! Tracing events and (with the `metrics` feature) metrics, labelled by
-//! policy name and never by raw key.
+//! policy or layer name and never by raw key.
 //!
-//! Metrics emitted:
-//! - `tollgate_admitted_cost_total{policy}`: cost admitted;
-//! - `tollgate_denied_cost_total{policy}`: cost refused (429);
-//! - `tollgate_never_fits_total{policy}`: requests whose cost can never fit;
-//! - `tollgate_requests_total{policy,outcome="exempt"}`: requests a rule
-//!   did not charge because of an exemption;
-//! - `tollgate_dry_run_denied_cost_total{policy}`: cost a dry-run rule would
-//!   have refused (and let through);
-//! - `tollgate_refunded_cost_total{policy}`: cost reserved by a rule
-//!   charged by outcome and given back because the response did not
-//!   match (see `Rule::charge_only_when`);
-//! - `tollgate_store_errors_total{kind,outcome}`: store failures and the
-//!   outcome applied (`fail_closed`, `fail_open`, `fallback`;
-//!   `refund_lost` and `confirm_lost`: a reservation that could not be
-//!   settled stays spent, and lapses as confirmed a minute after it was
-//!   made);
-//! - `tollgate_store_seconds`: store decision latency histogram.
+//! Every metric tollgate emits, through the `metrics` facade (nothing is
+//! emitted without the feature, and nothing until a recorder is
+//! installed). Names are given as Prometheus sees them through
+//! `metrics-exporter-prometheus`, which keeps a counter's or a gauge's
+//! name as given (every counter here already ends in `_total`, and none
+//! is described with a unit, so its optional suffixes add nothing). A
+//! histogram is rendered as a summary (`name{quantile}`, `name_sum`,
+//! `name_count`) unless buckets are set for it, then as a histogram
+//! (`name_bucket{le}`, `name_sum`, `name_count`). Cost is counted in the
+//! policy's own unit (requests, bytes, tokens: whatever the rule's cost
+//! counts); "requests" below means one per request.
+//!
+//! Rate limits (`RateLimitLayer`), label `policy` (a policy's name):
+//!
+//! | Metric | Type, unit | Labels | Moves when |
+//! |---|---|---|---|
+//! | `tollgate_admitted_cost_total` | counter, cost | `policy` | a request is admitted: each limit's cost, once the store decided (a shaped request at that decision, before its hold); dry-run limits that would admit it too; not when the store failed open (nothing was decided) |
+//! | `tollgate_denied_cost_total` | counter, cost | `policy` | a request is refused for lack of budget (`429`): the cost of each limit that refused it (the others of the call spent and refused nothing) |
+//! | `tollgate_never_fits_total` | counter, requests | `policy` | a request whose cost is more than the policy can ever hold (`413` for a content cost, `400` otherwise); counted for every such policy, even when another rule's refusal is the answer |
+//! | `tollgate_requests_total` | counter, requests | `policy`, `outcome` | a rule did not charge a request because one of its exemptions matched; `outcome` is `exempt` (its only value) |
+//! | `tollgate_dry_run_denied_cost_total` | counter, cost | `policy` | a dry-run rule would have refused the cost (and the request went on without it) |
+//! | `tollgate_refunded_cost_total` | counter, cost | `policy` | a reservation of a rule charged by outcome (`Rule::charge_only_when`) is given back because the response did not match |
+//! | `tollgate_shaped_total` | counter, requests | `policy` | an admitted request is held by shaping (`Rule::shape`) before it goes on: one for each shaping rule of the request |
+//! | `tollgate_shaped_wait_seconds` | histogram, seconds | `policy` | with `tollgate_shaped_total`: how long the request is held (the whole hold, under each of its shaping rules) |
+//!
+//! Stores, shared by both layers:
+//!
+//! | Metric | Type, unit | Labels | Moves when |
+//! |---|---|---|---|
+//! | `tollgate_store_errors_total` | counter, failures | `kind`, `outcome` | a store call failed: one per failed call (a rate limit's charge or settlement, an in-flight limit's lease), with what was done about it; a request whose fallback store fails too counts `fallback`, then `fail_closed` |
+//! | `tollgate_store_seconds` | histogram, seconds | none | a `RateLimitLayer` charged its store: how long the charge took, failures included (not a fallback store's charges, an in-process store's failures, refunds and confirmations, nor the lease stores of in-flight limits) |
+//!
+//! `kind` is the failure's `StoreErrorKind`, as its variant name:
+//! `Unavailable`, `Uncertain`, `CapacityExhausted`, `Protocol`,
+//! `Unsupported`, `Config`. `outcome` is what was applied:
+//! - `fail_closed`: the request was refused (`503`); also counted when the
+//!   fallback store fails in turn;
+//! - `fail_open`: the request went on unchecked;
+//! - `fallback`: a rate limit asked its fallback store
+//!   (`OnStoreError::Fallback`);
+//! - `local`: an in-flight limit counted in this process alone
+//!   (`OnLeaseError::Local`);
+//! - `refund_lost` and `confirm_lost`: a reservation of a rule charged by
+//!   outcome could not be given back or confirmed after the response; it
+//!   stays spent, and lapses as confirmed a minute after it was made.
+//!
+//! In-flight limits (`ConcurrencyLimitLayer`), label `layer` (the name
+//! the layer was built with, which a shared limit's leases carry too):
+//!
+//! | Metric | Type, unit | Labels | Moves when |
+//! |---|---|---|---|
+//! | `tollgate_in_flight` | gauge, requests | `layer` | set whenever this process's counts of the layer change (a slot taken, given back or handed to a waiter; a waiter in or out of line): the requests in flight here, holding a shared limit's lease or not, dry-run ones let through above the limit included |
+//! | `tollgate_waiting` | gauge, requests | `layer` | set with `tollgate_in_flight`: this process's requests waiting in the layer's own line (not those waiting their turn for a shared limit's lease, which `ConcurrencyStats::waiting` counts and this gauge does not) |
+//! | `tollgate_concurrency_refused_total` | counter, requests | `layer`, `scope` | the layer refused a request |
+//! | `tollgate_dry_run_refused_total` | counter, requests | `layer`, `scope` | a dry-run layer would have refused a request and let it through instead |
+//! | `tollgate_lease_restored_total` | counter, leases | `layer` | a shared limit's lease was found gone while its request still ran, and taken again |
+//! | `tollgate_lease_release_abandoned_total` | counter, leases | `layer` | a lease could not be given back while the lease store failed and the retry queue was full (1024 leases): it expires by itself, its slot taken until then |
+//! | `tollgate_stalled_bodies_total` | counter, responses | `layer` | a response body made no progress for the layer's body idle timeout: its slot was released and the body ended |
+//!
+//! `scope` is what was full:
+//! - `per_key`: the key's own limit (`429`), including a wait for it that
+//!   timed out, and a key that already has as many waiting as it may have
+//!   in flight;
+//! - `global`: the layer's overall limit (`503`), including a wait for it
+//!   that timed out;
+//! - `queue`: the line of waiters was full, or (a shared limit) a waiter
+//!   gave its place in a full line to an earlier arrival (`503`);
+//! - `store_unavailable`: a shared limit's lease store failed and the layer
+//!   fails closed (`503`; never in `tollgate_dry_run_refused_total`, a
+//!   dry-run layer refuses it too).
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -149,7 +202,10 @@ impl Throttle {
 }
 
 /// The refusals of a call: each refusing limit with its key's shape and
-/// fingerprint, at `level`.
+/// fingerprint, at `level`. Counts (feature `metrics`, label `policy`)
+/// `tollgate_admitted_cost_total` for each limit of an admitted call,
+/// `tollgate_denied_cost_total` for each limit that refused it and
+/// `tollgate_never_fits_total` for each that it can never fit.
 pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome, verdict: Verdict, level: Level) {
     // An admission is only counted, which needs the metrics feature.
     if !cfg!(feature = "metrics") && verdict == Verdict::Admitted {
@@ -191,7 +247,9 @@ pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome, verdict: Verdict, l
     }
 }
 
-/// A request held by shaping rules for `delay` before it goes on.
+/// A request held by shaping rules for `delay` before it goes on: counted
+/// in `tollgate_shaped_total{policy}` and recorded in the
+/// `tollgate_shaped_wait_seconds{policy}` histogram, for each shaping rule.
 pub(crate) fn shaped(charges: &[Charge], delay: std::time::Duration) {
     for charge in charges.iter().filter(|c| c.max_delay().is_some()) {
         let policy = charge.policy().name();
@@ -208,7 +266,8 @@ pub(crate) fn shaped(charges: &[Charge], delay: std::time::Duration) {
 /// A cost that can never fit `policy`; the layer refuses it without asking
 /// the store. Always counted; logged like a `429` (at `level`, with the
 /// key's shape and fingerprint) when it is the refusal the request gets
-/// (`answered`: the first of the layer's own, in rule order).
+/// (`answered`: the first of the layer's own, in rule order). Counted in
+/// `tollgate_never_fits_total{policy}`.
 pub(crate) fn never_fits(
     policy: &tollgate_budget::Policy,
     key: &Key,
@@ -244,7 +303,8 @@ pub(crate) fn cost_refused(policy: &str, key: &Key, reason: &str, level: Level) 
     );
 }
 
-/// A request `policy` did not charge because an exemption matched it.
+/// A request `policy` did not charge because an exemption matched it:
+/// counted in `tollgate_requests_total{policy, outcome="exempt"}`.
 pub(crate) fn exempt(policy: &tollgate_budget::Policy) {
     tracing::trace!(policy = policy.name(), "exempt");
     #[cfg(feature = "metrics")]
@@ -257,7 +317,8 @@ pub(crate) fn exempt(policy: &tollgate_budget::Policy) {
 }
 
 /// A dry-run `policy` would have refused `cost` (after `retry_after`, or
-/// never when `None`); the request goes on without it.
+/// never when `None`); the request goes on without it. Counted in
+/// `tollgate_dry_run_denied_cost_total{policy}`.
 pub(crate) fn dry_run_denied(
     policy: &tollgate_budget::Policy,
     cost: u64,
@@ -273,7 +334,7 @@ pub(crate) fn dry_run_denied(
 }
 
 /// Reservations of rules charged by outcome, given back because the
-/// response did not match.
+/// response did not match: counted in `tollgate_refunded_cost_total{policy}`.
 pub(crate) fn refunded(charges: &[Charge]) {
     for charge in charges {
         count(
@@ -337,7 +398,7 @@ pub(crate) fn key_refused(error: &crate::identity::KeyError, by: Refuser<'_>, le
                     "tollgate cannot key by client address: the request carries no peer \
                      address. Serve the app with \
                      `into_make_service_with_connect_info::<SocketAddr>()` (axum), or insert \
-                     `tollgate::PeerAddr` per connection (hyper). Answered 500 \
+                     `tollgate::identity::PeerAddr` per connection (hyper). Answered 500 \
                      ({suppressed} more not logged since the last)"
                 );
             }
@@ -386,6 +447,12 @@ pub(crate) fn chain(error: &(dyn std::error::Error + 'static)) -> String {
 /// always counted in the metric. Each kind of failure and outcome applied
 /// has its own throttle: a charge lost after the response, or a fallback
 /// taken, is not hidden behind the refusals of an outage.
+///
+/// The metric: `tollgate_store_errors_total{kind, outcome}`, `kind` the
+/// `StoreErrorKind` variant's name (`Unavailable`, `Uncertain`,
+/// `CapacityExhausted`, `Protocol`, `Unsupported`, `Config`) and `outcome`
+/// the `applied` one: `fail_closed`, `fail_open`, `fallback`, `local`,
+/// `refund_lost` or `confirm_lost` (see the module's docs).
 pub(crate) fn store_error(error: &StoreError, applied: &'static str) {
     use tollgate_budget::StoreErrorKind as K;
     const OUTCOMES: usize = 6;
@@ -436,6 +503,8 @@ pub(crate) fn start() -> Option<std::time::Instant> {
     None
 }
 
+/// Records the time since `started` (from [`start`]) in the
+/// `tollgate_store_seconds` histogram (seconds, no labels).
 pub(crate) fn store_latency(started: Option<std::time::Instant>) {
     #[cfg(feature = "metrics")]
     if let Some(started) = started {
@@ -444,6 +513,8 @@ pub(crate) fn store_latency(started: Option<std::time::Instant>) {
     let _ = started;
 }
 
+/// Adds `by` to the counter `metric`, labelled `policy` (the policy's
+/// name): the rate-limit counters of the module's docs.
 fn count(metric: &'static str, policy: &str, by: u64) {
     // Only with the feature: the label is the policy's name, never a key.
     #[cfg(feature = "metrics")]

@@ -10,8 +10,10 @@ use std::time::Duration;
 use http::{Request, Response, StatusCode};
 use proptest::prelude::*;
 use tollgate::{
-    Charge, Cost, CostError, Key, ManualClock, MemoryStore, PeerAddr, Policy, Principal, Rate,
-    RateLimitLayer, Rule,
+    Cost, MemoryStore, Policy, Principal, Rate, RateLimitLayer, Rule,
+    identity::PeerAddr,
+    rate_limit::CostError,
+    store::{Charge, Key, ManualClock},
 };
 use tower::{Layer, Service, ServiceExt};
 
@@ -84,7 +86,7 @@ proptest! {
     #[test]
     fn every_request_spends_from_its_address_or_is_429(trace in prop::collection::vec(request(), 1..40)) {
         let store = Arc::new(MemoryStore::builder().clock(ManualClock::new(0)).build());
-        let layer = RateLimitLayer::with_shared_store(store.clone())
+        let layer = RateLimitLayer::builder(store.clone())
             .rule(Rule::per_client_ip(per_ip()))
             .rule(
                 Rule::per_account_operation(
@@ -102,7 +104,7 @@ proptest! {
                     .on_route("/compute")
                     .when_no_principal(tollgate::MissingPrincipal::FallbackToClientIp)
                     .with_cost(Cost::computed(tollgate::Unit::Other("work".into()), header_cost)),
-            );
+            ).build().unwrap();
         let inner = tower::service_fn(|_req: Request<()>| async {
             Ok::<_, Infallible>(Response::new(http_body_util::Empty::<bytes::Bytes>::new()))
         });

@@ -8,7 +8,8 @@ use std::net::SocketAddr;
 use http::{Request, Response, StatusCode};
 use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 use tollgate::{
-    Cost, KeyPart, MemoryStore, OnKeyCap, PeerAddr, Policy, Rate, RateLimitLayer, Rule,
+    Cost, KeyPart, MemoryStore, Policy, Rate, RateLimitLayer, Rule, identity::PeerAddr,
+    store::OnKeyCap,
 };
 use tower::{Layer, Service, ServiceExt};
 
@@ -50,14 +51,16 @@ fn counters_are_labelled_by_policy_name_only() {
             .max_keys(2, OnKeyCap::RefuseNewKeys)
             .shards(1)
             .build();
-        let layer = RateLimitLayer::new(store)
+        let layer = RateLimitLayer::builder(store)
             .rule(Rule::per_client_ip(per_ip))
             .rule(
                 Rule::new(bytes)
                     .on_route("/upload")
                     .keyed_by([KeyPart::ClientIp])
                     .with_cost(Cost::content_bytes()),
-            );
+            )
+            .build()
+            .unwrap();
         let mut svc = layer.layer(inner);
         let call = |svc: &mut _, path: &str, peer: &str, len: Option<usize>| {
             let mut req = Request::builder().uri(path);
@@ -67,7 +70,7 @@ fn counters_are_labelled_by_policy_name_only() {
             let mut req = req.body(String::new()).unwrap();
             req.extensions_mut()
                 .insert(PeerAddr(peer.parse::<SocketAddr>().unwrap()));
-            let svc: &mut tollgate::RateLimit<_, MemoryStore> = svc;
+            let svc: &mut tollgate::rate_limit::RateLimit<_, MemoryStore> = svc;
             rt.block_on(async { svc.ready().await.unwrap().call(req).await.unwrap().status() })
         };
         assert_eq!(call(&mut svc, "/", "198.51.100.1:1", None), StatusCode::OK);
@@ -134,11 +137,14 @@ fn exemptions_and_dry_run_refusals_are_counted() {
             )))
         });
         let trial = Policy::token_bucket("d-trial", 1, Rate::per_hour(1)).unwrap();
-        let layer = RateLimitLayer::new(MemoryStore::new()).rule(
-            Rule::per_client_ip(trial)
-                .dry_run(true)
-                .exempt(tollgate::Exemption::when(|req| req.uri.path() == "/free")),
-        );
+        let layer = RateLimitLayer::builder(MemoryStore::new())
+            .rule(
+                Rule::per_client_ip(trial)
+                    .dry_run(true)
+                    .exempt(tollgate::Exemption::when(|req| req.uri.path() == "/free")),
+            )
+            .build()
+            .unwrap();
         let mut svc = layer.layer(inner);
         for path in ["/", "/", "/", "/free"] {
             let mut req = Request::builder().uri(path).body(String::new()).unwrap();
@@ -182,10 +188,15 @@ fn shaped_requests_are_counted() {
         .unwrap();
     metrics::with_local_recorder(&recorder, || {
         let _guard = rt.enter();
-        let layer = RateLimitLayer::new(MemoryStore::new()).rule(
-            Rule::per_client_ip(Policy::token_bucket("m-shaped", 1, Rate::per_second(1)).unwrap())
+        let layer = RateLimitLayer::builder(MemoryStore::new())
+            .rule(
+                Rule::per_client_ip(
+                    Policy::token_bucket("m-shaped", 1, Rate::per_second(1)).unwrap(),
+                )
                 .shape(Duration::from_secs(5), NonZeroUsize::new(3).unwrap()),
-        );
+            )
+            .build()
+            .unwrap();
         let mut svc = layer.layer(tower::service_fn(|_req: Request<()>| async {
             Ok::<_, Infallible>(Response::new(()))
         }));

@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use http::{Request, Response};
 use tollgate::{
-    Charge, Key, KeyPart, ManualClock, MemoryStore, PeerAddr, Policy, Rate, RateLimitLayer, Rule,
+    KeyPart, MemoryStore, Policy, Rate, RateLimitLayer, Rule,
+    identity::PeerAddr,
+    store::{Charge, Key, ManualClock},
 };
 use tower::{Layer, Service, ServiceExt};
 
@@ -34,11 +36,14 @@ fn request() -> Request<()> {
 async fn a_dropped_waiter_gives_back_its_reservation_when_last_in_line() {
     let clock = ManualClock::new(0);
     let store = MemoryStore::builder().clock(clock.clone()).build();
-    let layer = RateLimitLayer::with_shared_store(std::sync::Arc::new(store.clone())).rule(
-        Rule::new(held())
-            .keyed_by([KeyPart::Literal("one".into())])
-            .shape(Duration::from_secs(2), NonZeroUsize::new(2).unwrap()),
-    );
+    let layer = RateLimitLayer::builder(std::sync::Arc::new(store.clone()))
+        .rule(
+            Rule::new(held())
+                .keyed_by([KeyPart::Literal("one".into())])
+                .shape(Duration::from_secs(2), NonZeroUsize::new(2).unwrap()),
+        )
+        .build()
+        .unwrap();
     let mut svc = layer.layer(tower::service_fn(|_req: Request<()>| async {
         Ok::<_, Infallible>(Response::new(()))
     }));
@@ -89,12 +94,15 @@ impl<F: std::future::Future> NowOrNever for F {}
 /// request is made ready again when released.
 #[tokio::test]
 async fn a_held_request_does_not_keep_the_inner_service_ready() {
-    let layer = RateLimitLayer::new(MemoryStore::new()).rule(
-        Rule::new(held())
-            .on_route("/held")
-            .keyed_by([KeyPart::Literal("one".into())])
-            .shape(Duration::from_secs(2), NonZeroUsize::new(2).unwrap()),
-    );
+    let layer = RateLimitLayer::builder(MemoryStore::new())
+        .rule(
+            Rule::new(held())
+                .on_route("/held")
+                .keyed_by([KeyPart::Literal("one".into())])
+                .shape(Duration::from_secs(2), NonZeroUsize::new(2).unwrap()),
+        )
+        .build()
+        .unwrap();
     let inner = tower::limit::ConcurrencyLimitLayer::new(1).layer(tower::service_fn(
         |_req: Request<()>| async { Ok::<_, Infallible>(Response::new(())) },
     ));
@@ -128,11 +136,14 @@ async fn a_held_request_does_not_keep_the_inner_service_ready() {
 fn without_a_runtime_a_request_that_would_wait_is_refused() {
     let clock = ManualClock::new(0);
     let store = MemoryStore::builder().clock(clock.clone()).build();
-    let layer = RateLimitLayer::with_shared_store(std::sync::Arc::new(store.clone())).rule(
-        Rule::new(held())
-            .keyed_by([KeyPart::Literal("one".into())])
-            .shape(Duration::from_secs(2), NonZeroUsize::new(2).unwrap()),
-    );
+    let layer = RateLimitLayer::builder(std::sync::Arc::new(store.clone()))
+        .rule(
+            Rule::new(held())
+                .keyed_by([KeyPart::Literal("one".into())])
+                .shape(Duration::from_secs(2), NonZeroUsize::new(2).unwrap()),
+        )
+        .build()
+        .unwrap();
     let mut svc = layer.layer(tower::service_fn(|_req: Request<()>| async {
         Ok::<_, Infallible>(Response::new(()))
     }));
@@ -150,8 +161,9 @@ fn without_a_runtime_a_request_that_would_wait_is_refused() {
 #[test]
 fn a_zero_wait_is_refused_as_a_rule() {
     let rule = Rule::new(held()).shape(Duration::ZERO, NonZeroUsize::new(2).unwrap());
-    let error = RateLimitLayer::new(MemoryStore::new())
-        .try_rule(rule)
+    let error = RateLimitLayer::builder(MemoryStore::new())
+        .rule(rule)
+        .build()
         .unwrap_err();
     assert!(error.to_string().contains("above zero"), "{error}");
 }
@@ -179,7 +191,10 @@ impl std::future::Future for OnePollLater {
 }
 
 impl tollgate::Store for RoundTrip {
-    async fn charge(&self, charges: &[Charge]) -> Result<tollgate::Outcome, tollgate::StoreError> {
+    async fn charge(
+        &self,
+        charges: &[Charge],
+    ) -> Result<tollgate::store::Outcome, tollgate::StoreError> {
         OnePollLater(false).await;
         self.0.charge_now(charges)
     }
@@ -191,7 +206,7 @@ impl tollgate::Store for RoundTrip {
     fn cancel<'a>(
         &'a self,
         charges: &'a [Charge],
-        reservation: &'a tollgate::core::Reservation,
+        reservation: &'a tollgate::store::Reservation,
     ) -> impl std::future::Future<Output = Result<(), tollgate::StoreError>> + Send + 'a {
         self.0.cancel_now(charges, reservation);
         std::future::ready(Ok(()))
@@ -214,14 +229,16 @@ async fn a_full_line_refuses_before_the_store_decides_and_spends_nothing() {
     let clock = ManualClock::new(0);
     let memory = MemoryStore::builder().clock(clock.clone()).build();
     let other = Policy::token_bucket("other", 100, Rate::per_hour(1)).unwrap();
-    let layer = RateLimitLayer::new(RoundTrip(memory.clone()))
+    let layer = RateLimitLayer::builder(RoundTrip(memory.clone()))
         .max_waiting(2)
         .rule(
             Rule::new(held())
                 .keyed_by([KeyPart::Literal("one".into())])
                 .shape(Duration::from_secs(5), NonZeroUsize::new(10).unwrap()),
         )
-        .rule(Rule::new(other.clone()).keyed_by([KeyPart::Literal("two".into())]));
+        .rule(Rule::new(other.clone()).keyed_by([KeyPart::Literal("two".into())]))
+        .build()
+        .unwrap();
     let svc = layer.layer(tower::service_fn(|_req: Request<()>| async {
         Ok::<_, Infallible>(Response::new(()))
     }));

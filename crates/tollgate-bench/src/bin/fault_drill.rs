@@ -15,7 +15,10 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use tokio::sync::Mutex;
-use tollgate::{Charge, Key, Policy, Rate, RedisStore, Store, StoreErrorKind};
+use tollgate::{
+    Policy, Rate, RedisStore, Store,
+    store::{Charge, Key, StoreErrorKind},
+};
 use tollgate_redis::testing::RedisServer;
 
 /// Something done to the server at the start of a phase.

@@ -17,7 +17,10 @@
 use std::net::{IpAddr, Ipv4Addr};
 use std::process::ExitCode;
 
-use tollgate::{Charge, Key, ManualClock, MemoryStore, OnKeyCap, Policy, Rate};
+use tollgate::{
+    MemoryStore, Policy, Rate,
+    store::{Charge, Key, ManualClock, OnKeyCap},
+};
 
 fn rss_mb() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();

@@ -16,7 +16,10 @@
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use tollgate::{Acquired, LeaseRequest, LeaseStore, RedisStore};
+use tollgate::{
+    RedisStore,
+    store::{Acquired, LeaseRequest, LeaseStore},
+};
 
 const SEMAPHORE: &str = include_str!("../../../../benches/semaphore.lua");
 

@@ -18,7 +18,10 @@ use std::num::NonZeroU32;
 use std::process::ExitCode;
 use std::time::Duration;
 
-use tollgate::{Charge, Key, ManualClock, MemoryStore, Policy, Rate};
+use tollgate::{
+    MemoryStore, Policy, Rate,
+    store::{Charge, Key, ManualClock},
+};
 
 fn rss_bytes() -> u64 {
     let statm = std::fs::read_to_string("/proc/self/statm").unwrap_or_default();

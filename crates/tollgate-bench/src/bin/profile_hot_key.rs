@@ -17,7 +17,10 @@ use std::num::NonZeroU32;
 use std::process::ExitCode;
 
 use governor::{Quota, RateLimiter};
-use tollgate::{Charge, Key, MemoryStore, Policy, Rate};
+use tollgate::{
+    MemoryStore, Policy, Rate,
+    store::{Charge, Key},
+};
 
 const DEFAULT_DECISIONS: usize = 200_000;
 const KEYS: u32 = 100_000;

@@ -15,7 +15,10 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tollgate::{Charge, Key, Policy, Rate, RedisStore, Store};
+use tollgate::{
+    Policy, Rate, RedisStore, Store,
+    store::{Charge, Key},
+};
 
 #[tokio::main]
 async fn main() -> ExitCode {

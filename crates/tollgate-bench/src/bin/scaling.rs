@@ -23,7 +23,10 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use governor::{Quota, RateLimiter};
-use tollgate::{Charge, Key, MemoryStore, Policy, Rate};
+use tollgate::{
+    MemoryStore, Policy, Rate,
+    store::{Charge, Key},
+};
 
 const BIG: u32 = 1_000_000_000;
 /// Decisions per pass: at least this many, and at least one per key.

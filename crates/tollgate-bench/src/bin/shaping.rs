@@ -21,7 +21,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use http::{Request, Response};
-use tollgate::{MemoryStore, PeerAddr, Policy, Rate, RateLimitLayer, Rule};
+use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer, Rule, identity::PeerAddr};
 use tower::{Layer, Service};
 
 fn rss_bytes() -> u64 {
@@ -72,10 +72,12 @@ fn main() -> ExitCode {
         }
     };
     let one = NonZeroUsize::MIN;
-    let layer = RateLimitLayer::new(MemoryStore::new())
+    let layer = RateLimitLayer::builder(MemoryStore::new())
         .max_waiting(usize::MAX)
         .headers_on_admitted(false)
-        .rule(Rule::per_client_ip(policy).shape(Duration::from_secs(3600), one));
+        .rule(Rule::per_client_ip(policy).shape(Duration::from_secs(3600), one))
+        .build()
+        .unwrap();
     let mut svc = layer.layer(tower::service_fn(|_req: Request<()>| async {
         Ok::<_, Infallible>(Response::new(()))
     }));

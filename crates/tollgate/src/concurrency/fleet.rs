@@ -1,9 +1,9 @@
-//! Fleet-wide in-flight limits ([`ConcurrencyLimitLayer::shared`]): each
+//! Fleet-wide in-flight limits ([`ConcurrencyLimitBuilder::shared`]): each
 //! request holds a lease in a [`LeaseStore`] shared by every instance, renewed
 //! while it runs and given back when its response body ends; an instance
 //! that dies holds nothing for longer than one lease.
 //!
-//! [`ConcurrencyLimitLayer::shared`]: super::ConcurrencyLimitLayer::shared
+//! [`ConcurrencyLimitBuilder::shared`]: super::ConcurrencyLimitBuilder::shared
 
 use std::collections::hash_map::RandomState;
 use std::collections::{HashSet, VecDeque};
@@ -25,7 +25,7 @@ use super::release::{Owner, Releases, give_back};
 use crate::observe::Throttle;
 
 /// What a fleet-wide concurrency limit does when its lease store fails or
-/// does not answer in time ([`ConcurrencyLimitLayer::shared`](super::ConcurrencyLimitLayer::shared)).
+/// does not answer in time ([`ConcurrencyLimitBuilder::shared`](crate::concurrency::ConcurrencyLimitBuilder::shared)).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum OnLeaseError {
@@ -311,6 +311,8 @@ async fn renew(fleet: Arc<Fleet>, lease: Lease) {
             Ok(Renewed::Restored) => {
                 fleet.restored.fetch_add(1, Ordering::Relaxed);
                 crate::observe::lease_restored(&lease.request.limit);
+                // Counter `tollgate_lease_restored_total{layer}`; documented
+                // in observe.rs.
                 #[cfg(feature = "metrics")]
                 metrics::counter!(
                     "tollgate_lease_restored_total",

@@ -9,7 +9,7 @@ use http::{Method, Request, header};
 
 use super::fleet::Slot;
 
-/// A request's slot in a [`ConcurrencyLimitLayer`](super::ConcurrencyLimitLayer),
+/// A request's slot in a [`ConcurrencyLimitLayer`](crate::ConcurrencyLimitLayer),
 /// for connections that outlive their response.
 ///
 /// A request is counted until its response body has ended. An upgraded

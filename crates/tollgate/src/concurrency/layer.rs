@@ -1,5 +1,5 @@
-//! [`ConcurrencyLimitLayer`]: the limits (global, per key, queueing) and
-//! their copy-on-change builders.
+//! [`ConcurrencyLimitLayer`] and its [`ConcurrencyLimitBuilder`]: the
+//! limits (global, per key, queueing), checked once when built.
 
 use std::fmt;
 use std::num::NonZeroUsize;
@@ -30,8 +30,7 @@ pub const MIN_LEASE_PER_STORE_TIMEOUT: u32 = 3;
 /// A shared limit's lease too short for its store's timeout: a renewal
 /// could arrive after the lease expired, and others take the slot of a
 /// request still running (more than the limit in flight, with no process
-/// paused). Refused by [`ConcurrencyLimitLayer::shared`] and
-/// [`ConcurrencyLimitLayer::lease_ttl`].
+/// paused).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
     "lease_ttl {ttl:?} is shorter than {MIN_LEASE_PER_STORE_TIMEOUT} times the lease \
@@ -39,20 +38,45 @@ pub const MIN_LEASE_PER_STORE_TIMEOUT: u32 = 3;
      lease_ttl at least {:?} or the store's timeout shorter",
     *timeout * MIN_LEASE_PER_STORE_TIMEOUT
 )]
-pub struct InvalidLease {
+pub(crate) struct InvalidLease {
     ttl: Duration,
     timeout: Duration,
 }
 
-impl InvalidLease {
-    /// The lease refused.
-    pub fn ttl(&self) -> Duration {
-        self.ttl
+/// A concurrency limit that cannot be built, from
+/// [`ConcurrencyLimitBuilder::build`]: a name that is not a valid limit
+/// name (the rule of policy names, [`check_name`]), or a shared limit's
+/// lease ([`lease_ttl`](ConcurrencyLimitBuilder::lease_ttl)) shorter than
+/// [`MIN_LEASE_PER_STORE_TIMEOUT`] times its store's
+/// [timeout](LeaseStore::timeout). Names the limit and the fix.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("concurrency limit {name:?}: {problem}")]
+pub struct InvalidLimit {
+    name: String,
+    problem: LimitProblem,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+enum LimitProblem {
+    #[error(transparent)]
+    Name(InvalidName),
+    #[error(transparent)]
+    Lease(InvalidLease),
+}
+
+impl InvalidLimit {
+    /// The name the limit was given.
+    pub fn name(&self) -> &str {
+        &self.name
     }
 
-    /// The lease store's timeout.
-    pub fn timeout(&self) -> Duration {
-        self.timeout
+    /// The refused lease and the lease store's timeout, when the lease is
+    /// what is wrong.
+    pub fn lease(&self) -> Option<(Duration, Duration)> {
+        match &self.problem {
+            LimitProblem::Lease(e) => Some((e.ttl, e.timeout)),
+            LimitProblem::Name(_) => None,
+        }
     }
 }
 
@@ -67,7 +91,8 @@ fn check_lease(ttl: Duration, store: &dyn LeaseStore) -> Result<(), InvalidLease
     }
 }
 
-/// Bounds the requests in flight: globally, per key, or both.
+/// Bounds the requests in flight: globally, per key, or both. Made by
+/// [`ConcurrencyLimitLayer::builder`].
 ///
 /// A request is in flight from admission until its response body has ended,
 /// failed or been dropped. Over a per-key limit: `429` (its
@@ -75,9 +100,20 @@ fn check_lease(ttl: Duration, store: &dyn LeaseStore) -> Result<(), InvalidLease
 /// no time can be promised). Over the global limit: `503`. Both are
 /// `no-store`, and immediate unless bounded waiting is configured.
 ///
-/// Builder methods consume and return the layer; the counts are shared by
-/// every service the layer makes, and [`ConcurrencyLimitLayer::stats`] reads
-/// them.
+/// The counts are shared by every clone of the layer and every service it
+/// makes, and [`ConcurrencyLimitLayer::stats`] reads them.
+///
+/// ```
+/// use std::num::NonZeroUsize;
+/// use tollgate::{ConcurrencyLimitLayer, KeyPart};
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let limit = ConcurrencyLimitLayer::builder("in-flight")
+///     .global(NonZeroUsize::new(64).unwrap())
+///     .per_key(NonZeroUsize::new(8).unwrap(), [KeyPart::Account])
+///     .build()?;
+/// # let _ = limit;
+/// # Ok(()) }
+/// ```
 #[must_use]
 #[derive(Clone)]
 pub struct ConcurrencyLimitLayer {
@@ -101,54 +137,130 @@ impl fmt::Debug for ConcurrencyLimitLayer {
 }
 
 impl ConcurrencyLimitLayer {
-    /// A limit named `name` (used in headers and metrics) with no bounds
-    /// yet. Names follow the rule of policy names ([`check_name`]).
-    pub fn new(name: &str) -> Result<Self, InvalidName> {
-        check_name(name)?;
-        let name: Arc<str> = name.into();
-        Ok(Self {
-            config: Arc::new(Config {
-                stalls: Arc::new(Stalls::new(name.clone(), DEFAULT_BODY_IDLE_TIMEOUT)),
-                body_idle: DEFAULT_BODY_IDLE_TIMEOUT,
-                limiter: Arc::new(Limiter::new(Limits {
-                    name,
-                    global_max: None,
-                    per_key_max: None,
-                    waiting: None,
-                    log_level: tracing::Level::DEBUG,
-                    dry_run: false,
-                })),
-                lease_store: None,
-                lease: LeaseOptions::default(),
-                fleet: None,
-                key: Vec::new(),
-                missing: MissingPrincipal::Reject,
-                resolver: ClientIpResolver::peer_only(),
-                exemptions: Vec::new(),
-                shape: None,
-                www_authenticate: HeaderValue::from_static("Bearer"),
-            }),
-        })
+    /// Starts a limit named `name` (used in headers and metrics; names
+    /// follow the rule of policy names, [`check_name`], checked by
+    /// [`build`](ConcurrencyLimitBuilder::build)) with no bounds yet.
+    pub fn builder(name: &str) -> ConcurrencyLimitBuilder {
+        ConcurrencyLimitBuilder {
+            limits: Limits {
+                name: name.into(),
+                global_max: None,
+                per_key_max: None,
+                waiting: None,
+                log_level: tracing::Level::DEBUG,
+                dry_run: false,
+            },
+            lease_store: None,
+            lease: LeaseOptions::default(),
+            key: Vec::new(),
+            missing: MissingPrincipal::Reject,
+            resolver: ClientIpResolver::peer_only(),
+            body_idle: DEFAULT_BODY_IDLE_TIMEOUT,
+            exemptions: Vec::new(),
+            shape: None,
+            www_authenticate: HeaderValue::from_static("Bearer"),
+        }
     }
 
-    /// Copy-on-change, as [`RateLimitLayer`](crate::RateLimitLayer)'s
-    /// builders: services already made keep their configuration. The
-    /// limiter (and its counts) is made afresh from the new limits.
-    fn edit(mut self, f: impl FnOnce(&mut Config, &mut Limits)) -> Self {
-        let config = Arc::make_mut(&mut self.config);
-        let mut limits = config.limiter.limits.clone();
-        f(config, &mut limits);
-        config.stalls = Arc::new(Stalls::new(limits.name.clone(), config.body_idle));
-        config.limiter = Arc::new(Limiter::new(limits));
-        config.fleet = config.lease_store.clone().map(|store| {
+    /// The counters: in flight, waiting, refused. For a
+    /// [shared](ConcurrencyLimitBuilder::shared) limit, in flight and
+    /// waiting count this process's requests (holding a lease, polling for
+    /// one).
+    pub fn stats(&self) -> ConcurrencyStats {
+        let mut stats = self.config.limiter.stats();
+        if let Some(fleet) = &self.config.fleet {
+            // Leases held count in `limiter` too (as do requests counted
+            // locally when the store fails, OnLeaseError::Local).
+            let (_held, waiting, peak, restored, abandoned) = fleet.counts();
+            stats.waiting += waiting;
+            stats.peak_waiting = stats.peak_waiting.max(peak);
+            stats.leases_restored = restored;
+            stats.releases_abandoned = abandoned;
+        }
+        stats.bodies_stalled = self.config.stalls.stalled();
+        stats
+    }
+}
+
+/// Configures a [`ConcurrencyLimitLayer`], from
+/// [`ConcurrencyLimitLayer::builder`]: every method consumes and returns
+/// the builder, and [`build`](Self::build) checks the name and the lease
+/// once.
+#[must_use]
+#[derive(Clone)]
+pub struct ConcurrencyLimitBuilder {
+    limits: Limits,
+    lease_store: Option<Arc<dyn LeaseStore>>,
+    lease: LeaseOptions,
+    key: Vec<KeyPart>,
+    missing: MissingPrincipal,
+    resolver: ClientIpResolver,
+    body_idle: Duration,
+    exemptions: Vec<Exemption>,
+    shape: Option<Shape>,
+    www_authenticate: HeaderValue,
+}
+
+impl fmt::Debug for ConcurrencyLimitBuilder {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ConcurrencyLimitBuilder")
+            .field("name", &self.limits.name)
+            .field("global", &self.limits.global_max)
+            .field("per_key", &self.limits.per_key_max)
+            .field("shared", &self.lease_store.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ConcurrencyLimitBuilder {
+    fn edit(mut self, f: impl FnOnce(&mut Self)) -> Self {
+        f(&mut self);
+        self
+    }
+
+    /// The layer, once its name and (for a [shared](Self::shared) limit)
+    /// its lease are checked. Its counts start at zero.
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidLimit`] when the name is not a valid limit name, or the
+    /// lease ([`lease_ttl`](Self::lease_ttl), 10 s by default) is shorter
+    /// than [`MIN_LEASE_PER_STORE_TIMEOUT`] times the store's
+    /// [timeout](LeaseStore::timeout).
+    pub fn build(self) -> Result<ConcurrencyLimitLayer, InvalidLimit> {
+        let invalid = |problem| InvalidLimit {
+            name: self.limits.name.to_string(),
+            problem,
+        };
+        check_name(&self.limits.name).map_err(|e| invalid(LimitProblem::Name(e)))?;
+        if let Some(store) = &self.lease_store {
+            check_lease(self.lease.ttl, &**store).map_err(|e| invalid(LimitProblem::Lease(e)))?;
+        }
+        let name = self.limits.name.clone();
+        let fleet = self.lease_store.clone().map(|store| {
             Arc::new(Fleet::new(Sharing {
                 store,
-                ttl: config.lease.ttl,
-                poll: config.lease.poll,
-                on_error: config.lease.on_error,
+                ttl: self.lease.ttl,
+                poll: self.lease.poll,
+                on_error: self.lease.on_error,
             }))
         });
-        self
+        Ok(ConcurrencyLimitLayer {
+            config: Arc::new(Config {
+                stalls: Arc::new(Stalls::new(name, self.body_idle)),
+                body_idle: self.body_idle,
+                limiter: Arc::new(Limiter::new(self.limits)),
+                lease_store: self.lease_store,
+                lease: self.lease,
+                fleet,
+                key: self.key,
+                missing: self.missing,
+                resolver: self.resolver,
+                exemptions: self.exemptions,
+                shape: self.shape,
+                www_authenticate: self.www_authenticate,
+            }),
+        })
     }
 
     /// Makes the limit hold across every instance that shares `store`
@@ -185,14 +297,11 @@ impl ConcurrencyLimitLayer {
     /// Every decision is one atomic script on the store's clock; the
     /// limit's leases share one cluster hash slot.
     ///
-    /// # Errors
-    ///
-    /// [`InvalidLease`] when the lease ([`lease_ttl`](Self::lease_ttl), 10 s
-    /// by default) is shorter than [`MIN_LEASE_PER_STORE_TIMEOUT`] times
+    /// [`build`](Self::build) refuses a lease ([`lease_ttl`](Self::lease_ttl),
+    /// 10 s by default) shorter than [`MIN_LEASE_PER_STORE_TIMEOUT`] times
     /// the store's [timeout](LeaseStore::timeout).
-    pub fn shared(self, store: Arc<dyn LeaseStore>) -> Result<Self, InvalidLease> {
-        check_lease(self.config.lease.ttl, &*store)?;
-        Ok(self.edit(|c, _| c.lease_store = Some(store)))
+    pub fn shared(self, store: Arc<dyn LeaseStore>) -> Self {
+        self.edit(|b| b.lease_store = Some(store))
     }
 
     /// How long a shared limit's lease lasts unless renewed (default 10 s;
@@ -200,20 +309,11 @@ impl ConcurrencyLimitLayer {
     /// Shorter frees the slots of a dead instance sooner and costs more
     /// renewals (one store round trip per request in flight every third of
     /// it); a process paused for longer loses its leases. No effect unless
-    /// [`shared`](Self::shared).
-    ///
-    /// # Errors
-    ///
-    /// [`InvalidLease`] when the limit is shared already and `ttl` is
-    /// shorter than [`MIN_LEASE_PER_STORE_TIMEOUT`] times the store's
-    /// [timeout](LeaseStore::timeout) (set before [`shared`](Self::shared),
-    /// it is checked there).
-    pub fn lease_ttl(self, ttl: Duration) -> Result<Self, InvalidLease> {
+    /// [`shared`](Self::shared); checked against the store's timeout by
+    /// [`build`](Self::build).
+    pub fn lease_ttl(self, ttl: Duration) -> Self {
         let ttl = ttl.clamp(MIN_LEASE, MAX_LEASE);
-        if let Some(store) = &self.config.lease_store {
-            check_lease(ttl, &**store)?;
-        }
-        Ok(self.edit(|c, _| c.lease.ttl = ttl))
+        self.edit(|b| b.lease.ttl = ttl)
     }
 
     /// How often a shared limit's first waiting request asks again
@@ -221,28 +321,28 @@ impl ConcurrencyLimitLayer {
     /// waiters behind that could be admitted. No effect unless
     /// [`shared`](Self::shared).
     pub fn poll_every(self, every: Duration) -> Self {
-        self.edit(|c, _| c.lease.poll = every.max(Duration::from_millis(1)))
+        self.edit(|b| b.lease.poll = every.max(Duration::from_millis(1)))
     }
 
     /// What a shared limit does when its store fails or does not answer in
     /// time (default [`OnLeaseError::FailClosed`]). No effect unless
     /// [`shared`](Self::shared).
     pub fn on_lease_error(self, what: OnLeaseError) -> Self {
-        self.edit(|c, _| c.lease.on_error = what)
+        self.edit(|b| b.lease.on_error = what)
     }
 
     /// At most `max` requests in flight through this layer in all (503 beyond).
     pub fn global(self, max: NonZeroUsize) -> Self {
-        self.edit(|_, l| l.global_max = Some(max.get()))
+        self.edit(|b| b.limits.global_max = Some(max.get()))
     }
 
     /// At most `max` requests in flight per key built from `parts` (429
     /// beyond), e.g. `[KeyPart::Account]`.
     pub fn per_key(self, max: NonZeroUsize, parts: impl IntoIterator<Item = KeyPart>) -> Self {
         let parts: Vec<KeyPart> = parts.into_iter().collect();
-        self.edit(|c, l| {
-            l.per_key_max = Some(max.get());
-            c.key = parts;
+        self.edit(|b| {
+            b.limits.per_key_max = Some(max.get());
+            b.key = parts;
         })
     }
 
@@ -250,7 +350,7 @@ impl ConcurrencyLimitLayer {
     /// (`Duration::MAX`: as long as it takes), for a permit before being
     /// refused. Without it, refusal is immediate.
     pub fn wait(self, max_waiters: usize, max_wait: Duration) -> Self {
-        self.edit(|_, l| l.waiting = Some((max_waiters, max_wait)))
+        self.edit(|b| b.limits.waiting = Some((max_waiters, max_wait)))
     }
 
     /// The level refusals are logged at (default `DEBUG`): the layer, the
@@ -261,7 +361,7 @@ impl ConcurrencyLimitLayer {
     /// request refused for want of a principal (`401`) or an unusable
     /// address (`400`) too, naming the layer (it has no key to show).
     pub fn log_refusals(self, level: tracing::Level) -> Self {
-        self.edit(|_, l| l.log_level = level)
+        self.edit(|b| b.limits.log_level = level)
     }
 
     /// How long a response body may make no progress before it is ended
@@ -281,7 +381,7 @@ impl ConcurrencyLimitLayer {
     /// with rare heartbeats, long polls).
     pub fn body_idle_timeout(self, idle: Duration) -> Self {
         let idle = idle.max(Duration::from_millis(1));
-        self.edit(|c, _| c.body_idle = idle)
+        self.edit(|b| b.body_idle = idle)
     }
 
     /// Dry-run: a full limit refuses nothing. The request that would have
@@ -295,23 +395,23 @@ impl ConcurrencyLimitLayer {
     /// unusable address, `503` when a shared limit's store fails and the
     /// layer fails closed.
     pub fn dry_run(self, yes: bool) -> Self {
-        self.edit(|_, l| l.dry_run = yes)
+        self.edit(|b| b.limits.dry_run = yes)
     }
 
     /// What to do when the per-key parts need a principal and there is none
     /// (default: 401).
     pub fn when_no_principal(self, what: MissingPrincipal) -> Self {
-        self.edit(|c, _| c.missing = what)
+        self.edit(|b| b.missing = what)
     }
 
     /// How client addresses are resolved for [`KeyPart::ClientIp`].
     pub fn client_ip(self, resolver: ClientIpResolver) -> Self {
-        self.edit(|c, _| c.resolver = resolver)
+        self.edit(|b| b.resolver = resolver)
     }
 
     /// Lets requests that `exemption` matches skip this limit (repeat to
     /// add more; any one exempts), as
-    /// [`RateLimitLayer::exempt`](crate::RateLimitLayer::exempt) does: an
+    /// [`RateLimitLayer::exempt`](crate::rate_limit::RateLimitBuilder::exempt) does: an
     /// exempt request is not counted in flight, never waits and is never
     /// refused, so a health check or a `/metrics` route stays up when the
     /// service is at capacity. Exemptions by network read the client
@@ -321,18 +421,19 @@ impl ConcurrencyLimitLayer {
     /// use std::num::NonZeroUsize;
     /// use tollgate::{ConcurrencyLimitLayer, Exemption};
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-    /// let limit = ConcurrencyLimitLayer::new("in-flight")?
+    /// let limit = ConcurrencyLimitLayer::builder("in-flight")
     ///     .global(NonZeroUsize::new(64).unwrap())
-    ///     .exempt(Exemption::when(|req| req.uri.path() == "/metrics"));
+    ///     .exempt(Exemption::when(|req| req.uri.path() == "/metrics"))
+    ///     .build()?;
     /// # Ok(()) }
     /// ```
     pub fn exempt(self, exemption: Exemption) -> Self {
-        self.edit(|c, _| c.exemptions.push(exemption))
+        self.edit(|b| b.exemptions.push(exemption))
     }
 
     /// Writes the body of this layer's HTTP refusals (`429`, `503`, `401`,
     /// `400`) with `body`, as
-    /// [`RateLimitLayer::refusal_body`](crate::RateLimitLayer::refusal_body)
+    /// [`RateLimitLayer::refusal_body`](crate::rate_limit::RateLimitBuilder::refusal_body)
     /// does (the same [`RefusalInfo`], so one function can serve both
     /// layers); the status and every header stay tollgate's, gRPC refusals
     /// are unchanged. [`RefusalInfo::retry_after`] is `None` here (no time
@@ -341,33 +442,15 @@ impl ConcurrencyLimitLayer {
         self,
         body: impl Fn(&RefusalInfo<'_>) -> RefusalBody + Send + Sync + 'static,
     ) -> Self {
-        self.edit(|c, _| c.shape = Some(Shape(Arc::new(body))))
+        self.edit(|b| b.shape = Some(Shape(Arc::new(body))))
     }
 
     /// The `WWW-Authenticate` challenge sent with `401` when the per-key
     /// parts need a principal and the request has none (default:
     /// `Bearer`), as
-    /// [`RateLimitLayer::www_authenticate`](crate::RateLimitLayer::www_authenticate).
+    /// [`RateLimitLayer::www_authenticate`](crate::rate_limit::RateLimitBuilder::www_authenticate).
     pub fn www_authenticate(self, challenge: HeaderValue) -> Self {
-        self.edit(|c, _| c.www_authenticate = challenge)
-    }
-
-    /// The counters: in flight, waiting, refused. For a
-    /// [shared](Self::shared) limit, in flight and waiting count this
-    /// process's requests (holding a lease, polling for one).
-    pub fn stats(&self) -> ConcurrencyStats {
-        let mut stats = self.config.limiter.stats();
-        if let Some(fleet) = &self.config.fleet {
-            // Leases held count in `limiter` too (as do requests counted
-            // locally when the store fails, OnLeaseError::Local).
-            let (_held, waiting, peak, restored, abandoned) = fleet.counts();
-            stats.waiting += waiting;
-            stats.peak_waiting = stats.peak_waiting.max(peak);
-            stats.leases_restored = restored;
-            stats.releases_abandoned = abandoned;
-        }
-        stats.bodies_stalled = self.config.stalls.stalled();
-        stats
+        self.edit(|b| b.www_authenticate = challenge)
     }
 }
 

@@ -86,7 +86,7 @@ pub struct ConcurrencyStats {
     /// Requests refused by the per-key limit.
     pub refused_per_key: u64,
     /// Requests refused by the global limit, a full waiting queue, or (for
-    /// a [shared](crate::ConcurrencyLimitLayer::shared) limit) a failed
+    /// a [shared](crate::concurrency::ConcurrencyLimitBuilder::shared) limit) a failed
     /// lease store.
     pub refused_global: u64,
     /// Shared limits: leases found gone while their request still ran (the
@@ -99,7 +99,7 @@ pub struct ConcurrencyStats {
     /// holds its slot until its time to live runs out.
     pub releases_abandoned: u64,
     /// Response bodies ended because they made no progress for the layer's
-    /// [`body_idle_timeout`](crate::ConcurrencyLimitLayer::body_idle_timeout).
+    /// [`body_idle_timeout`](crate::concurrency::ConcurrencyLimitBuilder::body_idle_timeout).
     pub bodies_stalled: u64,
 }
 
@@ -309,6 +309,8 @@ impl Limiter {
                 key_fingerprint = %key.map_or_else(|| "-".to_owned(), |k| crate::observe::fingerprint_text(k.as_bytes())),
                 "dry run: this request would have been refused: too many in flight"
             );
+            // Counter `tollgate_dry_run_refused_total{layer, scope}` (`scope`:
+            // `per_key`, `global` or `queue`); documented in observe.rs.
             #[cfg(feature = "metrics")]
             metrics::counter!(
                 "tollgate_dry_run_refused_total",
@@ -331,6 +333,9 @@ impl Limiter {
             Saturated::Global | Saturated::Queue | Saturated::Unavailable => &self.refused_global,
         };
         counter.fetch_add(1, Ordering::Relaxed);
+        // Counter `tollgate_concurrency_refused_total{layer, scope}` (`scope`:
+        // `per_key`, `global`, `queue` or `store_unavailable`); documented in
+        // observe.rs.
         #[cfg(feature = "metrics")]
         metrics::counter!(
             "tollgate_concurrency_refused_total",
@@ -341,6 +346,9 @@ impl Limiter {
         full
     }
 
+    /// Sets the gauges `tollgate_in_flight{layer}` and
+    /// `tollgate_waiting{layer}` (this process's counts; documented in
+    /// observe.rs).
     fn gauges(&self) {
         #[cfg(feature = "metrics")]
         {

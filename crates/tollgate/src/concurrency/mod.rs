@@ -1,7 +1,7 @@
 //! The concurrency-limit middleware: bound the work still in flight.
 //!
 //! A token bucket bounds admitted work, not running work: slow requests stay
-//! active while tokens refill. [`ConcurrencyLimitLayer`] protects scarce
+//! active while tokens refill. [`ConcurrencyLimitLayer`](crate::ConcurrencyLimitLayer) protects scarce
 //! worker or database capacity by counting a request from admission until
 //! its response body has been fully sent, has failed, or has been dropped
 //! (a client that disconnects mid-stream frees its slot).
@@ -11,7 +11,7 @@
 //!   `RateLimit-Policy` names the unit `concurrent-requests`; no
 //!   `Retry-After`, since no time can be promised;
 //! - global: over the limit is `503`;
-//! - refusal is immediate unless [`ConcurrencyLimitLayer::wait`] allows a
+//! - refusal is immediate unless [`ConcurrencyLimitBuilder::wait`](crate::concurrency::ConcurrencyLimitBuilder::wait) allows a
 //!   bounded number of waiters for a bounded time, served first come,
 //!   first served; there is never an unbounded queue;
 //! - an upgraded connection (WebSocket, `CONNECT`) answers with an empty
@@ -20,7 +20,7 @@
 //!
 //! It composes with [`RateLimitLayer`](crate::RateLimitLayer) in either
 //! order. A response body that makes no progress for
-//! [`ConcurrencyLimitLayer::body_idle_timeout`] (a minute by default) is
+//! [`ConcurrencyLimitBuilder::body_idle_timeout`](crate::concurrency::ConcurrencyLimitBuilder::body_idle_timeout) (a minute by default) is
 //! ended and its slot released at once, even when the client has stopped
 //! reading and the server no longer polls it (an HTTP/2 stream whose
 //! window stays at zero, a full TCP window); counted in
@@ -30,8 +30,8 @@
 //! `tower_http::timeout::TimeoutLayer` bounds that time.
 //!
 //! By default the counts are this process's. With
-//! [`ConcurrencyLimitLayer::shared`] they hold across a fleet: every
-//! request in flight holds a lease in a shared [`tollgate_budget::LeaseStore`]
+//! [`ConcurrencyLimitBuilder::shared`](crate::concurrency::ConcurrencyLimitBuilder::shared) they hold across a fleet: every
+//! request in flight holds a lease in a shared [`LeaseStore`](crate::store::LeaseStore)
 //! (the Redis store is one), renewed while it runs and expiring on its own
 //! if its instance dies; see there for what a paused process can do and
 //! what a store failure does ([`OnLeaseError`]).
@@ -41,12 +41,13 @@
 //! use axum::{Router, routing::get};
 //! use tollgate::{ConcurrencyLimitLayer, KeyPart};
 //!
-//! let slow = ConcurrencyLimitLayer::new("slow")
-//!     .unwrap()
+//! let slow = ConcurrencyLimitLayer::builder("slow")
 //!     .per_key(NonZeroUsize::new(2).unwrap(), [KeyPart::Account])
-//!     .global(NonZeroUsize::new(8).unwrap());
+//!     .global(NonZeroUsize::new(8).unwrap())
+//!     .build()?;
 //! let app: Router = Router::new().route("/slow", get(|| async { "done" }).route_layer(slow));
 //! # let _ = app;
+//! # Ok::<(), tollgate::InvalidLimit>(())
 //! ```
 
 mod body;
@@ -54,7 +55,7 @@ mod config;
 mod fleet;
 mod future;
 mod in_flight;
-mod layer;
+pub(crate) mod layer;
 mod limiter;
 mod refusal;
 mod release;
@@ -65,7 +66,7 @@ pub use body::{BoxError, PermitBody};
 pub use fleet::OnLeaseError;
 pub use future::ResponseFuture;
 pub use in_flight::InFlight;
-pub use layer::{ConcurrencyLimitLayer, InvalidLease, MIN_LEASE_PER_STORE_TIMEOUT};
+pub use layer::{ConcurrencyLimitBuilder, MIN_LEASE_PER_STORE_TIMEOUT};
 pub use limiter::ConcurrencyStats;
 pub use service::ConcurrencyLimit;
 pub use stall::{BodyStalled, DEFAULT_BODY_IDLE_TIMEOUT};

@@ -117,6 +117,8 @@ fn queue<F: Owner>(fleet: &Arc<F>, runtime: &tokio::runtime::Handle, lease: Leas
                  fails; this one expires by itself (its slot stays taken until then)"
             );
         }
+        // Counter `tollgate_lease_release_abandoned_total{layer}`; documented
+        // in observe.rs.
         #[cfg(feature = "metrics")]
         metrics::counter!(
             "tollgate_lease_release_abandoned_total",

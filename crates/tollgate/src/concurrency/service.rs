@@ -17,7 +17,7 @@ use crate::rate_limit::any_matches;
 use crate::response::{Answer, Protocol};
 
 /// Bounds requests in flight; made by
-/// [`ConcurrencyLimitLayer`](super::ConcurrencyLimitLayer).
+/// [`ConcurrencyLimitLayer`](crate::ConcurrencyLimitLayer).
 pub struct ConcurrencyLimit<S> {
     inner: S,
     config: Arc<Config>,

@@ -20,12 +20,12 @@ use tokio::time::Instant;
 use super::in_flight::Held;
 use crate::observe::Throttle;
 
-/// The default [`body_idle_timeout`](super::ConcurrencyLimitLayer::body_idle_timeout):
+/// The default [`body_idle_timeout`](crate::concurrency::ConcurrencyLimitBuilder::body_idle_timeout):
 /// a minute.
 pub const DEFAULT_BODY_IDLE_TIMEOUT: Duration = Duration::from_secs(60);
 
 /// The error a response body ends with when it made no progress for the
-/// layer's [`body_idle_timeout`](super::ConcurrencyLimitLayer::body_idle_timeout).
+/// layer's [`body_idle_timeout`](crate::concurrency::ConcurrencyLimitBuilder::body_idle_timeout).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
     "the response body made no progress for {idle:?} (the client stopped reading, or the \
@@ -193,6 +193,8 @@ impl Watched {
                  stopped producing): its in-flight slot is released and the body ended"
             );
         }
+        // Counter `tollgate_stalled_bodies_total{layer}`; documented in
+        // observe.rs.
         #[cfg(feature = "metrics")]
         metrics::counter!("tollgate_stalled_bodies_total", "layer" => stalls.limit.to_string())
             .increment(1);

@@ -161,7 +161,7 @@ pub enum ClientIpError {
     #[error(
         "no peer address in the request extensions: serve axum with \
          `into_make_service_with_connect_info::<SocketAddr>()`, or insert \
-         `tollgate::PeerAddr` for each connection"
+         `tollgate::identity::PeerAddr` for each connection"
     )]
     MissingPeer,
     /// The single trusted proxy sent something other than exactly one address.
@@ -239,7 +239,7 @@ enum Mode {
 ///   anything else from it is an error ([`ClientIpError::NotSingleAddress`]).
 ///
 /// ```
-/// use tollgate::{ClientIpResolver, ForwardedHeader};
+/// use tollgate::{ClientIpResolver, identity::ForwardedHeader};
 /// let resolver = ClientIpResolver::trusting(["10.0.0.0/8".parse()?], ForwardedHeader::XForwardedFor)?;
 /// let mut headers = http::HeaderMap::new();
 /// headers.insert("x-forwarded-for", "203.0.113.7, 10.1.1.1".parse().unwrap());

@@ -7,7 +7,7 @@
 //! entries and read right to left, and every entry stands on its own: an
 //! entry that is malformed, not visible ASCII, `unknown`, obfuscated or cut
 //! by a length limit becomes a [`Node`] that is not an address, which stops
-//! the trust walk in [`crate::ClientIpResolver`] *at that entry*. Bytes a
+//! the trust walk in [`ClientIpResolver`](crate::ClientIpResolver) *at that entry*. Bytes a
 //! client wrote to the left can never invalidate what trusted hops wrote to
 //! their right.
 //!

@@ -26,7 +26,7 @@ use super::{ClientIp, ClientIpError, ClientIpResolver, Principal};
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum KeyPart {
-    /// The resolved client address ([`crate::ClientIpResolver`]).
+    /// The resolved client address ([`ClientIpResolver`](crate::ClientIpResolver)).
     ClientIp,
     /// The principal's tenant.
     Tenant,
@@ -36,7 +36,7 @@ pub enum KeyPart {
     /// The principal's tenant, account and credential id (empty if the
     /// authenticator set none).
     Credential,
-    /// The operation from routing ([`crate::Operation`]).
+    /// The operation from routing ([`Operation`](crate::Operation)).
     Operation,
     /// A fixed component, e.g. to group several routes into one budget.
     Literal(Arc<str>),
@@ -61,7 +61,7 @@ impl KeyPart {
     /// `name` (`[A-Za-z0-9._-]`, 1 to 64 bytes) tags the component
     /// (`x.NAME=value`), so a custom component never equals a built-in one
     /// or another custom one. A request without the extension is treated
-    /// like one without a principal ([`crate::Rule::when_no_principal`]:
+    /// like one without a principal ([`Rule::when_no_principal`](crate::Rule::when_no_principal):
     /// `401` by default, or the client address, or skip the rule).
     ///
     /// ```
@@ -164,7 +164,7 @@ impl std::fmt::Debug for CustomPart {
     }
 }
 
-/// What a rule does when its key needs a [`crate::Principal`] and the
+/// What a rule does when its key needs a [`Principal`](crate::Principal) and the
 /// request has none.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
 #[non_exhaustive]
@@ -397,9 +397,9 @@ mod tests {
                 }
             }
             req.extensions_mut().insert(Principal::new("north", "alice"));
-            req.extensions_mut().insert(crate::PeerAddr((peer, 1).into()));
+            req.extensions_mut().insert(crate::identity::PeerAddr((peer, 1).into()));
             let (parts, ()) = req.into_parts();
-            let resolver = ClientIpResolver::trusting(["0.0.0.0/0".parse().unwrap()], crate::ForwardedHeader::XForwardedFor).unwrap();
+            let resolver = ClientIpResolver::trusting(["0.0.0.0/0".parse().unwrap()], crate::identity::ForwardedHeader::XForwardedFor).unwrap();
             let key = RequestIdentity::new(&parts, &resolver)
                 .key(&[KeyPart::Account], MissingPrincipal::Reject, None)
                 .unwrap();
@@ -415,7 +415,7 @@ mod tests {
         let request = |principal: Option<Principal>| {
             let mut req = http::Request::builder().uri("/").body(()).unwrap();
             req.extensions_mut()
-                .insert(crate::PeerAddr(([203, 0, 113, 5], 1).into()));
+                .insert(crate::identity::PeerAddr(([203, 0, 113, 5], 1).into()));
             if let Some(p) = principal {
                 req.extensions_mut().insert(p);
             }
@@ -457,7 +457,7 @@ mod tests {
             .body(())
             .unwrap();
         req.extensions_mut()
-            .insert(crate::PeerAddr(([203, 0, 113, 5], 1).into()));
+            .insert(crate::identity::PeerAddr(([203, 0, 113, 5], 1).into()));
         req.extensions_mut()
             .insert(Principal::new("north", "alice"));
         let (parts, ()) = req.into_parts();

@@ -1,5 +1,5 @@
 //! Who is asking: the verified [`Principal`], the client address
-//! ([`ClientIpResolver`]) and the [`Operation`] from routing.
+//! ([`ClientIpResolver`]) and the [`Operation`](crate::Operation) from routing.
 //!
 //! Nothing here reads an account from a header or query string, and nothing
 //! reads a bearer secret: a per-account key comes only from the
@@ -7,24 +7,24 @@
 //! extensions. A client address comes from the connected peer, and a
 //! forwarded address is believed only from a configured trusted proxy.
 
-mod client_ip;
+pub(crate) mod client_ip;
 // Public to the fuzz targets only: `cargo fuzz` builds with `--cfg fuzzing`.
 #[cfg(fuzzing)]
 pub mod forwarded;
 #[cfg(not(fuzzing))]
 #[allow(unreachable_pub)]
 mod forwarded;
-mod keys;
-mod operation;
-mod principal;
+pub(crate) mod keys;
+pub(crate) mod operation;
+pub(crate) mod principal;
 
+pub(crate) use client_ip::ClientIpResolver;
 pub(crate) use client_ip::canonical_nets;
 pub use client_ip::{
-    ClientIp, ClientIpError, ClientIpResolver, ForwardedHeader, InvalidNetwork, InvalidPrefix,
-    PeerAddr,
+    ClientIp, ClientIpError, ForwardedHeader, InvalidNetwork, InvalidPrefix, PeerAddr,
 };
-pub use keys::{CustomPart, KeyPart, MissingPrincipal};
+pub use keys::CustomPart;
 pub(crate) use keys::{KeyError, RequestIdentity};
-pub use operation::Operation;
+pub(crate) use keys::{KeyPart, MissingPrincipal};
 pub(crate) use operation::{nested_of as operation_nest, route_of as operation_route};
-pub use principal::Principal;
+pub(crate) use principal::Principal;

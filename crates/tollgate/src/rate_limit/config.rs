@@ -11,6 +11,7 @@ use arc_swap::ArcSwap;
 use http::HeaderValue;
 use tollgate_budget::{Algorithm, DynStore, Store, StoreError, StoreErrorKind};
 
+use super::invalid::{InvalidRule, Problem};
 use super::shaping::Waiters;
 use super::{Exemption, Rule};
 use crate::ClientIpResolver;
@@ -30,7 +31,7 @@ pub enum OnStoreError {
     FailClosed,
     /// Admit the request, and count and log that it was admitted unchecked.
     FailOpen,
-    /// Ask another store (e.g. a local [`tollgate_budget::MemoryStore`]); if it
+    /// Ask another store (e.g. a local [`MemoryStore`](crate::MemoryStore)); if it
     /// fails too, fail closed.
     Fallback(Arc<dyn DynStore>),
 }
@@ -93,32 +94,13 @@ pub(crate) struct Config<St> {
     pub(crate) reported_no_matched_path: AtomicBool,
 }
 
-/// A rule the layer's store cannot serve (a policy it cannot hold, or a
-/// [`Rule::charge_only_when`] on a store that cannot give charges back),
-/// refused by [`RateLimitLayer::try_rule`](super::RateLimitLayer::try_rule)
-/// (or, as a panic, [`RateLimitLayer::rule`](super::RateLimitLayer::rule)).
-#[derive(Debug, thiserror::Error)]
-#[error("rule {policy:?} cannot be added to this store: {source}")]
-pub struct UnsupportedRule {
-    policy: String,
-    #[source]
-    source: StoreError,
-}
-
-impl UnsupportedRule {
-    /// The name of the refused rule's policy.
-    pub fn policy(&self) -> &str {
-        &self.policy
-    }
-}
-
 /// Whether `store` can serve `rule`: every policy of it (plans and
 /// overrides too), and [`Rule::charge_only_when`]'s refunds.
-pub(crate) fn check(store: &(impl Store + ?Sized), rule: &Rule) -> Result<(), UnsupportedRule> {
-    let refuse = |source| UnsupportedRule {
-        policy: rule.policy().name().to_owned(),
-        source,
-    };
+pub(crate) fn check(store: &(impl Store + ?Sized), rule: &Rule) -> Result<(), InvalidRule> {
+    if let Some(problem) = rule.invalid() {
+        return Err(InvalidRule::of_rule(rule.policy().name(), problem.clone()));
+    }
+    let refuse = |source| InvalidRule::new(rule.policy().name(), Problem::Store(source));
     for policy in rule.policies() {
         store.check_policy(policy).map_err(refuse)?;
     }

@@ -6,15 +6,16 @@ use std::sync::Arc;
 use http::request::Parts;
 use ipnet::IpNet;
 
+use crate::Principal;
+use crate::identity::InvalidNetwork;
 use crate::identity::{RequestIdentity, canonical_nets};
-use crate::{InvalidNetwork, Principal};
 
 type PrincipalFn = dyn Fn(&Principal) -> bool + Send + Sync;
 type RequestFn = dyn Fn(&Parts) -> bool + Send + Sync;
 
 /// Requests that a [`Rule`](crate::Rule) (with [`Rule::exempt`](crate::Rule::exempt))
 /// or a whole [`RateLimitLayer`](crate::RateLimitLayer) (with
-/// [`RateLimitLayer::exempt`](crate::RateLimitLayer::exempt)) does not
+/// [`RateLimitBuilder::exempt`](crate::rate_limit::RateLimitBuilder::exempt)) does not
 /// charge.
 ///
 /// An exempt request charges nothing for the rules it is exempt from and
@@ -39,7 +40,7 @@ type RequestFn = dyn Fn(&Parts) -> bool + Send + Sync;
 /// ```
 /// use tollgate::{Exemption, MemoryStore, Policy, Rate, RateLimitLayer, Rule};
 /// let per_ip = Policy::token_bucket("per-ip", 5, Rate::per_second(1)).unwrap();
-/// let layer = RateLimitLayer::new(MemoryStore::new())
+/// let layer = RateLimitLayer::builder(MemoryStore::new())
 ///     // Health checks skip every rule, even when the store is down.
 ///     .exempt(Exemption::when(|req| req.uri.path() == "/healthz"))
 ///     .rule(

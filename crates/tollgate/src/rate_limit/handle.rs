@@ -7,7 +7,8 @@ use std::sync::Arc;
 use tollgate_budget::{DynStore, Policy, Store};
 
 use super::Rule;
-use super::config::{RuleSet, UnsupportedRule, check};
+use super::config::{RuleSet, check};
+use super::invalid::InvalidRule;
 
 /// Replaces the rules (or one policy) of a [`RateLimitLayer`](crate::RateLimitLayer)
 /// while it serves, from [`RateLimitLayer::rules_handle`](crate::RateLimitLayer::rules_handle).
@@ -17,7 +18,7 @@ use super::config::{RuleSet, UnsupportedRule, check};
 /// set. Budget state belongs to a policy's name (and unit) and the key, not
 /// to its numbers, so a policy changed under the same name keeps what every
 /// key has spent, converted exactly by
-/// [`carry_over`](tollgate_budget::algorithm::carry_over): lowering a limit
+/// [`carry_over`](crate::store::algorithm::carry_over): lowering a limit
 /// never admits a burst, raising it never forgets what was spent, and a
 /// change of algorithm (bucket to window) carries the units spent. A key
 /// changes over at its first request under the new numbers. A policy under
@@ -29,8 +30,9 @@ use super::config::{RuleSet, UnsupportedRule, check};
 /// ```
 /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer, Rule};
 /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// let layer = RateLimitLayer::new(MemoryStore::new())
-///     .rule(Rule::per_client_ip(Policy::token_bucket("per-ip", 5, Rate::per_second(1))?));
+/// let layer = RateLimitLayer::builder(MemoryStore::new())
+///     .rule(Rule::per_client_ip(Policy::token_bucket("per-ip", 5, Rate::per_second(1))?))
+///     .build()?;
 /// let handle = layer.rules_handle();
 /// // ... serve with `layer`; later, from an admin endpoint or a config watcher:
 /// handle.set_policy(Policy::token_bucket("per-ip", 2, Rate::per_second(1))?)?;
@@ -69,10 +71,10 @@ impl<St: Store> RulesHandle<St> {
         }
     }
 
-    /// Replaces every rule, in order, once each is checked against the
-    /// store ([`RateLimitLayer::try_rule`](crate::RateLimitLayer::try_rule)'s
-    /// checks). On an error the rules are unchanged.
-    pub fn replace(&self, rules: impl IntoIterator<Item = Rule>) -> Result<(), UnsupportedRule> {
+    /// Replaces every rule, in order, once each is checked as
+    /// [`RateLimitBuilder::build`](super::RateLimitBuilder::build) checks
+    /// them. On an error the rules are unchanged.
+    pub fn replace(&self, rules: impl IntoIterator<Item = Rule>) -> Result<(), InvalidRule> {
         let rules: Vec<Rule> = rules.into_iter().collect();
         for rule in &rules {
             self.check(rule)?;
@@ -88,7 +90,7 @@ impl<St: Store> RulesHandle<St> {
     /// each rule's unit first (a rule with a content cost counts in
     /// `content-kib`, say), as [`Rule::plan`] does. Checked against the
     /// store first.
-    pub fn set_policy(&self, policy: Policy) -> Result<usize, UnsupportedRule> {
+    pub fn set_policy(&self, policy: Policy) -> Result<usize, InvalidRule> {
         self.change_budget(&policy, |rule, policy| rule.with_default_policy(policy))
     }
 
@@ -105,14 +107,15 @@ impl<St: Store> RulesHandle<St> {
     /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer, Rule};
     /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
     /// let export = |n, per_s| Policy::token_bucket("export", n, Rate::per_second(per_s));
-    /// let layer = RateLimitLayer::new(MemoryStore::new())
-    ///     .rule(Rule::per_account(export(3, 1)?).plan("pro", export(30, 10)?));
+    /// let layer = RateLimitLayer::builder(MemoryStore::new())
+    ///     .rule(Rule::per_account(export(3, 1)?).plan("pro", export(30, 10)?))
+    ///     .build()?;
     /// let handle = layer.rules_handle();
     /// // Later: the "pro" plan gets more; the default and other plans stay.
     /// assert_eq!(handle.set_plan("pro", export(60, 20)?)?, 1);
     /// # Ok(()) }
     /// ```
-    pub fn set_plan(&self, plan: &str, policy: Policy) -> Result<usize, UnsupportedRule> {
+    pub fn set_plan(&self, plan: &str, policy: Policy) -> Result<usize, InvalidRule> {
         self.change_budget(&policy, |rule, policy| rule.with_plan_policy(plan, policy))
     }
 
@@ -124,7 +127,7 @@ impl<St: Store> RulesHandle<St> {
         &self,
         policy: &Policy,
         change: impl Fn(Rule, Policy) -> Rule,
-    ) -> Result<usize, UnsupportedRule> {
+    ) -> Result<usize, InvalidRule> {
         let matches = |r: &Rule| r.policy().same_budget(&r.in_rule_unit(policy.clone()));
         let changed = |rules: &[Rule]| -> Vec<Rule> {
             rules
@@ -153,7 +156,7 @@ impl<St: Store> RulesHandle<St> {
         self.rules.load_full()
     }
 
-    fn check(&self, rule: &Rule) -> Result<(), UnsupportedRule> {
+    fn check(&self, rule: &Rule) -> Result<(), InvalidRule> {
         check(&*self.store, rule)?;
         if let Some(fallback) = &self.fallback {
             check(fallback, rule)?;

@@ -1,5 +1,5 @@
-//! [`RateLimitLayer`]: rules, store, exemptions and answers, with
-//! copy-on-change builders that check each rule against the store.
+//! [`RateLimitLayer`] and its [`RateLimitBuilder`]: rules, store,
+//! exemptions and answers, checked once when the layer is built.
 
 use std::fmt;
 use std::sync::Arc;
@@ -10,17 +10,27 @@ use http::HeaderValue;
 use tollgate_budget::Store;
 use tower_layer::Layer;
 
-use super::config::{Config, OnStoreError, RuleSet, UnsupportedRule, check};
+use super::config::{Config, OnStoreError, RuleSet, check};
 use super::handle::RulesHandle;
+use super::invalid::InvalidRule;
 use super::{Exemption, RateLimit, Rule};
 use crate::ClientIpResolver;
 use crate::response::{RefusalBody, RefusalInfo, Shape};
 
 /// Applies [`RateLimit`] to a service: the rules, the store, how client
-/// addresses are resolved and what a store failure means.
+/// addresses are resolved and what a store failure means. Made by
+/// [`RateLimitLayer::builder`]; cheap to clone (the configuration is shared
+/// behind an `Arc` by every service the layer makes).
 ///
-/// Builder methods consume and return the layer; the configuration is shared
-/// (behind an `Arc`) by every service the layer makes.
+/// ```
+/// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer, Rule};
+/// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// let layer = RateLimitLayer::builder(MemoryStore::new())
+///     .rule(Rule::per_client_ip(Policy::token_bucket("per-ip", 10, Rate::per_second(5))?))
+///     .build()?;
+/// # let _ = layer;
+/// # Ok(()) }
+/// ```
 #[must_use]
 pub struct RateLimitLayer<St> {
     config: Arc<Config<St>>,
@@ -48,18 +58,14 @@ impl<St> fmt::Debug for RateLimitLayer<St> {
 }
 
 impl<St: Store> RateLimitLayer<St> {
-    /// A layer charging `store`, with no rules yet, peer-only client
-    /// addresses, fail-closed on store errors and `RateLimit` fields on
-    /// admitted responses.
-    pub fn new(store: St) -> Self {
-        Self::with_shared_store(Arc::new(store))
-    }
-
-    /// Like [`RateLimitLayer::new`], for a store shared with other layers.
-    pub fn with_shared_store(store: Arc<St>) -> Self {
-        Self {
-            config: Arc::new(Config {
-                store,
+    /// Starts a layer charging `store` (an `Arc` of a store is a store
+    /// too, for one store shared by several layers), with no rules yet,
+    /// peer-only client addresses, fail-closed on store errors and
+    /// `RateLimit` fields on admitted responses.
+    pub fn builder(store: St) -> RateLimitBuilder<St> {
+        RateLimitBuilder {
+            config: Config {
+                store: Arc::new(store),
                 rules: RuleSet::default(),
                 resolver: ClientIpResolver::peer_only(),
                 on_store_error: OnStoreError::FailClosed,
@@ -72,58 +78,15 @@ impl<St: Store> RateLimitLayer<St> {
                 max_waiting: 1024,
                 waiters: Arc::default(),
                 reported_no_matched_path: AtomicBool::new(false),
-            }),
+            },
+            rules: Vec::new(),
         }
     }
 
-    /// Copy-on-change, as [`ConcurrencyLimitLayer`](crate::ConcurrencyLimitLayer)'s
-    /// builders: services already made keep their configuration.
-    fn edit(mut self, f: impl FnOnce(&mut Config<St>)) -> Self {
-        f(Arc::make_mut(&mut self.config));
-        self
-    }
-
-    /// Adds a rule. Every rule that applies to a request and whose key and
-    /// cost are known is charged in one all-or-nothing store call, also
-    /// when the layer then refuses the request for its own reasons (see
-    /// [the order of answers](super#the-order-of-answers-every-request-counts-against-its-address)).
-    ///
-    /// # Panics
-    ///
-    /// If the store cannot hold the rule's policy
-    /// ([`Store::check_policy`], e.g. a Redis store and a window longer
-    /// than it can decide exactly), with the reason, as axum's
-    /// `Router::route` panics on an invalid route: a configuration error
-    /// shows when the layer is built, never as a `503` at runtime. Use
-    /// [`RateLimitLayer::try_rule`] when the store or the policies are
-    /// chosen at runtime.
-    #[track_caller]
-    pub fn rule(self, rule: Rule) -> Self {
-        match self.try_rule(rule) {
-            Ok(layer) => layer,
-            Err(e) => panic!("{e}"),
-        }
-    }
-
-    /// Like [`RateLimitLayer::rule`], returning an error instead of
-    /// panicking when the store (or the fallback store) cannot hold the
-    /// rule's policy.
-    pub fn try_rule(self, rule: Rule) -> Result<Self, UnsupportedRule> {
-        check(&*self.config.store, &rule)?;
-        if let OnStoreError::Fallback(fallback) = &self.config.on_store_error {
-            check(fallback, &rule)?;
-        }
-        Ok(self.edit(|c| {
-            let mut rules = Vec::clone(&c.rules.load());
-            rules.push(rule);
-            c.rules = Arc::new(ArcSwap::from_pointee(rules));
-        }))
-    }
-
-    /// A handle that replaces this layer's rules, or one policy, while it
-    /// serves, without a fresh budget ([`RulesHandle`]). Take it once the
-    /// layer is built: rules added to the layer afterwards make a new set
-    /// that the handle does not control.
+    /// A handle that replaces this layer's rules, or one policy or plan,
+    /// while it serves, without a fresh budget ([`RulesHandle`]). Every
+    /// clone of the layer, and every service made from it, follows the
+    /// handle's changes.
     pub fn rules_handle(&self) -> RulesHandle<St> {
         let fallback = match &self.config.on_store_error {
             OnStoreError::Fallback(store) => Some(store.clone()),
@@ -135,35 +98,82 @@ impl<St: Store> RateLimitLayer<St> {
             fallback,
         )
     }
+}
+
+/// Configures a [`RateLimitLayer`], from [`RateLimitLayer::builder`]:
+/// every method consumes and returns the builder, and
+/// [`build`](Self::build) checks the rules once, in one place.
+#[must_use]
+pub struct RateLimitBuilder<St> {
+    config: Config<St>,
+    rules: Vec<Rule>,
+}
+
+impl<St> fmt::Debug for RateLimitBuilder<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("RateLimitBuilder")
+            .field("rules", &self.rules)
+            .field("on_store_error", &self.config.on_store_error)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<St: Store> RateLimitBuilder<St> {
+    fn edit(mut self, f: impl FnOnce(&mut Self)) -> Self {
+        f(&mut self);
+        self
+    }
+
+    /// Adds a rule. Every rule that applies to a request and whose key and
+    /// cost are known is charged in one all-or-nothing store call, also
+    /// when the layer then refuses the request for its own reasons (see
+    /// [the order of answers](super#the-order-of-answers-every-request-counts-against-its-address)).
+    pub fn rule(self, rule: Rule) -> Self {
+        self.edit(|b| b.rules.push(rule))
+    }
+
+    /// The layer, once every rule is checked: its own routes and plans,
+    /// and that the store (and a fallback store,
+    /// [`on_store_error`](Self::on_store_error)) can hold each of its
+    /// policies ([`Store::check_policy`]: e.g. a Redis store and a window
+    /// longer than it can decide exactly), its
+    /// [`charge_only_when`](Rule::charge_only_when) and its
+    /// [`shape`](Rule::shape). A configuration error shows here, never as
+    /// a `503` at runtime.
+    ///
+    /// # Errors
+    ///
+    /// The first rule that cannot be used, as an [`InvalidRule`] naming
+    /// it and the fix.
+    pub fn build(mut self) -> Result<RateLimitLayer<St>, InvalidRule> {
+        for rule in &self.rules {
+            check(&*self.config.store, rule)?;
+            if let OnStoreError::Fallback(fallback) = &self.config.on_store_error {
+                check(fallback, rule)?;
+            }
+        }
+        self.config.rules = Arc::new(ArcSwap::from_pointee(self.rules));
+        Ok(RateLimitLayer {
+            config: Arc::new(self.config),
+        })
+    }
 
     /// Sets how client addresses are resolved (default: the peer only).
     pub fn client_ip(self, resolver: ClientIpResolver) -> Self {
-        self.edit(|c| c.resolver = resolver)
+        self.edit(|b| b.config.resolver = resolver)
     }
 
-    /// Sets what a store failure means (default: fail closed, 503).
-    ///
-    /// # Panics
-    ///
-    /// If a fallback store cannot hold the policy of a rule added before
-    /// (see [`RateLimitLayer::rule`]); add the rules after this call with
-    /// [`RateLimitLayer::try_rule`] to get the error instead.
-    #[track_caller]
+    /// Sets what a store failure means (default: fail closed, 503). A
+    /// fallback store must hold every rule too: [`build`](Self::build)
+    /// checks.
     pub fn on_store_error(self, what: OnStoreError) -> Self {
-        if let OnStoreError::Fallback(fallback) = &what {
-            for rule in self.config.rules.load().iter() {
-                if let Err(e) = check(fallback, rule) {
-                    panic!("{e}");
-                }
-            }
-        }
-        self.edit(|c| c.on_store_error = what)
+        self.edit(|b| b.config.on_store_error = what)
     }
 
     /// Whether admitted responses carry `RateLimit-Policy` and `RateLimit`
     /// (default: yes). Refusals always carry them.
     pub fn headers_on_admitted(self, yes: bool) -> Self {
-        self.edit(|c| c.headers_on_admitted = yes)
+        self.edit(|b| b.config.headers_on_admitted = yes)
     }
 
     /// Lets requests that `exemption` matches skip every rule of this layer
@@ -172,14 +182,14 @@ impl<St: Store> RateLimitLayer<St> {
     /// while the store is down:
     /// `.exempt(Exemption::when(|req| req.uri.path() == "/healthz"))`.
     pub fn exempt(self, exemption: Exemption) -> Self {
-        self.edit(|c| c.exemptions.push(exemption))
+        self.edit(|b| b.config.exemptions.push(exemption))
     }
 
     /// Makes every rule dry-run ([`Rule::dry_run`]): nothing is refused for
     /// lack of budget, would-be refusals are logged and counted, and the
     /// `RateLimit` fields still show each budget (`r=0` once spent).
     pub fn dry_run(self, yes: bool) -> Self {
-        self.edit(|c| c.dry_run = yes)
+        self.edit(|b| b.config.dry_run = yes)
     }
 
     /// Writes the body of this layer's HTTP refusals (`429`, `413`, `503`,
@@ -191,27 +201,28 @@ impl<St: Store> RateLimitLayer<St> {
     ///
     /// ```
     /// use tollgate::{MemoryStore, RateLimitLayer, RefusalBody};
-    /// let layer = RateLimitLayer::new(MemoryStore::new()).refusal_body(|refusal| {
+    /// let layer = RateLimitLayer::builder(MemoryStore::new()).refusal_body(|refusal| {
     ///     // Whole seconds, rounded up as in Retry-After.
     ///     let wait = refusal.retry_after().map_or(0, |d| d.as_secs() + u64::from(d.subsec_nanos() > 0));
     ///     RefusalBody::json(format!(
     ///         r#"{{"error":{{"code":{},"retry_in":{wait}}}}}"#,
     ///         refusal.status().as_u16()
     ///     ))
-    /// });
+    /// }).build()?;
+    /// # Ok::<(), tollgate::InvalidRule>(())
     /// ```
     pub fn refusal_body(
         self,
         body: impl Fn(&RefusalInfo<'_>) -> RefusalBody + Send + Sync + 'static,
     ) -> Self {
-        self.edit(|c| c.shape = Some(Shape(Arc::new(body))))
+        self.edit(|b| b.config.shape = Some(Shape(Arc::new(body))))
     }
 
     /// At most `max` requests held by shaping rules ([`Rule::shape`]) at
     /// once in this layer (default 1024); beyond that a request is decided
     /// as if its rules did not shape. No queue is unbounded.
     pub fn max_waiting(self, max: usize) -> Self {
-        self.edit(|c| c.max_waiting = max)
+        self.edit(|b| b.config.max_waiting = max)
     }
 
     /// The `WWW-Authenticate` challenge sent with `401` when a rule needs
@@ -219,7 +230,7 @@ impl<St: Store> RateLimitLayer<St> {
     /// requires a `401` to carry one; name your scheme and realm, e.g.
     /// `HeaderValue::from_static("Bearer realm=\"api\"")`.
     pub fn www_authenticate(self, challenge: HeaderValue) -> Self {
-        self.edit(|c| c.www_authenticate = challenge)
+        self.edit(|b| b.config.www_authenticate = challenge)
     }
 
     /// The level refusals are logged at (default `DEBUG`; `INFO` or `WARN`
@@ -232,7 +243,7 @@ impl<St: Store> RateLimitLayer<St> {
     /// ([`set_log_fingerprint_key`](crate::set_log_fingerprint_key) makes
     /// fingerprints agree across a fleet).
     pub fn log_refusals(self, level: tracing::Level) -> Self {
-        self.edit(|c| c.log_level = level)
+        self.edit(|b| b.config.log_level = level)
     }
 }
 

@@ -9,7 +9,7 @@
 //! | denied | `429`, `Retry-After` (whole seconds, rounded up, never 0), `RateLimit-Policy`, `RateLimit`, `Cache-Control: no-store`, problem+json | 8 RESOURCE_EXHAUSTED |
 //! | cost can never fit | `413` for content-length costs, `400` for other costs; no `Retry-After` | 3 INVALID_ARGUMENT |
 //! | store failed, fail-closed | `503`, no-store | 14 UNAVAILABLE |
-//! | rule needs a principal, none present | `401` with `WWW-Authenticate` ([`RateLimitLayer::www_authenticate`], `Bearer` by default) (configurable per rule) | 16 UNAUTHENTICATED |
+//! | rule needs a principal, none present | `401` with `WWW-Authenticate` ([`RateLimitBuilder::www_authenticate`](crate::rate_limit::RateLimitBuilder::www_authenticate), `Bearer` by default) (configurable per rule) | 16 UNAUTHENTICATED |
 //! | content-length cost without `Content-Length` | `411` | 3 |
 //! | no peer address (server misconfigured) | `500`, logged | 13 INTERNAL |
 //!
@@ -27,7 +27,7 @@
 //! charged, and then:
 //!
 //! 1. the charges are one all-or-nothing store decision;
-//! 2. a store failure follows [`OnStoreError`] (`503` when failing closed;
+//! 2. a store failure follows [`OnStoreError`](crate::OnStoreError) (`503` when failing closed;
 //!    failing open goes on as if admitted);
 //! 3. if any limit lacks budget, the answer is `429` and nothing was spent
 //!    anywhere;
@@ -61,7 +61,7 @@
 //!
 //! # Dry-run rules
 //!
-//! A dry-run rule ([`Rule::dry_run`], or [`RateLimitLayer::dry_run`] for
+//! A dry-run rule ([`Rule::dry_run`], or [`RateLimitBuilder::dry_run`](crate::rate_limit::RateLimitBuilder::dry_run) for
 //! all) is decided and charged like any other while its budget lasts, but
 //! it never refuses for lack of budget: the would-be refusal is logged and
 //! counted instead. Mixed with enforced rules in one request:
@@ -101,7 +101,7 @@
 //!   held request when it arrives (its budget bounds arrivals), a shaping
 //!   rule when it is released.
 //! - **Bounded waiting.** At most `per_key` requests of one key, and
-//!   [`RateLimitLayer::max_waiting`] in the layer (1024 by default), wait
+//!   [`RateLimitBuilder::max_waiting`](crate::rate_limit::RateLimitBuilder::max_waiting) in the layer (1024 by default), wait
 //!   at once; a request beyond that is decided as if its rules did not
 //!   shape. The store bounds the line too, atomically: a request waits no
 //!   longer than `per_key` of its own cost take to refill, so requests
@@ -109,7 +109,7 @@
 //!   refused at once and spend nothing.
 //! - **Across a change of numbers.** A bucket holding requests for later
 //!   stays empty until the last is released, under new numbers too
-//!   ([`tollgate_budget::algorithm::carry_over`]).
+//!   ([`algorithm::carry_over`](crate::store::algorithm::carry_over)).
 //! - **Dropped while waiting.** A request whose future is dropped before
 //!   its release (the client went away, a timeout) gives its reservation
 //!   back when it is the last in line for that key; one with requests
@@ -125,11 +125,11 @@
 //!
 //! Shaping needs a tokio runtime with its timer (the wait is a
 //! `tokio::time::Sleep`; outside a runtime a request that would wait is
-//! refused instead), a store that can shape ([`tollgate_budget::Store::can_shape`]: `MemoryStore`
+//! refused instead), a store that can shape ([`Store::can_shape`](crate::Store::can_shape): `MemoryStore`
 //! and the Redis store, whose calls whose keys span cluster slots are
 //! decided unshaped) and token buckets refilling at most one token per
 //! nanosecond. A call whose charges repeat a key is not shaped. Waits are
-//! at most [`tollgate_budget::Charge::MAX_DELAY`]. A held request lets go of
+//! at most [`Charge::MAX_DELAY`](crate::store::Charge::MAX_DELAY). A held request lets go of
 //! the inner service it was made ready with (a clone is made ready on
 //! release), so readiness that is a resource is not held by a wait. The
 //! `RateLimit` fields of a held response are as of its reservation.
@@ -139,7 +139,7 @@
 //!
 //! # When the budget is charged
 //!
-//! With a store that needs no I/O ([`tollgate_budget::Store::try_charge_now`]
+//! With a store that needs no I/O ([`Store::try_charge_now`](crate::Store::try_charge_now)
 //! answers, as `MemoryStore` always does), the charge happens inside `call`
 //! and the inner service is called there too, as tower services usually
 //! do; the response future only waits for the inner response. With a store
@@ -157,9 +157,11 @@
 //! let per_ip = Policy::token_bucket("per-ip", 5, Rate::per_second(1)).unwrap();
 //! let export = Policy::token_bucket("export", 3, Rate::per_second(2)).unwrap();
 //!
-//! let limits = RateLimitLayer::new(MemoryStore::new())
+//! let limits = RateLimitLayer::builder(MemoryStore::new())
 //!     .rule(Rule::per_client_ip(per_ip))
-//!     .rule(Rule::per_account_operation(export).on_route("/export"));
+//!     .rule(Rule::per_account_operation(export).on_route("/export"))
+//!     .build()
+//!     .expect("valid rules");
 //!
 //! let app: Router = Router::new()
 //!     .route("/", get(|| async { "hello" }))
@@ -170,26 +172,23 @@
 //! # let _ = app.into_make_service_with_connect_info::<SocketAddr>();
 //! ```
 
-mod config;
-mod exempt;
+pub(crate) mod config;
+pub(crate) mod exempt;
 mod future;
-mod handle;
-mod layer;
+pub(crate) mod handle;
+pub(crate) mod invalid;
+pub(crate) mod layer;
 mod pipeline;
 mod plans;
 mod route;
-mod rule;
-mod service;
+pub(crate) mod rule;
+pub(crate) mod service;
 mod shaping;
 
-pub use crate::response::{RefusalBody, RefusalInfo};
-pub use config::{OnStoreError, UnsupportedRule};
-pub use exempt::Exemption;
+pub(crate) use exempt::Exemption;
 pub(crate) use exempt::any_matches;
 pub use future::ResponseFuture;
-pub use handle::RulesHandle;
-pub use layer::RateLimitLayer;
-pub use plans::InvalidPlan;
-pub use route::InvalidRoute;
-pub use rule::{Cost, CostError, CostFn, Rule};
+pub use layer::RateLimitBuilder;
+pub(crate) use rule::Rule;
+pub use rule::{CostError, CostFn};
 pub use service::RateLimit;

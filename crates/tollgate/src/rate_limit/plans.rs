@@ -13,7 +13,7 @@ use tollgate_budget::Policy;
 
 use crate::identity::Principal;
 
-/// Chooses a plan by name from the request head ([`crate::Rule::plan_from`]).
+/// Chooses a plan by name from the request head ([`Rule::plan_from`](crate::Rule::plan_from)).
 pub(crate) type PlanFn = dyn Fn(&Parts) -> Option<String> + Send + Sync;
 
 /// The policies of one rule besides its default.
@@ -51,10 +51,9 @@ impl fmt::Display for Entry<'_> {
 /// rule has one for that plan, tenant or account already (one would
 /// silently replace the other).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{entry} of rule {rule:?} {reason}")]
-pub struct InvalidPlan {
+#[error("{entry} {reason}")]
+pub(crate) struct InvalidPlan {
     entry: String,
-    rule: String,
     reason: Reason,
 }
 
@@ -76,13 +75,6 @@ enum Reason {
     Repeated,
 }
 
-impl InvalidPlan {
-    /// The policy name of the rule the plan or override was added to.
-    pub fn rule(&self) -> &str {
-        &self.rule
-    }
-}
-
 impl Plans {
     /// Adds `policy` as `entry`, if it is the same budget as `rule` and
     /// `entry` has none yet.
@@ -94,7 +86,6 @@ impl Plans {
     ) -> Result<(), InvalidPlan> {
         let invalid = |reason| InvalidPlan {
             entry: entry.to_string(),
-            rule: rule.name().to_owned(),
             reason,
         };
         if !policy.same_budget(rule) {

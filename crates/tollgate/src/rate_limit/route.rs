@@ -5,11 +5,11 @@
 use std::fmt;
 use std::sync::Arc;
 
-/// A route pattern that axum 0.8 would not accept, refused by
-/// [`Rule::try_on_route`](super::Rule::try_on_route).
+/// A route pattern that axum 0.8 would not accept, reported as an
+/// [`InvalidRule`](super::InvalidRule).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("invalid route {route:?} for a rate-limit rule: {reason}")]
-pub struct InvalidRoute {
+pub(crate) struct InvalidRoute {
     route: String,
     reason: String,
 }
@@ -20,16 +20,6 @@ impl InvalidRoute {
             route: route.to_owned(),
             reason: reason.into(),
         }
-    }
-
-    /// The route as it was given.
-    pub fn route(&self) -> &str {
-        &self.route
-    }
-
-    /// What is wrong with it, and the fix.
-    pub fn reason(&self) -> &str {
-        &self.reason
     }
 }
 
@@ -293,9 +283,9 @@ mod tests {
     #[test]
     fn axum_07_syntax_is_refused_with_the_fix() {
         let e = RoutePattern::parse("/items/:id").unwrap_err();
-        assert!(e.reason().contains("\"/items/{id}\""), "{e}");
+        assert!(e.reason.contains("\"/items/{id}\""), "{e}");
         let e = RoutePattern::parse("/files/*path").unwrap_err();
-        assert!(e.reason().contains("\"/files/{*path}\""), "{e}");
+        assert!(e.reason.contains("\"/files/{*path}\""), "{e}");
         for bad in [
             "items", "", "/a/{", "/a/}", "/a/{}", "/a/{*}", "/{*a}/b", "/x{a}{b}",
         ] {
@@ -306,9 +296,9 @@ mod tests {
     #[test]
     fn axum_07_fixes_are_per_segment() {
         let e = RoutePattern::parse("/x:b/:b").unwrap_err();
-        assert!(e.reason().contains("\"/x:b/{b}\""), "{e}");
+        assert!(e.reason.contains("\"/x:b/{b}\""), "{e}");
         let e = RoutePattern::parse("/*").unwrap_err();
-        assert!(e.reason().contains("needs a name"), "{e}");
+        assert!(e.reason.contains("needs a name"), "{e}");
     }
 
     #[test]

@@ -12,8 +12,9 @@ use http::{Method, StatusCode};
 use tollgate_budget::{Policy, Unit};
 
 use super::exempt::Exemption;
-use super::plans::{Entry, InvalidPlan, Plans};
-use super::route::{InvalidRoute, RouteMatch, RoutePattern};
+use super::invalid::Problem;
+use super::plans::{Entry, Plans};
+use super::route::{RouteMatch, RoutePattern};
 use crate::identity::{KeyPart, MissingPrincipal, operation_nest, operation_route};
 
 /// A cost computed from the request.
@@ -228,6 +229,9 @@ pub struct Rule {
     /// The default policy; `plans` may hold others of the same budget.
     pub(crate) policy: Policy,
     plans: Option<Arc<Plans>>,
+    /// The first problem a builder call found ([`Rule::on_route`],
+    /// [`Rule::plan`], ...), reported when the rule is added to a layer.
+    invalid: Option<Arc<Problem>>,
     routes: Vec<RoutePattern>,
     methods: Option<Vec<Method>>,
     pub(crate) key: Vec<KeyPart>,
@@ -272,6 +276,7 @@ impl Rule {
         Self {
             policy,
             plans: None,
+            invalid: None,
             routes: Vec::new(),
             methods: None,
             key: Vec::new(),
@@ -305,25 +310,32 @@ impl Rule {
     /// such as `/users/{id}` (see [which requests a rule applies
     /// to](Rule#which-requests-a-rule-applies-to)). Repeat to add routes.
     ///
-    /// # Panics
-    ///
-    /// If `route` is not a valid axum 0.8 route pattern, e.g. axum 0.7's
-    /// `/items/:id` (the message names the fix), as axum's own
-    /// `Router::route` panics on an invalid route. Use
-    /// [`Rule::try_on_route`] for routes that are not written in code.
+    /// A pattern axum 0.8 would not accept, e.g. axum 0.7's `/items/:id`,
+    /// makes the rule invalid: the layer's
+    /// [`build`](crate::rate_limit::RateLimitBuilder::build) (or a
+    /// [`RulesHandle`](crate::RulesHandle) change) returns an
+    /// [`InvalidRule`](crate::InvalidRule) naming the fix.
     #[must_use]
-    #[track_caller]
-    pub fn on_route(self, route: &str) -> Self {
-        match self.try_on_route(route) {
-            Ok(rule) => rule,
-            Err(e) => panic!("{e}"),
+    pub fn on_route(mut self, route: &str) -> Self {
+        match RoutePattern::parse(route) {
+            Ok(pattern) => self.routes.push(pattern),
+            Err(e) => self.keep_first_problem(e.into()),
+        }
+        self
+    }
+
+    /// Keeps the first problem a builder call found, for the layer's
+    /// `build` to report; later calls still apply, so that the rule reads
+    /// as written.
+    fn keep_first_problem(&mut self, problem: Problem) {
+        if self.invalid.is_none() {
+            self.invalid = Some(Arc::new(problem));
         }
     }
 
-    /// Like [`Rule::on_route`], returning an error instead of panicking.
-    pub fn try_on_route(mut self, route: &str) -> Result<Self, InvalidRoute> {
-        self.routes.push(RoutePattern::parse(route)?);
-        Ok(self)
+    /// The first problem of the rule, if any.
+    pub(crate) fn invalid(&self) -> Option<&Arc<Problem>> {
+        self.invalid.as_ref()
     }
 
     /// Applies only to requests with `method` (repeat for several). A rule
@@ -371,7 +383,7 @@ impl Rule {
     /// Every policy of a rule is one budget per key: `policy` must have the
     /// rule's policy name (and unit), and a principal whose plan changes
     /// keeps what it has spent, converted exactly to the new plan's numbers
-    /// ([`carry_over`](tollgate_budget::algorithm::carry_over)): an upgrade
+    /// ([`carry_over`](crate::store::algorithm::carry_over)): an upgrade
     /// never forgets what was spent and a downgrade never gives a burst.
     /// Which policy applies, first match wins: the account's override
     /// ([`Rule::for_account`]), the tenant's ([`Rule::for_tenant`]), the
@@ -388,60 +400,26 @@ impl Rule {
     ///     .for_tenant("internal", Policy::token_bucket("export", 1000, Rate::per_second(500)).unwrap());
     /// ```
     ///
-    /// # Panics
-    ///
-    /// If `policy` has another name or unit than the rule's policy; use
-    /// [`Rule::try_plan`] to get the error.
+    /// A plan's policy with another name or unit than the rule's, or a
+    /// plan given twice, makes the rule invalid: the layer's
+    /// [`build`](crate::rate_limit::RateLimitBuilder::build) returns an
+    /// [`InvalidRule`](crate::InvalidRule).
     #[must_use]
-    #[track_caller]
     pub fn plan(self, plan: &str, policy: Policy) -> Self {
-        self.try_plan(plan, policy)
-            .unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    /// Like [`Rule::plan`], returning an error instead of panicking.
-    pub fn try_plan(self, plan: &str, policy: Policy) -> Result<Self, InvalidPlan> {
         self.add_policy(Entry::Plan(plan), policy)
     }
 
     /// Uses `policy` for every principal of `tenant` (see [`Rule::plan`]
     /// for the order and the rules every policy of a rule follows).
-    ///
-    /// # Panics
-    ///
-    /// As [`Rule::plan`]; [`Rule::try_for_tenant`] returns the error.
     #[must_use]
-    #[track_caller]
     pub fn for_tenant(self, tenant: &str, policy: Policy) -> Self {
-        self.try_for_tenant(tenant, policy)
-            .unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    /// Like [`Rule::for_tenant`], returning an error instead of panicking.
-    pub fn try_for_tenant(self, tenant: &str, policy: Policy) -> Result<Self, InvalidPlan> {
         self.add_policy(Entry::Tenant(tenant), policy)
     }
 
     /// Uses `policy` for the account `account` of `tenant` (see
     /// [`Rule::plan`]).
-    ///
-    /// # Panics
-    ///
-    /// As [`Rule::plan`]; [`Rule::try_for_account`] returns the error.
     #[must_use]
-    #[track_caller]
     pub fn for_account(self, tenant: &str, account: &str, policy: Policy) -> Self {
-        self.try_for_account(tenant, account, policy)
-            .unwrap_or_else(|e| panic!("{e}"))
-    }
-
-    /// Like [`Rule::for_account`], returning an error instead of panicking.
-    pub fn try_for_account(
-        self,
-        tenant: &str,
-        account: &str,
-        policy: Policy,
-    ) -> Result<Self, InvalidPlan> {
         self.add_policy(Entry::Account(tenant, account), policy)
     }
 
@@ -477,11 +455,13 @@ impl Rule {
         self
     }
 
-    fn add_policy(mut self, entry: Entry<'_>, policy: Policy) -> Result<Self, InvalidPlan> {
+    fn add_policy(mut self, entry: Entry<'_>, policy: Policy) -> Self {
         let policy = self.in_rule_unit(policy);
         let plans = Arc::make_mut(self.plans.get_or_insert_with(Default::default));
-        plans.add(&self.policy, entry, policy)?;
-        Ok(self)
+        if let Err(e) = plans.add(&self.policy, entry, policy) {
+            self.keep_first_problem(e.into());
+        }
+        self
     }
 
     /// The policy for this request: a plan's or an override's, or the
@@ -538,8 +518,8 @@ impl Rule {
     /// `429` (spending nothing anywhere, like every refusal for lack of
     /// budget). When the inner service's response head comes, the
     /// reservation is settled: confirmed if its status matches
-    /// ([`Store::confirm`](tollgate_budget::Store::confirm)), given back
-    /// otherwise ([`Store::refund`](tollgate_budget::Store::refund)): a
+    /// ([`Store::confirm`](crate::Store::confirm)), given back
+    /// otherwise ([`Store::refund`](crate::Store::refund)): a
     /// successful login costs nothing. So at most as many requests of one
     /// key can be in flight on the rule as its budget has units left (a
     /// budget of 3 failed logins lets 3 logins per key run at once; the
@@ -554,7 +534,7 @@ impl Rule {
     /// refusal's `Retry-After` counts on them lapsing if it must. Units
     /// not settled lapse as confirmed between one and two minutes after
     /// the charge (reservations are counted by minute,
-    /// [`MAX_RESERVATION`](tollgate_budget::algorithm::MAX_RESERVATION), and
+    /// [`MAX_RESERVATION`](crate::store::algorithm::MAX_RESERVATION), and
     /// a minute's lapse when the next one ends, however many are made
     /// later). A bucket with units reserved does not shape.
     ///
@@ -579,9 +559,9 @@ impl Rule {
     ///   `confirm_lost`); refunds are counted in
     ///   `tollgate_refunded_cost_total{policy}`.
     ///
-    /// The store must give charges back ([`Store::can_refund`](tollgate_budget::Store::can_refund):
-    /// [`MemoryStore`](tollgate_budget::MemoryStore) and the Redis store do);
-    /// [`RateLimitLayer::try_rule`](crate::RateLimitLayer::try_rule)
+    /// The store must give charges back ([`Store::can_refund`](crate::Store::can_refund):
+    /// [`MemoryStore`](crate::MemoryStore) and the Redis store do);
+    /// [`RateLimitBuilder::build`](crate::rate_limit::RateLimitBuilder::build)
     /// refuses the rule otherwise.
     #[must_use]
     pub fn charge_only_when(
@@ -597,7 +577,7 @@ impl Rule {
     /// fits, its credit reserved now; beyond `max_delay` it is refused with
     /// `429` as usual (with the exact wait in `Retry-After`). At most
     /// `per_key` requests of one key wait at once (and at most
-    /// [`RateLimitLayer::max_waiting`](crate::RateLimitLayer::max_waiting)
+    /// [`RateLimitBuilder::max_waiting`](crate::rate_limit::RateLimitBuilder::max_waiting)
     /// in the whole layer); beyond that a request is decided as if the rule
     /// did not shape. The store enforces the per-key bound too, atomically:
     /// a request may wait no longer than `per_key` of its own cost take to
@@ -606,10 +586,10 @@ impl Rule {
     /// See [shaping](super#shaping-delay-instead-of-refusing).
     ///
     /// Token buckets only (every policy of the rule, plans included), on a
-    /// store that can shape ([`Store::can_shape`](tollgate_budget::Store::can_shape));
-    /// [`RateLimitLayer::try_rule`](crate::RateLimitLayer::try_rule)
+    /// store that can shape ([`Store::can_shape`](crate::Store::can_shape));
+    /// [`RateLimitBuilder::build`](crate::rate_limit::RateLimitBuilder::build)
     /// refuses the rule otherwise, and a `max_delay` of zero. Waits beyond
-    /// [`Charge::MAX_DELAY`](tollgate_budget::Charge::MAX_DELAY) (about 23
+    /// [`Charge::MAX_DELAY`](crate::store::Charge::MAX_DELAY) (about 23
     /// days) are that long. A dry-run rule, and a rule charged after the
     /// response, do not shape.
     #[must_use]

@@ -15,7 +15,7 @@ use super::pipeline::{self, Admit, Now, Plan};
 use crate::response::Protocol;
 
 /// Rate-limits requests to an inner service; made by
-/// [`RateLimitLayer`](super::RateLimitLayer).
+/// [`RateLimitLayer`](crate::RateLimitLayer).
 pub struct RateLimit<S, St> {
     inner: S,
     config: Arc<Config<St>>,

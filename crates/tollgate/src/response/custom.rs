@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http::{HeaderValue, StatusCode};
 
 /// What a refusal is about, given to the application's body writer
-/// ([`RateLimitLayer::refusal_body`](crate::RateLimitLayer::refusal_body)).
+/// ([`RateLimitBuilder::refusal_body`](crate::rate_limit::RateLimitBuilder::refusal_body)).
 #[derive(Debug, Clone, Copy)]
 pub struct RefusalInfo<'a> {
     pub(super) status: StatusCode,

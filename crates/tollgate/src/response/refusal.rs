@@ -16,7 +16,7 @@ use super::fields::{
 };
 use super::grpc::{self, Protocol};
 use super::problem;
-use crate::ClientIpError;
+use crate::identity::ClientIpError;
 use crate::identity::KeyError;
 
 /// What kind of refusal, with its status, problem type and gRPC code.

@@ -1,0 +1,8 @@
+//! The Redis store's configuration and counters (feature `redis`); the
+//! store itself is [`RedisStore`](crate::RedisStore) at the crate root.
+//! See the `tollgate-redis` crate for the key layout and scripts.
+
+pub use tollgate_redis::{
+    CacheStats, DEFAULT_CONNECT_TIMEOUT, DEFAULT_OVER_LIMIT_CACHE, DEFAULT_SENTINEL_CHECK,
+    RedisStoreBuilder, ScriptStats, redact_url, redis,
+};
