@@ -23,7 +23,7 @@ const S: Nanos = 1_000 * MS;
 
 /// One timed charge set and the verdict it must get.
 #[derive(Debug, Clone)]
-pub struct Step {
+pub struct TraceStep {
     /// Time of the charge, in nanoseconds of the store's clock.
     pub at: Nanos,
     /// `(key, index into Case::policies, cost)` charged together.
@@ -60,7 +60,7 @@ pub struct Case {
     pub shaped: Vec<(usize, Duration)>,
     /// The trace, in nondecreasing time order unless the case tests a clock
     /// that steps backwards.
-    pub steps: Vec<Step>,
+    pub steps: Vec<TraceStep>,
 }
 
 /// A step whose answer differed from the table.
@@ -86,8 +86,8 @@ impl fmt::Display for Mismatch {
     }
 }
 
-fn step(at: Nanos, charges: &[(&'static str, usize, u64)], expect: Verdict) -> Step {
-    Step {
+fn step(at: Nanos, charges: &[(&'static str, usize, u64)], expect: Verdict) -> TraceStep {
+    TraceStep {
         at,
         charges: charges.to_vec(),
         expect,
@@ -105,32 +105,32 @@ fn delayed(
     charges: &[(&'static str, usize, u64)],
     delay: Nanos,
     limits: &[Decision],
-) -> Step {
-    Step {
+) -> TraceStep {
+    TraceStep {
         delay,
         ..bound(at, charges, OK, limits)
     }
 }
 
 /// A step that gives back the reservation of step `of` (same charges).
-fn cancel(at: Nanos, charges: &[(&'static str, usize, u64)], of: usize) -> Step {
-    Step {
+fn cancel(at: Nanos, charges: &[(&'static str, usize, u64)], of: usize) -> TraceStep {
+    TraceStep {
         cancel: Some(of),
         ..step(at, charges, OK)
     }
 }
 
 /// A step that gives back the admission of step `of` (same charges).
-fn refund(at: Nanos, charges: &[(&'static str, usize, u64)], of: usize) -> Step {
-    Step {
+fn refund(at: Nanos, charges: &[(&'static str, usize, u64)], of: usize) -> TraceStep {
+    TraceStep {
         refund: Some(of),
         ..step(at, charges, OK)
     }
 }
 
 /// A step that confirms the admission of step `of` (same charges).
-fn confirm(at: Nanos, charges: &[(&'static str, usize, u64)], of: usize) -> Step {
-    Step {
+fn confirm(at: Nanos, charges: &[(&'static str, usize, u64)], of: usize) -> TraceStep {
+    TraceStep {
         confirm: Some(of),
         ..step(at, charges, OK)
     }
@@ -142,8 +142,8 @@ fn bound(
     charges: &[(&'static str, usize, u64)],
     expect: Verdict,
     limits: &[Decision],
-) -> Step {
-    Step {
+) -> TraceStep {
+    TraceStep {
         limits: Some(limits.to_vec()),
         ..step(at, charges, expect)
     }

@@ -7,7 +7,7 @@ use std::time::Duration;
 use http::HeaderValue;
 use tollgate_budget::LeaseStore;
 
-use super::fleet::{Fleet, OnLeaseError};
+use super::leases::{Leases, OnLeaseError};
 use super::limiter::Limiter;
 use super::stall::Stalls;
 use crate::ClientIpResolver;
@@ -22,7 +22,7 @@ pub(crate) struct Config {
     pub(crate) lease_store: Option<Arc<dyn LeaseStore>>,
     pub(crate) lease: LeaseOptions,
     /// The shared limit's counters in this process (made with `limiter`).
-    pub(crate) fleet: Option<Arc<Fleet>>,
+    pub(crate) leases: Option<Arc<Leases>>,
     pub(crate) key: Vec<KeyPart>,
     pub(crate) missing: MissingPrincipal,
     pub(crate) resolver: ClientIpResolver,

@@ -14,8 +14,8 @@ use tower_service::Service;
 
 use super::PermitBody;
 use super::config::Config;
-use super::fleet::Slot;
-use super::in_flight::{Held, hold};
+use super::in_flight::{InFlightHold, hold};
+use super::leases::Slot;
 use super::limiter::Saturated;
 use super::refusal::{refusal, respond};
 use super::stall::Stalls;
@@ -57,7 +57,7 @@ pin_project! {
             // Moves into the response body when the head arrives, watched
             // for stalls from then on; dropped with this future if the
             // request is abandoned or fails.
-            permit: Option<Held>,
+            permit: Option<InFlightHold>,
             stalls: Arc<Stalls>,
         },
         Refused {

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use http::{Method, Request, header};
 
-use super::fleet::Slot;
+use super::leases::Slot;
 
 /// A request's slot in a [`ConcurrencyLimitLayer`](crate::ConcurrencyLimitLayer),
 /// for connections that outlive their response.
@@ -61,7 +61,7 @@ impl fmt::Debug for InFlight {
 
 /// How the response body holds its request's permit.
 /// Never read: holding it is the point.
-pub(crate) enum Held {
+pub(crate) enum InFlightHold {
     /// Alone: the slot is freed with the body.
     Own { _slot: Slot },
     /// With the [`InFlight`] handed to the handler.
@@ -70,10 +70,10 @@ pub(crate) enum Held {
 
 /// The permit of `req`, shared with the handler through an [`InFlight`] in
 /// its extensions when the request asks for an upgrade.
-pub(crate) fn hold<B>(permit: Slot, req: &mut Request<B>) -> Held {
+pub(crate) fn hold<B>(permit: Slot, req: &mut Request<B>) -> InFlightHold {
     let upgrade = req.method() == Method::CONNECT || req.headers().contains_key(header::UPGRADE);
     if !upgrade {
-        return Held::Own { _slot: permit };
+        return InFlightHold::Own { _slot: permit };
     }
     let shared = Arc::new(permit);
     match req.extensions_mut().get_mut::<InFlight>() {
@@ -84,5 +84,5 @@ pub(crate) fn hold<B>(permit: Slot, req: &mut Request<B>) -> Held {
             });
         }
     }
-    Held::Shared { _slot: shared }
+    InFlightHold::Shared { _slot: shared }
 }

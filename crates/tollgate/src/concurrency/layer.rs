@@ -11,7 +11,7 @@ use tower_layer::Layer;
 
 use super::ConcurrencyLimit;
 use super::config::{Config, LeaseOptions};
-use super::fleet::{Fleet, MAX_LEASE, MIN_LEASE, OnLeaseError, Sharing};
+use super::leases::{Leases, MAX_LEASE, MIN_LEASE, OnLeaseError, Sharing};
 use super::limiter::{ConcurrencyStats, Limiter, Limits};
 use super::stall::{DEFAULT_BODY_IDLE_TIMEOUT, Stalls};
 use crate::ClientIpResolver;
@@ -168,10 +168,10 @@ impl ConcurrencyLimitLayer {
     /// one).
     pub fn stats(&self) -> ConcurrencyStats {
         let mut stats = self.config.limiter.stats();
-        if let Some(fleet) = &self.config.fleet {
+        if let Some(leases) = &self.config.leases {
             // Leases held count in `limiter` too (as do requests counted
             // locally when the store fails, OnLeaseError::Local).
-            let (_held, waiting, peak, restored, abandoned) = fleet.counts();
+            let (_held, waiting, peak, restored, abandoned) = leases.counts();
             stats.waiting += waiting;
             stats.peak_waiting = stats.peak_waiting.max(peak);
             stats.leases_restored = restored;
@@ -237,8 +237,8 @@ impl ConcurrencyLimitBuilder {
             check_lease(self.lease.ttl, &**store).map_err(|e| invalid(LimitProblem::Lease(e)))?;
         }
         let name = self.limits.name.clone();
-        let fleet = self.lease_store.clone().map(|store| {
-            Arc::new(Fleet::new(Sharing {
+        let leases = self.lease_store.clone().map(|store| {
+            Arc::new(Leases::new(Sharing {
                 store,
                 ttl: self.lease.ttl,
                 poll: self.lease.poll,
@@ -252,7 +252,7 @@ impl ConcurrencyLimitBuilder {
                 limiter: Arc::new(Limiter::new(self.limits)),
                 lease_store: self.lease_store,
                 lease: self.lease,
-                fleet,
+                leases,
                 key: self.key,
                 missing: self.missing,
                 resolver: self.resolver,

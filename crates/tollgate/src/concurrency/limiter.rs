@@ -21,7 +21,7 @@ pub(crate) enum Saturated {
 }
 
 #[derive(Default)]
-struct Counts {
+struct SlotCounts {
     global: usize,
     per_key: HashMap<Box<str>, usize>,
     /// Requests waiting for a permit, first come first served.
@@ -36,7 +36,7 @@ struct Waiter {
     grant: oneshot::Sender<Permit>,
 }
 
-impl Counts {
+impl SlotCounts {
     fn fits(&self, limiter: &Limiter, key: Option<&str>) -> Result<(), Saturated> {
         if let (Some(max), Some(key)) = (limiter.limits.per_key_max, key)
             && self.per_key.get(key).copied().unwrap_or(0) >= max
@@ -128,11 +128,11 @@ impl Limits {
 
 pub(crate) struct Limiter {
     pub(crate) limits: Limits,
-    /// Counts and the waiting queue, under one lock: a release hands its
+    /// SlotCounts and the waiting queue, under one lock: a release hands its
     /// slot to the first waiter that fits before any new arrival can see
     /// it, so waiting is first come, first served, and each freed slot
     /// wakes exactly one waiter.
-    counts: Mutex<Counts>,
+    counts: Mutex<SlotCounts>,
     peak_waiters: AtomicUsize,
     refused_per_key: AtomicU64,
     refused_global: AtomicU64,
@@ -164,14 +164,14 @@ impl Limiter {
     pub(crate) fn new(limits: Limits) -> Self {
         Self {
             limits,
-            counts: Mutex::new(Counts::default()),
+            counts: Mutex::new(SlotCounts::default()),
             peak_waiters: AtomicUsize::new(0),
             refused_per_key: AtomicU64::new(0),
             refused_global: AtomicU64::new(0),
         }
     }
 
-    fn lock(&self) -> MutexGuard<'_, Counts> {
+    fn lock(&self) -> MutexGuard<'_, SlotCounts> {
         self.counts.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -185,7 +185,7 @@ impl Limiter {
     /// The first waiter that fits now, its slot taken on its behalf.
     fn hand_over(
         self: &Arc<Self>,
-        counts: &mut Counts,
+        counts: &mut SlotCounts,
     ) -> Option<(oneshot::Sender<Permit>, Permit)> {
         let i = (0..counts.queue.len())
             .find(|&i| counts.fits(self, counts.queue[i].key.as_deref()).is_ok())?;
@@ -243,7 +243,7 @@ impl Limiter {
             // One key may not have more waiters than it may have in flight:
             // its waiters cannot use a freed slot until one of its own is
             // freed, and must not fill the queue that other clients share.
-            let waiting_for_key = |counts: &Counts| match (&key, self.limits.per_key_max) {
+            let waiting_for_key = |counts: &SlotCounts| match (&key, self.limits.per_key_max) {
                 (Some(key), Some(max)) => {
                     counts
                         .queue
@@ -280,7 +280,7 @@ impl Limiter {
         self.gauges();
         // Leaves the queue however the wait ends (the future may be
         // dropped while waiting).
-        let _queued = Queued { limiter: &self, id };
+        let _queued = LocalWaiter { limiter: &self, id };
         match tokio::time::timeout(max_wait, granted).await {
             Ok(Ok(permit)) => Ok(permit),
             _ => {
@@ -292,7 +292,7 @@ impl Limiter {
         }
     }
 
-    /// Counts (and logs, at the layer's level, with `key`'s shape and
+    /// SlotCounts (and logs, at the layer's level, with `key`'s shape and
     /// fingerprint) a refusal for `full`.
     pub(crate) fn refused(&self, full: Saturated, key: Option<&str>) -> Saturated {
         let scope = match full {
@@ -376,12 +376,12 @@ impl Limiter {
 }
 
 /// Removes a waiter from the queue when its wait ends, however it ends.
-struct Queued<'a> {
+struct LocalWaiter<'a> {
     limiter: &'a Limiter,
     id: u64,
 }
 
-impl Drop for Queued<'_> {
+impl Drop for LocalWaiter<'_> {
     fn drop(&mut self) {
         {
             let mut counts = self.limiter.lock();

@@ -52,10 +52,10 @@
 
 mod body;
 mod config;
-mod fleet;
 mod future;
 mod in_flight;
 pub(crate) mod layer;
+mod leases;
 mod limiter;
 mod refusal;
 mod release;
@@ -63,10 +63,10 @@ mod service;
 mod stall;
 
 pub use body::{BoxError, PermitBody};
-pub use fleet::OnLeaseError;
 pub use future::ResponseFuture;
 pub use in_flight::InFlight;
 pub use layer::{ConcurrencyLimitBuilder, MIN_LEASE_PER_STORE_TIMEOUT};
+pub use leases::OnLeaseError;
 pub use limiter::ConcurrencyStats;
 pub use service::ConcurrencyLimit;
 pub use stall::{BodyStalled, DEFAULT_BODY_IDLE_TIMEOUT};

@@ -77,7 +77,7 @@ impl Releases {
 /// the release goes straight to the queue rather than adding a call to a
 /// store that is not answering. Without a runtime the lease expires by
 /// itself, one time to live after its last renewal.
-pub(crate) fn give_back<F: Owner>(fleet: &Arc<F>, lease: Lease, failing: bool) {
+pub(crate) fn give_back<F: Owner>(leases: &Arc<F>, lease: Lease, failing: bool) {
     let Ok(runtime) = tokio::runtime::Handle::try_current() else {
         tracing::warn!(
             limit = &*lease.request.limit,
@@ -87,26 +87,26 @@ pub(crate) fn give_back<F: Owner>(fleet: &Arc<F>, lease: Lease, failing: bool) {
     };
     // Behind releases already queued: the store was failing a moment ago,
     // and the retrying task sends them in order.
-    if failing || fleet.releases().lock().retrying {
-        queue(fleet, &runtime, lease);
+    if failing || leases.releases().lock().retrying {
+        queue(leases, &runtime, lease);
         return;
     }
-    let fleet = fleet.clone();
+    let leases = leases.clone();
     runtime.clone().spawn(async move {
-        match fleet.store().release(&lease).await {
-            Ok(()) => fleet.slot_freed(),
-            Err(_) => queue(&fleet, &runtime, lease),
+        match leases.store().release(&lease).await {
+            Ok(()) => leases.slot_freed(),
+            Err(_) => queue(&leases, &runtime, lease),
         }
     });
 }
 
 /// Queues `lease` for the retrying task (started if none runs), or leaves
 /// it to expire when the queue is full.
-fn queue<F: Owner>(fleet: &Arc<F>, runtime: &tokio::runtime::Handle, lease: Lease) {
-    let mut pending = fleet.releases().lock();
+fn queue<F: Owner>(leases: &Arc<F>, runtime: &tokio::runtime::Handle, lease: Lease) {
+    let mut pending = leases.releases().lock();
     if pending.queue.len() >= MAX_PENDING_RELEASES {
         drop(pending);
-        fleet.releases().abandoned.fetch_add(1, Ordering::Relaxed);
+        leases.releases().abandoned.fetch_add(1, Ordering::Relaxed);
         static THROTTLE: Throttle = Throttle::new();
         if let Some(suppressed) = THROTTLE.admit() {
             tracing::warn!(
@@ -131,20 +131,20 @@ fn queue<F: Owner>(fleet: &Arc<F>, runtime: &tokio::runtime::Handle, lease: Leas
     pending.queue.push_back((lease, until));
     if !pending.retrying {
         pending.retrying = true;
-        runtime.spawn(retry(fleet.clone()));
+        runtime.spawn(retry(leases.clone()));
     }
 }
 
 /// Releases the queued leases one at a time: after a pause that doubles
 /// while the store fails, and back to back once it answers. Ends when the
 /// queue is empty; leases that have expired meanwhile are dropped.
-async fn retry<F: Owner>(fleet: Arc<F>) {
+async fn retry<F: Owner>(leases: Arc<F>) {
     let mut pause = FIRST_PAUSE;
     loop {
         tokio::time::sleep(pause).await;
         loop {
             let next = {
-                let mut pending = fleet.releases().lock();
+                let mut pending = leases.releases().lock();
                 let now = tokio::time::Instant::now();
                 while pending
                     .queue
@@ -163,9 +163,9 @@ async fn retry<F: Owner>(fleet: Arc<F>) {
                     }
                 }
             };
-            match fleet.store().release(&next.0).await {
+            match leases.store().release(&next.0).await {
                 Ok(()) => {
-                    fleet.slot_freed();
+                    leases.slot_freed();
                     pause = FIRST_PAUSE;
                 }
                 Err(error) => {
@@ -178,7 +178,7 @@ async fn retry<F: Owner>(fleet: Arc<F>) {
                             "could not release an in-flight lease; trying again"
                         );
                     }
-                    fleet.releases().lock().queue.push_front(next);
+                    leases.releases().lock().queue.push_front(next);
                     pause = (pause * 2).min(MAX_PAUSE);
                     break;
                 }

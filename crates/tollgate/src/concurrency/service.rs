@@ -9,7 +9,7 @@ use tower_service::Service;
 
 use super::ResponseFuture;
 use super::config::Config;
-use super::fleet::{self, Slot};
+use super::leases::{self, Slot};
 use super::refusal::{refusal, respond};
 use crate::identity::RequestIdentity;
 use crate::observe::{self, Refuser};
@@ -104,10 +104,10 @@ where
             None
         };
         let req = Request::from_parts(parts, body);
-        if let Some(fleet) = &config.fleet {
-            let (limiter, fleet) = (config.limiter.clone(), fleet.clone());
+        if let Some(leases) = &config.leases {
+            let (limiter, leases) = (config.limiter.clone(), leases.clone());
             let acquire = Box::pin(async move {
-                match fleet::acquire(limiter.clone(), fleet, key.clone()).await {
+                match leases::acquire(limiter.clone(), leases, key.clone()).await {
                     // Refused, and logged as such, in dry-run: let through.
                     Err(full) if limiter.dry_run_admits(full) => {
                         Ok(Slot::local(limiter.take_unchecked(key.as_deref())))

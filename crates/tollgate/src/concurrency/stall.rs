@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use tokio::time::Instant;
 
-use super::in_flight::Held;
+use super::in_flight::InFlightHold;
 use crate::observe::Throttle;
 
 /// The default [`body_idle_timeout`](crate::concurrency::ConcurrencyLimitBuilder::body_idle_timeout):
@@ -61,7 +61,7 @@ pub(crate) struct Watched {
     /// When the body last yielded a frame (or started), in ns since the
     /// layer's epoch.
     last: AtomicU64,
-    permit: Mutex<Option<Held>>,
+    permit: Mutex<Option<InFlightHold>>,
     stalled: AtomicBool,
     /// The task that last found the body pending: woken when it stalls,
     /// so that a server still polling the body ends it at once.
@@ -82,7 +82,7 @@ pub(crate) enum Guard {
     Watched(Arc<Watched>),
     /// Not watched (no tokio runtime to run the watchdog on). Never read:
     /// holding it is the point.
-    Held { _permit: Held },
+    Held { _permit: InFlightHold },
 }
 
 impl Stalls {
@@ -110,7 +110,7 @@ impl Stalls {
     }
 
     /// `permit`, held by a body that starts now and is watched from now on.
-    pub(crate) fn guard(self: &Arc<Self>, permit: Held) -> Guard {
+    pub(crate) fn guard(self: &Arc<Self>, permit: InFlightHold) -> Guard {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return Guard::Held { _permit: permit };
         };

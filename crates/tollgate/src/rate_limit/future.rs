@@ -24,7 +24,7 @@ use crate::response::{
 type PendingAnswer = Pin<Box<dyn Future<Output = Result<Admit, Answer>> + Send>>;
 
 /// A request shaping rules hold until its release, with what it needs then.
-struct Held<S, ReqB> {
+struct HeldForShaping<S, ReqB> {
     until: Pin<Box<tokio::time::Sleep>>,
     /// Gives the reservation back if this is dropped before the release.
     wait: Option<Wait>,
@@ -35,7 +35,7 @@ struct Held<S, ReqB> {
     after: Option<AfterResponse>,
 }
 
-impl<S, ReqB> Held<S, ReqB> {
+impl<S, ReqB> HeldForShaping<S, ReqB> {
     /// Holds `req` for `wait` with `idle`, a clone of the inner service
     /// that is not ready: a service whose readiness is a resource (a permit
     /// of tower's `ConcurrencyLimit`, a `Buffer` slot) must not be held by
@@ -57,7 +57,7 @@ impl<S, ReqB> Held<S, ReqB> {
     }
 }
 
-impl<S, ReqB> Drop for Held<S, ReqB> {
+impl<S, ReqB> Drop for HeldForShaping<S, ReqB> {
     fn drop(&mut self) {
         // Dropped before the inner service was called (its client gone
         // while it waited, or while the service was not ready): the
@@ -106,7 +106,7 @@ pin_project! {
         },
         // Boxed too: only shaped requests wait, on the runtime's timer.
         Waiting {
-            held: Box<Held<S, ReqB>>,
+            held: Box<HeldForShaping<S, ReqB>>,
         },
         Calling {
             #[pin]
@@ -165,7 +165,7 @@ where
     ) -> Self {
         Self {
             state: State::Waiting {
-                held: Held::new(wait, idle, req, fields, after),
+                held: HeldForShaping::new(wait, idle, req, fields, after),
             },
         }
     }
@@ -229,11 +229,11 @@ where
                                 Some((inner, req)),
                             ) => {
                                 // The ready instance is let go at once; a
-                                // clone waits (see `Held::new`).
+                                // clone waits (see `HeldForShaping::new`).
                                 let idle = inner.clone();
                                 drop(inner);
                                 State::Waiting {
-                                    held: Held::new(wait, idle, req, fields, settle),
+                                    held: HeldForShaping::new(wait, idle, req, fields, settle),
                                 }
                             }
                             (Err(answer), _) => State::Refused {

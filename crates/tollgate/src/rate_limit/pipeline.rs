@@ -23,7 +23,7 @@ use super::config::{Config, OnStoreError};
 use super::exempt::any_matches;
 use super::route::RouteMatch;
 use super::rule::{Applies, CostRefusal, Shaping, StatusFilter};
-use super::shaping::{Line, Place, Wait, WaitKeys};
+use super::shaping::{Place, ShapingLine, Wait, WaitKeys};
 use crate::identity::{RequestIdentity, operation_route};
 use crate::observe;
 use crate::response::{Answer, Refusal, ratelimit_fields};
@@ -80,7 +80,7 @@ impl ShapePlan {
     /// there is no tokio runtime to hold a request on.
     pub(crate) fn take_place(
         &self,
-        line: &mut Line<'_>,
+        line: &mut ShapingLine<'_>,
         max_waiting: usize,
         charges: &mut Charges,
     ) -> Option<Place> {

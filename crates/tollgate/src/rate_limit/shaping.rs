@@ -22,11 +22,11 @@ use tollgate_budget::{Charge, Outcome, Reservation, Store};
 /// store may be shaped a little less).
 #[derive(Default)]
 pub(crate) struct Waiters {
-    counts: Mutex<Counts>,
+    counts: Mutex<WaitCounts>,
 }
 
 #[derive(Default)]
-struct Counts {
+struct WaitCounts {
     total: usize,
     per_key: HashMap<Box<str>, usize>,
 }
@@ -37,9 +37,9 @@ pub(crate) type WaitKeys = Vec<(Box<str>, usize)>;
 impl Waiters {
     /// The line, locked: a request that may wait takes its place and is
     /// decided under it, so that no other request takes the room between
-    /// the two (see [`Line`]).
-    pub(crate) fn lock(self: &Arc<Self>) -> Line<'_> {
-        Line {
+    /// the two (see [`ShapingLine`]).
+    pub(crate) fn lock(self: &Arc<Self>) -> ShapingLine<'_> {
+        ShapingLine {
             waiters: self,
             counts: self.counts.lock().unwrap_or_else(PoisonError::into_inner),
         }
@@ -47,12 +47,12 @@ impl Waiters {
 }
 
 /// The locked line.
-pub(crate) struct Line<'a> {
+pub(crate) struct ShapingLine<'a> {
     waiters: &'a Arc<Waiters>,
-    counts: std::sync::MutexGuard<'a, Counts>,
+    counts: std::sync::MutexGuard<'a, WaitCounts>,
 }
 
-impl Line<'_> {
+impl ShapingLine<'_> {
     /// A place for one more request in line on each of `keys` (key text,
     /// per-key limit), if every key and the layer (`max`) have room.
     pub(crate) fn enter(&mut self, keys: &WaitKeys, max: usize) -> Option<Place> {
@@ -81,7 +81,7 @@ impl Line<'_> {
     }
 }
 
-impl Counts {
+impl WaitCounts {
     fn leave(&mut self, keys: &[Box<str>]) {
         self.total -= 1;
         for key in keys {

@@ -70,7 +70,7 @@ pub(crate) const MIN_LEASE: Duration = Duration::from_millis(100);
 pub(crate) const MAX_LEASE: Duration = Duration::from_secs(24 * 3600);
 
 /// A layer's sharing, with the counters of this process.
-pub(crate) struct Fleet {
+pub(crate) struct Leases {
     pub(crate) sharing: Sharing,
     /// Lease ids: a random half per process, a counter for the other.
     seed: u64,
@@ -78,7 +78,7 @@ pub(crate) struct Fleet {
     /// Leases this process holds now.
     held: AtomicUsize,
     /// This process's requests waiting for a lease, in arrival order.
-    line: Mutex<Line>,
+    line: Mutex<WaiterLine>,
     peak_waiting: AtomicUsize,
     /// Leases found gone at a renewal, and taken again.
     restored: AtomicU64,
@@ -92,7 +92,7 @@ pub(crate) struct Fleet {
 /// to the next, so within a process nobody is asked before those who came
 /// earlier, and room found by one reaches those behind it.
 #[derive(Default)]
-pub(crate) struct Line {
+pub(crate) struct WaiterLine {
     waiting: VecDeque<InLine>,
     next: u64,
     /// Slots this process has given back.
@@ -108,7 +108,7 @@ struct InLine {
     key: Option<Box<str>>,
     /// Last refused by the limit in all (alone or with its key's), or not
     /// asked yet: it holds up waiters of every key behind it, see
-    /// [`Line::free`]. Otherwise it was refused by its own key's limit
+    /// [`WaiterLine::free`]. Otherwise it was refused by its own key's limit
     /// alone.
     global: bool,
     /// Last refused with its key's limit full (alone or with the limit in
@@ -119,7 +119,7 @@ struct InLine {
     turn: Arc<Notify>,
 }
 
-impl Line {
+impl WaiterLine {
     /// The waiters nobody ahead holds up, in line order. Walking from the
     /// front: a waiter behind an earlier one of its own key waits for that
     /// one (whatever it was last refused for, it could not be admitted
@@ -159,7 +159,7 @@ impl Line {
     }
 
     /// Hands the turn to the first waiter after `id` (or to the first of
-    /// all, without `id`) that nobody ahead holds up ([`Line::free`]).
+    /// all, without `id`) that nobody ahead holds up ([`WaiterLine::free`]).
     /// Those held up would overtake the one ahead if room appeared between
     /// its ask and theirs; their turn comes when it has been refused by
     /// its key's limit only, admitted, or gone.
@@ -188,7 +188,7 @@ impl Line {
     }
 }
 
-impl Owner for Fleet {
+impl Owner for Leases {
     fn store(&self) -> &dyn LeaseStore {
         &*self.sharing.store
     }
@@ -202,14 +202,14 @@ impl Owner for Fleet {
     }
 }
 
-impl Fleet {
+impl Leases {
     pub(crate) fn new(sharing: Sharing) -> Self {
         Self {
             sharing,
             seed: RandomState::new().hash_one(std::process::id()),
             next: AtomicU64::new(0),
             held: AtomicUsize::new(0),
-            line: Mutex::new(Line::default()),
+            line: Mutex::new(WaiterLine::default()),
             peak_waiting: AtomicUsize::new(0),
             restored: AtomicU64::new(0),
             releases: Releases::default(),
@@ -220,7 +220,7 @@ impl Fleet {
         (u128::from(self.seed) << 64) | u128::from(self.next.fetch_add(1, Ordering::Relaxed))
     }
 
-    pub(crate) fn line(&self) -> std::sync::MutexGuard<'_, Line> {
+    pub(crate) fn line(&self) -> std::sync::MutexGuard<'_, WaiterLine> {
         self.line.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -244,7 +244,7 @@ pub(crate) enum Slot {
     /// A slot of this process's own counts.
     Local { _permit: Permit },
     /// A lease shared by the fleet.
-    Fleet { _lease: FleetPermit },
+    Leases { _lease: LeasePermit },
     /// Admitted uncounted: the lease store failed and the layer fails open.
     Unchecked,
 }
@@ -259,23 +259,23 @@ impl Slot {
 /// until dropped, then given back. It also counts in this process's own
 /// counts (`_local`), so that falling back to them when the store fails
 /// ([`OnLeaseError::Local`]) sees the requests already in flight.
-pub(crate) struct FleetPermit {
-    fleet: Arc<Fleet>,
+pub(crate) struct LeasePermit {
+    leases: Arc<Leases>,
     lease: Lease,
     renewal: Option<tokio::task::AbortHandle>,
     _local: Permit,
 }
 
-impl FleetPermit {
-    fn start(fleet: Arc<Fleet>, lease: Lease, local: Permit) -> Self {
-        fleet.held.fetch_add(1, Ordering::Relaxed);
+impl LeasePermit {
+    fn start(leases: Arc<Leases>, lease: Lease, local: Permit) -> Self {
+        leases.held.fetch_add(1, Ordering::Relaxed);
         let renewal = tokio::runtime::Handle::try_current().ok().map(|runtime| {
             runtime
-                .spawn(renew(fleet.clone(), lease.clone()))
+                .spawn(renew(leases.clone(), lease.clone()))
                 .abort_handle()
         });
         Self {
-            fleet,
+            leases,
             lease,
             renewal,
             _local: local,
@@ -283,13 +283,13 @@ impl FleetPermit {
     }
 }
 
-impl Drop for FleetPermit {
+impl Drop for LeasePermit {
     fn drop(&mut self) {
         if let Some(renewal) = self.renewal.take() {
             renewal.abort();
         }
-        self.fleet.held.fetch_sub(1, Ordering::Relaxed);
-        give_back(&self.fleet, self.lease.clone(), false);
+        self.leases.held.fetch_sub(1, Ordering::Relaxed);
+        give_back(&self.leases, self.lease.clone(), false);
     }
 }
 
@@ -300,16 +300,16 @@ impl Drop for FleetPermit {
 /// logged and counted. Between the loss and that renewal others may be
 /// admitted in its place: the one window in which the fleet can exceed
 /// the limit.
-async fn renew(fleet: Arc<Fleet>, lease: Lease) {
+async fn renew(leases: Arc<Leases>, lease: Lease) {
     let every = lease.request.ttl / 3;
     let mut next = tokio::time::Instant::now() + every;
     loop {
         tokio::time::sleep_until(next).await;
         next += every;
-        match fleet.sharing.store.renew(&lease).await {
+        match leases.sharing.store.renew(&lease).await {
             Ok(Renewed::Extended) => {}
             Ok(Renewed::Restored) => {
-                fleet.restored.fetch_add(1, Ordering::Relaxed);
+                leases.restored.fetch_add(1, Ordering::Relaxed);
                 crate::observe::lease_restored(&lease.request.limit);
                 // Counter `tollgate_lease_restored_total{layer}`; documented
                 // in observe.rs.
@@ -339,7 +339,7 @@ async fn renew(fleet: Arc<Fleet>, lease: Lease) {
 /// answer (a client gone, a timeout), the lease it may have taken is given
 /// back by its id, which makes that exact.
 struct Sent<'a> {
-    fleet: &'a Arc<Fleet>,
+    leases: &'a Arc<Leases>,
     request: &'a LeaseRequest,
     id: u128,
     armed: bool,
@@ -352,7 +352,7 @@ impl Drop for Sent<'_> {
     fn drop(&mut self) {
         if self.armed {
             give_back(
-                self.fleet,
+                self.leases,
                 Lease {
                     request: self.request.clone(),
                     id: self.id,
@@ -365,15 +365,19 @@ impl Drop for Sent<'_> {
 
 /// One acquire, given back if dropped on the way or if its answer is lost
 /// (uncertain: it may have been applied).
-async fn ask(fleet: &Arc<Fleet>, request: &LeaseRequest, id: u128) -> Result<Acquired, StoreError> {
+async fn ask(
+    leases: &Arc<Leases>,
+    request: &LeaseRequest,
+    id: u128,
+) -> Result<Acquired, StoreError> {
     let mut sent = Sent {
-        fleet,
+        leases,
         request,
         id,
         armed: true,
         failing: false,
     };
-    let answer = fleet.sharing.store.acquire(request, id).await;
+    let answer = leases.sharing.store.acquire(request, id).await;
     sent.armed = matches!(&answer, Err(e) if e.kind() == StoreErrorKind::Uncertain);
     sent.failing = sent.armed;
     answer
@@ -384,14 +388,14 @@ async fn ask(fleet: &Arc<Fleet>, request: &LeaseRequest, id: u128) -> Result<Acq
 /// admitted this one may have found more room (another instance freed
 /// several slots), and the waiter behind, first in line now, would
 /// otherwise not ask until someone freed a slot in this process.
-struct Queued<'a> {
-    fleet: &'a Fleet,
+struct LeaseWaiter<'a> {
+    leases: &'a Leases,
     id: u64,
 }
 
-impl Drop for Queued<'_> {
+impl Drop for LeaseWaiter<'_> {
     fn drop(&mut self) {
-        let mut line = self.fleet.line();
+        let mut line = self.leases.line();
         line.waiting.retain(|w| w.id != self.id);
         line.pass(Some(self.id));
     }
@@ -402,7 +406,7 @@ impl Drop for Queued<'_> {
 /// when the store fails.
 pub(crate) async fn acquire(
     limiter: Arc<Limiter>,
-    fleet: Arc<Fleet>,
+    leases: Arc<Leases>,
     key: Option<Box<str>>,
 ) -> Result<Slot, Saturated> {
     let limits = &limiter.limits;
@@ -411,13 +415,13 @@ pub(crate) async fn acquire(
         key: key.clone().filter(|_| limits.per_key_max.is_some()),
         per_key: limits.per_key_max.map(|n| n as u64),
         global: limits.global_max.map(|n| n as u64),
-        ttl: fleet.sharing.ttl,
+        ttl: leases.sharing.ttl,
     };
-    let id = fleet.next_id();
+    let id = leases.next_id();
     let granted = |lease: Lease| {
         let local = limiter.take_unchecked(key.as_deref());
-        Ok(Slot::Fleet {
-            _lease: FleetPermit::start(fleet.clone(), lease, local),
+        Ok(Slot::Leases {
+            _lease: LeasePermit::start(leases.clone(), lease, local),
         })
     };
     // A newcomer takes its place in the order of arrival now, and asks at
@@ -426,7 +430,7 @@ pub(crate) async fn acquire(
     // asks were answered in the other order (the replies' tasks woken in
     // either order) still wait in the order they came.
     let (place, behind, freed) = if limits.waits().is_some() {
-        let mut line = fleet.line();
+        let mut line = leases.line();
         let place = line.next;
         line.next += 1;
         (place, line.blocks(request.key.as_deref()), line.freed)
@@ -436,10 +440,10 @@ pub(crate) async fn acquire(
     let (full, holds_all) = match behind {
         // Not asked yet: holds up everyone behind until it has.
         Some(reason) => (reason, true),
-        None => match ask(&fleet, &request, id).await {
+        None => match ask(&leases, &request, id).await {
             Ok(Acquired::Granted(lease)) => return granted(lease),
             Ok(refused) => refusal(&refused),
-            Err(error) => return failed(&limiter, &fleet, key, error).await,
+            Err(error) => return failed(&limiter, &leases, key, error).await,
         },
     };
     let Some((max_waiters, max_wait)) = limits.waits() else {
@@ -447,7 +451,7 @@ pub(crate) async fn acquire(
     };
     let deadline = later(tokio::time::Instant::now(), max_wait);
     let turn = {
-        let mut line = fleet.line();
+        let mut line = leases.line();
         // One key waits no more than it may have in flight, and the layer
         // no more than `max_waiters`.
         let of_key = line
@@ -507,13 +511,13 @@ pub(crate) async fn acquire(
             // A slot came free while the first ask was out: ask again now.
             turn.notify_one();
         }
-        fleet
+        leases
             .peak_waiting
             .fetch_max(line.waiting.len(), Ordering::Relaxed);
         turn
     };
-    let queued = Queued {
-        fleet: &fleet,
+    let queued = LeaseWaiter {
+        leases: &leases,
         id: place,
     };
     let mut full = full;
@@ -522,14 +526,14 @@ pub(crate) async fn acquire(
         // another instance); the others when the one before them has
         // asked (found no room, or was admitted and left) or left the
         // line, or at once when this process frees a slot.
-        let first = fleet.line().waiting.front().is_some_and(|w| w.id == place);
+        let first = leases.line().waiting.front().is_some_and(|w| w.id == place);
         let wake = if first {
-            later(tokio::time::Instant::now(), fleet.sharing.poll).min(deadline)
+            later(tokio::time::Instant::now(), leases.sharing.poll).min(deadline)
         } else {
             deadline
         };
         let notified = tokio::time::timeout_at(wake, turn.notified()).await.is_ok();
-        if !fleet.line().waiting.iter().any(|w| w.id == place) {
+        if !leases.line().waiting.iter().any(|w| w.id == place) {
             // Made room for an earlier arrival in a full line.
             return Err(limiter.refused(full_line(full), key.as_deref()));
         }
@@ -541,16 +545,16 @@ pub(crate) async fn acquire(
         // back later): that one polls now, and hands the turn on. Nor is a
         // turn handed over before someone ahead was refused by the limit
         // in all (a wake-up kept while this one's own ask was out).
-        if !fleet.line().may_ask(place, notified) {
+        if !leases.line().may_ask(place, notified) {
             continue;
         }
         // Bounded by the wait: an answer after it is given back.
-        match tokio::time::timeout_at(deadline, ask(&fleet, &request, id)).await {
+        match tokio::time::timeout_at(deadline, ask(&leases, &request, id)).await {
             Ok(Ok(Acquired::Granted(lease))) => return granted(lease),
             Ok(Ok(refused)) => {
                 let holds_all;
                 (full, holds_all) = refusal(&refused);
-                let mut line = fleet.line();
+                let mut line = leases.line();
                 if let Some(me) = line.waiting.iter_mut().find(|w| w.id == place) {
                     me.global = holds_all;
                     me.by_key = full == Saturated::PerKey;
@@ -561,7 +565,7 @@ pub(crate) async fn acquire(
                 // Out of line first: falling back to this process's own
                 // counts may wait there, and those behind get their turn.
                 drop(queued);
-                return failed(&limiter, &fleet, key, error).await;
+                return failed(&limiter, &leases, key, error).await;
             }
             Err(_) => return Err(limiter.refused(full, key.as_deref())),
         }
@@ -577,7 +581,7 @@ fn later(now: tokio::time::Instant, wait: Duration) -> tokio::time::Instant {
 
 /// What a refusal answers (by the key's limit, or the limit in all), and
 /// whether the waiter refused holds up the waiters of every key behind it
-/// ([`Line::free`]): unless its key alone is known to be full.
+/// ([`WaiterLine::free`]): unless its key alone is known to be full.
 fn refusal(answer: &Acquired) -> (Saturated, bool) {
     match answer {
         Acquired::PerKeyFull => (Saturated::PerKey, false),
@@ -598,11 +602,11 @@ fn full_line(full: Saturated) -> Saturated {
 /// given back already, see [`ask`]).
 async fn failed(
     limiter: &Arc<Limiter>,
-    fleet: &Arc<Fleet>,
+    leases: &Arc<Leases>,
     key: Option<Box<str>>,
     error: StoreError,
 ) -> Result<Slot, Saturated> {
-    match fleet.sharing.on_error {
+    match leases.sharing.on_error {
         OnLeaseError::FailClosed => {
             crate::observe::store_error(&error, "fail_closed");
             Err(limiter.refused(Saturated::Unavailable, key.as_deref()))
