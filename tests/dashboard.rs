@@ -12,6 +12,8 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::fs;
 use std::path::{Path, PathBuf};
 
+use serde_json::Value as Json;
+
 /// The dashboard, from the workspace root.
 const DASHBOARD: &str = "dashboards/tollgate.json";
 
@@ -284,213 +286,20 @@ fn observe_docs(root: &Path) -> String {
         .join("\n")
 }
 
-/// A JSON value, as much of it as these checks read.
-enum Json {
-    /// `null`, `true`, `false` or a number.
-    Scalar,
-    Str(String),
-    Arr(Vec<Json>),
-    Obj(Vec<(String, Json)>),
-}
-
-impl Json {
-    fn get(&self, key: &str) -> Option<&Json> {
-        match self {
-            Json::Obj(fields) => fields.iter().find(|(k, _)| k == key).map(|(_, v)| v),
-            _ => None,
-        }
-    }
-
-    fn as_str(&self) -> Option<&str> {
-        match self {
-            Json::Str(s) => Some(s.as_str()),
-            _ => None,
-        }
-    }
-
-    fn items(&self) -> &[Json] {
-        match self {
-            Json::Arr(items) => items.as_slice(),
-            _ => &[],
-        }
-    }
-}
-
-/// A strict JSON parser (serde_json is not a dependency of this package);
-/// panics with the byte offset on malformed input.
-struct Parser<'a> {
-    text: &'a [u8],
-    at: usize,
-}
-
 fn parse(text: &str) -> Json {
-    let mut parser = Parser {
-        text: text.as_bytes(),
-        at: 0,
-    };
-    let value = parser.value();
-    parser.skip_space();
-    if parser.at != parser.text.len() {
-        parser.fail("trailing text");
-    }
-    value
+    serde_json::from_str(text).unwrap_or_else(|e| panic!("{DASHBOARD} is not JSON: {e}"))
 }
 
-impl Parser<'_> {
-    fn fail(&self, what: &str) -> ! {
-        panic!("{DASHBOARD} is not valid JSON: {what} at byte {}", self.at)
-    }
-
-    fn peek(&self) -> Option<u8> {
-        self.text.get(self.at).copied()
-    }
-
-    fn skip_space(&mut self) {
-        while matches!(self.peek(), Some(b' ' | b'\t' | b'\n' | b'\r')) {
-            self.at += 1;
-        }
-    }
-
-    fn expect(&mut self, byte: u8) {
-        self.skip_space();
-        if self.peek() != Some(byte) {
-            self.fail(&format!("expected `{}`", char::from(byte)));
-        }
-        self.at += 1;
-    }
-
-    fn value(&mut self) -> Json {
-        self.skip_space();
-        match self.peek() {
-            Some(b'{') => self.object(),
-            Some(b'[') => self.array(),
-            Some(b'"') => Json::Str(self.string()),
-            Some(b't') => self.word("true"),
-            Some(b'f') => self.word("false"),
-            Some(b'n') => self.word("null"),
-            Some(b'-' | b'0'..=b'9') => {
-                while matches!(
-                    self.peek(),
-                    Some(b'-' | b'+' | b'.' | b'e' | b'E' | b'0'..=b'9')
-                ) {
-                    self.at += 1;
-                }
-                Json::Scalar
-            }
-            _ => self.fail("expected a value"),
-        }
-    }
-
-    fn word(&mut self, word: &str) -> Json {
-        if !self.text[self.at..].starts_with(word.as_bytes()) {
-            self.fail(&format!("expected `{word}`"));
-        }
-        self.at += word.len();
-        Json::Scalar
-    }
-
-    fn object(&mut self) -> Json {
-        self.expect(b'{');
-        let mut fields = Vec::new();
-        self.skip_space();
-        if self.peek() == Some(b'}') {
-            self.at += 1;
-            return Json::Obj(fields);
-        }
-        loop {
-            self.skip_space();
-            let key = self.string();
-            self.expect(b':');
-            let value = self.value();
-            fields.push((key, value));
-            self.skip_space();
-            match self.peek() {
-                Some(b',') => self.at += 1,
-                Some(b'}') => {
-                    self.at += 1;
-                    return Json::Obj(fields);
-                }
-                _ => self.fail("expected `,` or `}`"),
-            }
-        }
-    }
-
-    fn array(&mut self) -> Json {
-        self.expect(b'[');
-        let mut items = Vec::new();
-        self.skip_space();
-        if self.peek() == Some(b']') {
-            self.at += 1;
-            return Json::Arr(items);
-        }
-        loop {
-            items.push(self.value());
-            self.skip_space();
-            match self.peek() {
-                Some(b',') => self.at += 1,
-                Some(b']') => {
-                    self.at += 1;
-                    return Json::Arr(items);
-                }
-                _ => self.fail("expected `,` or `]`"),
-            }
-        }
-    }
-
-    fn string(&mut self) -> String {
-        if self.peek() != Some(b'"') {
-            self.fail("expected a string");
-        }
-        self.at += 1;
-        let mut bytes = Vec::new();
-        loop {
-            let Some(byte) = self.peek() else {
-                self.fail("unterminated string")
-            };
-            self.at += 1;
-            match byte {
-                b'"' => break,
-                b'\\' => {
-                    let Some(escape) = self.peek() else {
-                        self.fail("unterminated string")
-                    };
-                    self.at += 1;
-                    match escape {
-                        b'"' | b'\\' | b'/' => bytes.push(escape),
-                        b'b' => bytes.push(0x08),
-                        b'f' => bytes.push(0x0c),
-                        b'n' => bytes.push(b'\n'),
-                        b'r' => bytes.push(b'\r'),
-                        b't' => bytes.push(b'\t'),
-                        b'u' => {
-                            let code = self
-                                .text
-                                .get(self.at..self.at + 4)
-                                .and_then(|hex| std::str::from_utf8(hex).ok())
-                                .and_then(|hex| u32::from_str_radix(hex, 16).ok())
-                                .unwrap_or_else(|| self.fail("a bad \\u escape"));
-                            self.at += 4;
-                            let c = char::from_u32(code).unwrap_or(char::REPLACEMENT_CHARACTER);
-                            bytes.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes());
-                        }
-                        _ => self.fail("an unknown escape"),
-                    }
-                }
-                _ => bytes.push(byte),
-            }
-        }
-        String::from_utf8(bytes).unwrap_or_else(|_| self.fail("a string that is not UTF-8"))
-    }
+/// The items of a JSON array, none for anything else.
+fn items(value: &Json) -> &[Json] {
+    value.as_array().map(Vec::as_slice).unwrap_or_default()
 }
 
 /// The panels of `list`, those of rows included, the rows left out.
 fn collect_panels<'a>(list: &'a [Json], out: &mut Vec<&'a Json>) {
     for panel in list {
         if panel.get("type").and_then(Json::as_str) == Some("row") {
-            collect_panels(
-                panel.get("panels").map(Json::items).unwrap_or_default(),
-                out,
-            );
+            collect_panels(panel.get("panels").map(items).unwrap_or_default(), out);
         } else {
             out.push(panel);
         }
@@ -512,7 +321,7 @@ fn dashboard_names_only_metrics_tollgate_emits() {
     let dashboard = parse(&text);
     let mut panels = Vec::new();
     collect_panels(
-        dashboard.get("panels").map(Json::items).unwrap_or_default(),
+        dashboard.get("panels").map(items).unwrap_or_default(),
         &mut panels,
     );
     assert!(!panels.is_empty(), "{DASHBOARD} has no panels");
@@ -524,7 +333,7 @@ fn dashboard_names_only_metrics_tollgate_emits() {
         let title = title(panel);
         let exprs: Vec<&str> = panel
             .get("targets")
-            .map(Json::items)
+            .map(items)
             .unwrap_or_default()
             .iter()
             .filter_map(|target| target.get("expr").and_then(Json::as_str))
@@ -587,7 +396,7 @@ fn dashboard_panels_use_the_prometheus_datasource_variable() {
     let variables = dashboard
         .get("templating")
         .and_then(|templating| templating.get("list"))
-        .map(Json::items)
+        .map(items)
         .unwrap_or_default();
     assert!(
         variables.iter().any(|v| {
@@ -599,7 +408,7 @@ fn dashboard_panels_use_the_prometheus_datasource_variable() {
     );
     let mut panels = Vec::new();
     collect_panels(
-        dashboard.get("panels").map(Json::items).unwrap_or_default(),
+        dashboard.get("panels").map(items).unwrap_or_default(),
         &mut panels,
     );
     for panel in panels {

@@ -267,7 +267,7 @@ async fn dry_run_and_enforced_rules_mix_all_or_nothing() {
     .await;
     let trial_left = || {
         let charge = Charge::new(Key::new("ip=127.0.36.1"), trial.clone(), 1).unwrap();
-        store.peek(&[charge]).limits()[0].remaining()
+        store.describe(&[charge]).limits()[0].remaining()
     };
     let mut seen = Vec::new();
     for _ in 0..4 {
@@ -312,7 +312,7 @@ async fn dry_run_and_enforced_rules_mix_all_or_nothing() {
         [OK, LIMITED, LIMITED]
     );
     let roomy_key = Charge::new(Key::new("ip=127.0.36.2"), roomy, 1).unwrap();
-    assert_eq!(store.peek(&[roomy_key]).limits()[0].remaining(), 4);
+    assert_eq!(store.describe(&[roomy_key]).limits()[0].remaining(), 4);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -89,7 +89,7 @@ fn setup() -> &'static (Arc<MemoryStore>, RateLimitLayer<Arc<MemoryStore>>) {
 
 fn remaining(store: &MemoryStore, ip: &str) -> Option<u64> {
     let probe = Charge::new(Key::client_ip(ip.parse().ok()?, 32), per_ip(), 1).ok()?;
-    Some(store.peek(&[probe]).limits()[0].remaining())
+    Some(store.describe(&[probe]).limits()[0].remaining())
 }
 
 fuzz_target!(|input: (u8, u8, u8, bool, Vec<(Vec<u8>, Vec<u8>)>)| {

@@ -230,7 +230,7 @@ proptest! {
         };
         run(&p_old, &before, &mut now, &mut admitted);
         let change = now;
-        let probe = |p: &Policy| store.peek(&[charge(p, 0, 1)]).limits()[0].remaining();
+        let probe = |p: &Policy| store.describe(&[charge(p, 0, 1)]).limits()[0].remaining();
         let (left_old, left_new) = (probe(&p_old), probe(&p_new));
         if new.capacity <= old.capacity {
             prop_assert!(left_new <= left_old, "lowering gave {} after {}", left_new, left_old);

@@ -5,7 +5,7 @@
 -- ARGV[1]   "s": time from the server's TIME; "i": injected (ARGV[2], ARGV[3])
 -- ARGV[2]   injected seconds since the store epoch, ARGV[3] injected nanoseconds
 -- ARGV[4]   the store epoch, in Unix seconds
--- ARGV[5]   "charge" (write only if every charge is admitted), "peek" (never
+-- ARGV[5]   "charge" (write only if every charge is admitted), "check" (never
 --           write), "refund" (give back an earlier admission), "confirm"
 --           (settle a reserved one as counted), "undo" (give back the
 --           admissions of a call charged slot by slot and refused) or

@@ -1019,7 +1019,7 @@ impl RedisStore {
                 // The slots not charged yet are read without writing, so
                 // that every limit is described as in a single script.
                 for (group, prepared) in groups {
-                    let Ok(reply) = self.invoke(&prepared, Mode::Peek, deadline).await else {
+                    let Ok(reply) = self.invoke(&prepared, Mode::Check, deadline).await else {
                         continue;
                     };
                     for (slot, &i) in group.iter().enumerate() {
@@ -1083,7 +1083,7 @@ impl RedisStore {
         Ok(Some(Outcome::new(vec![decision])))
     }
 
-    /// What `charge_all` would answer now, read with the script's `peek`
+    /// What `charge_all` would answer now, read with the script's `check`
     /// mode: nothing is written. Slot groups are read one by one (there is
     /// nothing to keep atomic).
     async fn check_all(&self, charges: &[Charge]) -> Result<Outcome, StoreError> {
@@ -1101,7 +1101,7 @@ impl RedisStore {
         let mut before = vec![Decision::Unevaluated; charges.len()];
         for group in groups {
             let prepared = Prepared::new(group.iter().map(|&i| (&keys[i], &charges[i])))?;
-            let reply = self.invoke(&prepared, Mode::Peek, deadline).await?;
+            let reply = self.invoke(&prepared, Mode::Check, deadline).await?;
             for (slot, &i) in group.iter().enumerate() {
                 let values = &reply[slot * script::REPLY..(slot + 1) * script::REPLY];
                 (decisions[i], before[i]) = script::decision(values, charges[i].policy());
@@ -1308,7 +1308,7 @@ impl Store for RedisStore {
         script::params(policy, 1).map(|_| ())
     }
 
-    /// One `peek` script per slot group; nothing is written.
+    /// One `check` script per slot group; nothing is written.
     fn check<'a>(
         &'a self,
         charges: &'a [Charge],

@@ -38,7 +38,7 @@ pub(crate) fn one_bucket_script() -> Script {
 pub(crate) enum Mode {
     Charge,
     /// Decide without writing anything.
-    Peek,
+    Check,
     /// Give back reserved admissions ([`Store::refund`](tollgate_budget::Store::refund)).
     Refund,
     /// Undo a call charged slot by slot and refused: plain admissions
@@ -351,7 +351,7 @@ impl Prepared {
         cmd.arg(EPOCH_UNIX_SECS);
         cmd.arg(match mode {
             Mode::Charge => "charge",
-            Mode::Peek => "peek",
+            Mode::Check => "check",
             Mode::Refund => "refund",
             Mode::Undo => "undo",
             Mode::Confirm => "confirm",

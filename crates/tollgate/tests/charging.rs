@@ -26,7 +26,7 @@ fn per_ip() -> Policy {
 /// The per-address budget left for `ip`, read without spending.
 fn remaining(store: &MemoryStore, ip: &str) -> u64 {
     let probe = Charge::new(Key::client_ip(ip.parse().unwrap(), 32), per_ip(), 1).unwrap();
-    store.peek(&[probe]).limits()[0].remaining()
+    store.describe(&[probe]).limits()[0].remaining()
 }
 
 #[derive(Debug, Clone)]

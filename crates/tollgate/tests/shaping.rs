@@ -22,7 +22,7 @@ fn held() -> Policy {
 /// reservations ends, plus one refill.
 fn reset(store: &MemoryStore) -> Duration {
     let probe = Charge::new(Key::new("lit=one"), held(), 1).unwrap();
-    store.peek(&[probe]).limits()[0].reset()
+    store.describe(&[probe]).limits()[0].reset()
 }
 
 fn request() -> Request<()> {
@@ -262,7 +262,7 @@ async fn a_full_line_refuses_before_the_store_decides_and_spends_nothing() {
     // and the held bucket is full 1 s from now (0.5 s line, 0.5 s refill).
     let probe = |p: &Policy, k: &str| {
         memory
-            .peek(&[Charge::new(Key::new(k), p.clone(), 1).unwrap()])
+            .describe(&[Charge::new(Key::new(k), p.clone(), 1).unwrap()])
             .limits()[0]
     };
     assert_eq!(probe(&other, "lit=two").remaining(), 98);

@@ -386,7 +386,7 @@ impl MemoryStore {
     /// units available and the time until the budget is full (the costs
     /// are not looked at). For status pages and tests; a decision made on
     /// it can be stale by the time it is acted on.
-    pub fn peek(&self, charges: &[Charge]) -> Outcome {
+    pub fn describe(&self, charges: &[Charge]) -> Outcome {
         let inner = &*self.inner;
         let now = inner.clock.now();
         Outcome::new(
