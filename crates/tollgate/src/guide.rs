@@ -14,7 +14,11 @@
 //! 5. [`in_flight`]: bounding work in flight, waiting, stalled bodies;
 //! 6. [`client`]: a client that honours `Retry-After`;
 //! 7. [`project`]: versions and what counts as breaking, the repository's
-//!    layout, benchmarks, hardening and CI.
+//!    layout, benchmarks, hardening and CI;
+//! 8. [`recipes`]: whole tasks end to end: behind nginx, Prometheus and
+//!    Grafana, failed logins on every route, one plan changed at runtime,
+//!    one error format for both layers, gRPC, Redis with TLS and
+//!    Sentinel, a fleet.
 
 #[doc = include_str!("../guide/01-quickstart.md")]
 pub mod quickstart {}
@@ -36,3 +40,6 @@ pub mod client {}
 
 #[doc = include_str!("../guide/07-project.md")]
 pub mod project {}
+
+#[doc = include_str!("../guide/08-recipes.md")]
+pub mod recipes {}
