@@ -53,7 +53,7 @@
 //!   a timeout or a connection lost after sending is
 //!   [`StoreErrorKind::Uncertain`] (budget may have been spent). The layer's
 //!   fail-closed / fail-open / fallback setting decides the HTTP answer.
-//! - **Over-limit cache** (on by default, [`DEFAULT_OVER_LIMIT_CACHE`](crate::DEFAULT_OVER_LIMIT_CACHE)):
+//! - **Over-limit cache** (on by default, [`DEFAULT_OVER_LIMIT_CACHE`]):
 //!   denials are remembered locally until the time Redis said the cost
 //!   would fit, and so are admissions that left a token bucket without room
 //!   for the same cost; repeats in that time are refused without a round
@@ -293,7 +293,7 @@ impl RedisStoreBuilder {
     /// Remembers up to `max_keys` denials (and token buckets an admission
     /// left without room for the same cost) locally until the time the
     /// cost fits, refusing repeats without a round trip; `0` turns the
-    /// cache off. On by default with [`DEFAULT_OVER_LIMIT_CACHE`](crate::DEFAULT_OVER_LIMIT_CACHE) entries
+    /// cache off. On by default with [`DEFAULT_OVER_LIMIT_CACHE`] entries
     /// (68 bytes each: about 4.5 MB), so that a client flooding a
     /// spent budget costs the fleet's Redis about one call per key per
     /// refill interval, not one per request; off by default with
