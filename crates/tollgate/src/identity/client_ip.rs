@@ -2,12 +2,13 @@
 //! through trusted proxies only, the forwarding headers.
 
 use std::fmt;
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+use std::net::{IpAddr, Ipv6Addr, SocketAddr};
 use std::sync::Arc;
 
 use http::request::Parts;
 use http::{HeaderMap, HeaderName};
 use ipnet::IpNet;
+use tollgate_budget::Key;
 
 use super::forwarded::{self, Node};
 
@@ -443,26 +444,17 @@ impl ClientIpResolver {
         Ok(addr)
     }
 
+    /// `addr`'s network under the resolver's prefix for its family,
+    /// masked as a [`Key::client_ip`] masks it (one mask for both).
     pub(crate) fn mask(&self, addr: IpAddr) -> ClientIp {
-        match addr {
-            IpAddr::V4(v4) => {
-                let p = self.v4_prefix;
-                let bits = u32::from(v4) & (u32::MAX.checked_shl(32 - u32::from(p)).unwrap_or(0));
-                ClientIp {
-                    addr: IpAddr::V4(Ipv4Addr::from(bits)),
-                    prefix: p,
-                }
-            }
-            IpAddr::V6(v6) => {
-                let p = self.v6_prefix;
-                let bits =
-                    u128::from(v6) & (u128::MAX.checked_shl(128 - u32::from(p)).unwrap_or(0));
-                ClientIp {
-                    addr: IpAddr::V6(Ipv6Addr::from(bits)),
-                    prefix: p,
-                }
-            }
-        }
+        let prefix = match addr {
+            IpAddr::V4(_) => self.v4_prefix,
+            IpAddr::V6(_) => self.v6_prefix,
+        };
+        let (addr, prefix) = Key::client_ip(addr, prefix)
+            .as_client_ip()
+            .expect("a key made of one client address");
+        ClientIp { addr, prefix }
     }
 }
 
