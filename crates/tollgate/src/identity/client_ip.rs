@@ -513,6 +513,7 @@ fn single(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::net::Ipv4Addr;
     use proptest::prelude::*;
 
     proptest! {
