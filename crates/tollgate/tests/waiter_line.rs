@@ -18,7 +18,7 @@ use tokio::time::Instant;
 use tollgate::identity::PeerAddr;
 use tollgate::store::{Acquired, Lease, LeaseRequest, LeaseStore, Renewed, StoreFuture};
 use tollgate::{ConcurrencyLimitLayer, KeyPart, StoreError};
-use tower::{Layer, Service, ServiceExt};
+use tower::{Layer, ServiceExt};
 
 /// Leases in memory, on tokio's clock.
 #[derive(Default)]
