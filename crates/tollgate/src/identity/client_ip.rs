@@ -513,8 +513,8 @@ fn single(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::net::Ipv4Addr;
     use proptest::prelude::*;
+    use std::net::Ipv4Addr;
 
     proptest! {
         /// The stack text is the Display text, for every address and prefix.
