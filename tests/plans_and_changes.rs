@@ -485,3 +485,36 @@ fn a_plan_given_twice_is_an_error() {
         .is_ok()
     );
 }
+
+/// Found in review: `set_policy` checked the rules it loaded, then applied
+/// the change to whatever rules were in force by then, so a `replace`
+/// landing in between got the new policy unchecked (a shaping rule with a
+/// window). Every rule in force must pass the checks `build` makes, after
+/// any interleaving of changes.
+#[test]
+fn a_change_racing_another_never_puts_an_unchecked_rule_in_force() {
+    use std::num::NonZeroUsize;
+    let bucket = Policy::token_bucket("s", 10, Rate::per_second(1)).unwrap();
+    let window = Policy::fixed_window("s", 10, std::time::Duration::from_secs(1)).unwrap();
+    let shaping = Rule::per_client_ip(bucket.clone())
+        .shape(std::time::Duration::from_secs(1), NonZeroUsize::MIN);
+    for _ in 0..2_000 {
+        let layer = RateLimitLayer::builder(tollgate::MemoryStore::new())
+            .rule(Rule::per_client_ip(bucket.clone()))
+            .build()
+            .unwrap();
+        let handle = layer.rules_handle();
+        let (replacing, changing) = (handle.clone(), handle.clone());
+        let shaping = shaping.clone();
+        let window = window.clone();
+        let a = std::thread::spawn(move || replacing.replace([shaping]).is_ok());
+        let b = std::thread::spawn(move || changing.set_policy(window).is_ok());
+        let (replaced, changed) = (a.join().unwrap(), b.join().unwrap());
+        for rule in handle.rules().iter() {
+            assert!(
+                checked(rule.clone()).is_ok(),
+                "replace {replaced}, set_policy {changed}: {rule:?} is in force unchecked"
+            );
+        }
+    }
+}

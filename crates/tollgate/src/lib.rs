@@ -10,8 +10,18 @@
 //!   `RateLimit` fields.
 //! - [`ConcurrencyLimitLayer`] bounds requests in flight, globally and per
 //!   key, until their response bodies end.
-//! - The budget arithmetic, keys and stores come from [`tollgate_budget`],
-//!   re-exported here.
+//! - Policies, rates and the in-memory store are here; what a store author
+//!   needs beyond them is in [`store`] (from the `tollgate-budget` crate,
+//!   re-exported so that `tollgate` is the one dependency).
+//!
+//! With axum, turn on the `axum` feature: without it the layer cannot read
+//! axum's `ConnectInfo`, sees no client address and answers `500`
+//! (logged) to rules keyed by it.
+//!
+//! ```toml
+//! [dependencies]
+//! tollgate = { version = "0.1", features = ["axum"] }
+//! ```
 //!
 //! # Example: an axum API
 //!
@@ -84,8 +94,9 @@
 //! ```
 //!
 //! Behind a reverse proxy, add
-//! `.client_ip(ClientIpResolver::trusting([..])?)` with the proxy's
-//! networks (see [`ClientIpResolver`]); without it, forwarding headers are
+//! `.client_ip(ClientIpResolver::trusting(networks, ForwardedHeader::XForwardedFor)?)`
+//! with the proxy's networks (see [`ClientIpResolver`], and the
+//! [nginx recipe](guide::recipes)); without it, forwarding headers are
 //! ignored and the connected peer is the client.
 //!
 //! # Where things are
@@ -93,12 +104,12 @@
 //! | module | job |
 //! |---|---|
 //! | [`guide`] | the guide, in chapters: every recipe and reference beyond this page |
-//! | [`rate_limit`] | [`RateLimitLayer`], [`Rule`], [`Cost`]: the table of answers, the order they are given in, when a charge is made |
-//! | [`identity`] | who is asking: [`Principal`], [`ClientIpResolver`] (the trusted-proxy walk), [`Operation`], [`KeyPart`] |
-//! | [`concurrency`] | [`ConcurrencyLimitLayer`] and the [`concurrency::InFlight`] handle |
+//! | [`rate_limit`] | the rate-limit service and its builder: the table of answers ([`RateLimitLayer`], [`Rule`] and [`Cost`] are at the root), the order they are given in, when a charge is made |
+//! | [`identity`] | who is asking: client addresses behind proxies, forwarding headers, peer addresses ([`Principal`], [`ClientIpResolver`], [`Operation`], [`KeyPart`] are at the root) |
+//! | [`concurrency`] | the in-flight service, its builder, counters and the [`concurrency::InFlight`] handle ([`ConcurrencyLimitLayer`] is at the root) |
+//! | [`store`] | for store authors and tests: charges, [`Decision`](crate::store::Decision) / [`Outcome`](crate::store::Outcome) / [`Verdict`](crate::store::Verdict), keys, leases, clocks, the in-memory store's builder |
 //! | [`client`] | `Retry-After` parsing and a retry policy for callers (feature `client`) |
-//! | [`core`] | [`tollgate_budget`]: policies, keys, charges, [`Decision`](crate::store::Decision) / [`Outcome`](crate::store::Outcome) / [`Verdict`](crate::store::Verdict), [`MemoryStore`], the [`Store`] trait |
-//! | `redis` | the Redis store for fleets (feature `redis`) |
+//! | `redis` | the Redis store's builder and counters (feature `redis`; [`RedisStore`](crate::RedisStore) is at the root) |
 //!
 //! # Features
 //!

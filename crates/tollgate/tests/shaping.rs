@@ -166,6 +166,8 @@ fn a_zero_wait_is_refused_as_a_rule() {
         .build()
         .unwrap_err();
     assert!(error.to_string().contains("above zero"), "{error}");
+    // The rule is wrong whatever the store: not the store's fault.
+    assert!(!error.is_unsupported_by_store(), "{error}");
 }
 
 /// A MemoryStore that answers one poll later, as a store with a round

@@ -117,7 +117,7 @@ fn service(
     per_key: Option<usize>,
     global: Option<usize>,
     waiters: usize,
-    store: Arc<MemoryLeases>,
+    store: Arc<dyn LeaseStore>,
 ) -> Svc {
     let mut limit = ConcurrencyLimitLayer::builder("line")
         .shared(store)
@@ -168,7 +168,7 @@ async fn settle() {
 #[tokio::test(start_paused = true)]
 async fn a_freed_slot_goes_to_the_earliest_waiter() {
     let held = Held::new(5);
-    let svc = service(&held, None, Some(1), 8, Arc::default());
+    let svc = service(&held, None, Some(1), 8, Arc::new(MemoryLeases::default()));
     let mut answers = Vec::new();
     for n in 0..5 {
         answers.push(send(&svc, n, 1 + n as u8));
@@ -192,7 +192,13 @@ async fn a_freed_slot_goes_to_the_earliest_waiter() {
 #[tokio::test(start_paused = true)]
 async fn a_key_full_by_itself_holds_up_no_other_key() {
     let held = Held::new(4);
-    let svc = service(&held, Some(1), Some(3), 8, Arc::default());
+    let svc = service(
+        &held,
+        Some(1),
+        Some(3),
+        8,
+        Arc::new(MemoryLeases::default()),
+    );
     let first = send(&svc, 0, 1);
     settle().await;
     let same_key = send(&svc, 1, 1);
@@ -210,12 +216,19 @@ async fn a_key_full_by_itself_holds_up_no_other_key() {
     assert_eq!(same_key.await.unwrap(), StatusCode::OK);
 }
 
-/// A waiter refused by the limit in all holds up every waiter behind it,
-/// whatever their keys: the slot it needs is theirs too.
+/// Waiters of several keys refused by the limit in all are admitted in
+/// the order they came, one per freed slot (the race where a slot frees
+/// while an ask is out is the last test's).
 #[tokio::test(start_paused = true)]
-async fn a_waiter_refused_by_the_limit_in_all_holds_up_everyone_behind() {
+async fn waiters_of_several_keys_are_admitted_in_arrival_order() {
     let held = Held::new(3);
-    let svc = service(&held, Some(2), Some(1), 8, Arc::default());
+    let svc = service(
+        &held,
+        Some(2),
+        Some(1),
+        8,
+        Arc::new(MemoryLeases::default()),
+    );
     let mut answers = Vec::new();
     for n in 0..3 {
         answers.push(send(&svc, n, 1 + n as u8));
@@ -241,7 +254,13 @@ async fn a_waiter_refused_by_the_limit_in_all_holds_up_everyone_behind() {
 #[tokio::test(start_paused = true)]
 async fn a_key_waits_no_more_than_it_may_have_in_flight() {
     let held = Held::new(4);
-    let svc = service(&held, Some(1), Some(1), 8, Arc::default());
+    let svc = service(
+        &held,
+        Some(1),
+        Some(1),
+        8,
+        Arc::new(MemoryLeases::default()),
+    );
     let first = send(&svc, 0, 1);
     settle().await;
     let waiting = send(&svc, 1, 1);
@@ -266,7 +285,7 @@ async fn a_key_waits_no_more_than_it_may_have_in_flight() {
 #[tokio::test(start_paused = true)]
 async fn a_full_line_refuses_at_once() {
     let held = Held::new(3);
-    let svc = service(&held, None, Some(1), 1, Arc::default());
+    let svc = service(&held, None, Some(1), 1, Arc::new(MemoryLeases::default()));
     let first = send(&svc, 0, 1);
     settle().await;
     let waiting = send(&svc, 1, 2);
@@ -304,4 +323,107 @@ async fn a_lost_lease_is_taken_again_at_its_renewal() {
     held.open(0);
     assert_eq!(first.await.unwrap(), StatusCode::OK);
     assert_eq!(held.admitted(), [0]);
+}
+/// A slot freed by another instance reaches a waiter held behind
+/// one refused by its own key's limit (the refused one hands the turn on).
+#[tokio::test(start_paused = true)]
+async fn slot_freed_elsewhere_reaches_the_waiter_behind() {
+    let store = Arc::new(MemoryLeases::default());
+    let held_a = Held::new(4);
+    let held_b = Held::new(4);
+    let a = service(&held_a, Some(1), Some(3), 8, store.clone());
+    let b = service(&held_b, Some(1), Some(3), 8, store.clone());
+    // Instance B holds key 1 and key 2.
+    let b1 = send(&b, 0, 1);
+    let b2 = send(&b, 1, 2);
+    settle().await;
+    assert_eq!(held_b.admitted(), [0, 1]);
+    // Instance A: a waiter of key 1, then one of key 2 behind it.
+    let a1 = send(&a, 0, 1);
+    settle().await;
+    let a2 = send(&a, 1, 2);
+    settle().await;
+    assert!(held_a.admitted().is_empty());
+    // B lets key 2 go: A's key-2 waiter can be admitted (key 1 still full).
+    held_b.open(1);
+    assert_eq!(b2.await.unwrap(), StatusCode::OK);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        held_a.admitted(),
+        [1],
+        "the key-2 waiter behind a key-1 waiter got the slot"
+    );
+    held_a.open(1);
+    assert_eq!(a2.await.unwrap(), StatusCode::OK);
+    held_b.open(0);
+    assert_eq!(b1.await.unwrap(), StatusCode::OK);
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    held_a.open(0);
+    assert_eq!(a1.await.unwrap(), StatusCode::OK);
+}
+
+/// leases whose answers take `delay` (decided when asked).
+struct SlowLeases {
+    inner: MemoryLeases,
+    delay: Duration,
+}
+
+impl LeaseStore for SlowLeases {
+    fn acquire<'a>(
+        &'a self,
+        request: &'a LeaseRequest,
+        id: u128,
+    ) -> StoreFuture<'a, Result<Acquired, StoreError>> {
+        let answer = self.inner.take(request, id);
+        let delay = self.delay;
+        Box::pin(async move {
+            tokio::time::sleep(delay).await;
+            Ok(answer)
+        })
+    }
+    fn renew<'a>(&'a self, lease: &'a Lease) -> StoreFuture<'a, Result<Renewed, StoreError>> {
+        self.inner.renew(lease)
+    }
+    fn release<'a>(&'a self, lease: &'a Lease) -> StoreFuture<'a, Result<(), StoreError>> {
+        self.inner.release(lease)
+    }
+}
+
+/// A waiter refused by the limit in all holds up the waiter
+/// behind it even when a slot frees (elsewhere) while its ask is out.
+#[tokio::test(start_paused = true)]
+async fn global_refusal_holds_up_behind_even_when_a_slot_frees_mid_ask() {
+    let mut overtaken = Vec::new();
+    for x in (0..100).step_by(5) {
+        let store: Arc<dyn LeaseStore> = Arc::new(SlowLeases {
+            inner: MemoryLeases::default(),
+            delay: Duration::from_millis(40),
+        });
+        let held_a = Held::new(3);
+        let held_b = Held::new(1);
+        let a = service(&held_a, None, Some(1), 8, store.clone());
+        let b = service(&held_b, None, Some(1), 8, store.clone());
+        let b0 = send(&b, 0, 9);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert_eq!(held_b.admitted(), [0]);
+        let a1 = send(&a, 1, 1);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        let a2 = send(&a, 2, 2);
+        tokio::time::sleep(Duration::from_millis(100 + x)).await;
+        held_b.open(0);
+        b0.await.unwrap();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let order = held_a.admitted();
+        if order.first() == Some(&2) {
+            overtaken.push(x);
+        }
+        held_a.open(1);
+        held_a.open(2);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let _ = (a1.await, a2.await);
+    }
+    assert!(
+        overtaken.is_empty(),
+        "the later waiter overtook at offsets {overtaken:?} ms"
+    );
 }

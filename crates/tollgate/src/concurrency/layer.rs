@@ -36,7 +36,7 @@ pub const MIN_LEASE_PER_STORE_TIMEOUT: u32 = 3;
     "lease_ttl {ttl:?} is shorter than {MIN_LEASE_PER_STORE_TIMEOUT} times the lease \
      store's timeout ({timeout:?}): a renewal could arrive after the lease expired; make \
      lease_ttl at least {:?} or the store's timeout shorter",
-    *timeout * MIN_LEASE_PER_STORE_TIMEOUT
+    timeout.saturating_mul(MIN_LEASE_PER_STORE_TIMEOUT)
 )]
 pub(crate) struct InvalidLease {
     ttl: Duration,

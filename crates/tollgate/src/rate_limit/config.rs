@@ -113,11 +113,11 @@ pub(crate) fn check(store: &(impl Store + ?Sized), rule: &Rule) -> Result<(), In
         )));
     }
     if let Some(shaping) = &rule.shaping {
+        let wrong = |what: String| InvalidRule::new(rule.policy().name(), Problem::Rule(what));
         if shaping.max_delay.is_zero() {
-            return Err(refuse(StoreError::new(
-                StoreErrorKind::Unsupported,
-                "shape needs a longest wait above zero (a zero wait shapes nothing)",
-            )));
+            return Err(wrong(
+                "shape needs a longest wait above zero (a zero wait shapes nothing)".into(),
+            ));
         }
         if !store.can_shape() {
             return Err(refuse(StoreError::new(
@@ -131,12 +131,9 @@ pub(crate) fn check(store: &(impl Store + ?Sized), rule: &Rule) -> Result<(), In
                 _ => false,
             };
             if !shapes {
-                return Err(refuse(StoreError::new(
-                    StoreErrorKind::Unsupported,
-                    format!(
-                        "shape needs token buckets refilling at most one token per nanosecond; \
-                         {policy} cannot be shaped"
-                    ),
+                return Err(wrong(format!(
+                    "shape needs token buckets refilling at most one token per nanosecond; \
+                     {policy} cannot be shaped"
                 )));
             }
         }

@@ -138,17 +138,26 @@ impl<St: Store> RulesHandle<St> {
                 })
                 .collect()
         };
-        let current = self.rules.load();
-        for (before, after) in current.iter().zip(changed(&current)) {
-            if matches(before) {
-                self.check(&after)?;
+        // Checked and swapped as one: if another change landed between
+        // the check and the swap, start again from it, so that no rule
+        // comes into force unchecked.
+        loop {
+            let current = self.rules.load_full();
+            let next = changed(&current);
+            for (before, after) in current.iter().zip(&next) {
+                if matches(before) {
+                    self.check(after)?;
+                }
+            }
+            let count = current.iter().filter(|r| matches(r)).count();
+            if count == 0 {
+                return Ok(0);
+            }
+            let previous = self.rules.compare_and_swap(&current, Arc::new(next));
+            if Arc::ptr_eq(&previous, &current) {
+                return Ok(count);
             }
         }
-        let count = current.iter().filter(|r| matches(r)).count();
-        if count > 0 {
-            self.rules.rcu(|rules| changed(rules));
-        }
-        Ok(count)
     }
 
     /// The rules now in force.

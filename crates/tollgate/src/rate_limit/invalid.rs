@@ -29,6 +29,9 @@ pub(crate) enum Problem {
     Route(#[from] InvalidRoute),
     #[error(transparent)]
     Plan(#[from] InvalidPlan),
+    /// Wrong whatever the store (e.g. shaping a window).
+    #[error("{0}")]
+    Rule(String),
     #[error("this store cannot hold it: {0}")]
     Store(StoreError),
 }
