@@ -518,3 +518,34 @@ fn a_change_racing_another_never_puts_an_unchecked_rule_in_force() {
         }
     }
 }
+
+/// Found in review: two rules naming one budget with other numbers were
+/// accepted and charged one state twice under numbers that flipped from
+/// call to call. Rules that share a budget must give it the same numbers;
+/// the same numbers on several routes stay one shared budget.
+#[test]
+fn rules_that_share_a_budget_must_give_it_the_same_numbers() {
+    let clash = RateLimitLayer::builder(tollgate::MemoryStore::new())
+        .rule(Rule::per_client_ip(export(2, 1)).on_route("/a"))
+        .rule(Rule::per_client_ip(export(100, 1)).on_route("/b"))
+        .build()
+        .unwrap_err();
+    assert_eq!(clash.policy(), "export");
+    assert!(clash.to_string().contains("same budget"), "{clash}");
+    assert!(!clash.is_unsupported_by_store());
+    let layer = RateLimitLayer::builder(tollgate::MemoryStore::new())
+        .rule(Rule::per_client_ip(export(2, 1)).on_route("/a"))
+        .rule(Rule::per_client_ip(export(2, 1)).on_route("/b"))
+        .build()
+        .unwrap();
+    let handle = layer.rules_handle();
+    assert!(
+        handle
+            .replace([
+                Rule::per_client_ip(export(2, 1)),
+                Rule::per_account(export(3, 1)),
+            ])
+            .is_err()
+    );
+    assert_eq!(handle.rules().len(), 2, "nothing changed");
+}

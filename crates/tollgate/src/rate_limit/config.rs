@@ -94,6 +94,31 @@ pub(crate) struct Config<St> {
     pub(crate) reported_no_matched_path: AtomicBool,
 }
 
+/// Whether `rules` can serve side by side: rules whose policies are one
+/// budget (a name and unit) must give it the same numbers, since a key's
+/// budget state is one (two rules naming "export" with 3 and 100 would
+/// charge one state twice under numbers that flip from call to call).
+pub(crate) fn check_together(rules: &[Rule]) -> Result<(), InvalidRule> {
+    for (i, later) in rules.iter().enumerate() {
+        let clash = rules[..i].iter().find(|earlier| {
+            earlier.policy().same_budget(later.policy()) && earlier.policy() != later.policy()
+        });
+        if let Some(earlier) = clash {
+            return Err(InvalidRule::new(
+                later.policy().name(),
+                Problem::Rule(format!(
+                    "another rule has the same budget (policy name and unit) with other \
+                     numbers ({} against {}); rules that share a budget must give it the same \
+                     numbers: give one of them another policy name",
+                    earlier.policy(),
+                    later.policy()
+                )),
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Whether `store` can serve `rule`: every policy of it (plans and
 /// overrides too), and [`Rule::charge_only_when`]'s refunds.
 pub(crate) fn check(store: &(impl Store + ?Sized), rule: &Rule) -> Result<(), InvalidRule> {

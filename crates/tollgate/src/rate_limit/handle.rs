@@ -7,7 +7,7 @@ use std::sync::Arc;
 use tollgate_budget::{DynStore, Policy, Store};
 
 use super::Rule;
-use super::config::{RuleSet, check};
+use super::config::{RuleSet, check, check_together};
 use super::invalid::InvalidRule;
 
 /// Replaces the rules (or one policy) of a [`RateLimitLayer`](crate::RateLimitLayer)
@@ -76,6 +76,7 @@ impl<St: Store> RulesHandle<St> {
     /// them. On an error the rules are unchanged.
     pub fn replace(&self, rules: impl IntoIterator<Item = Rule>) -> Result<(), InvalidRule> {
         let rules: Vec<Rule> = rules.into_iter().collect();
+        check_together(&rules)?;
         for rule in &rules {
             self.check(rule)?;
         }

@@ -10,7 +10,7 @@ use http::HeaderValue;
 use tollgate_budget::Store;
 use tower_layer::Layer;
 
-use super::config::{Config, OnStoreError, RuleSet, check};
+use super::config::{Config, OnStoreError, RuleSet, check, check_together};
 use super::handle::RulesHandle;
 use super::invalid::InvalidRule;
 use super::{Exemption, RateLimit, Rule};
@@ -146,6 +146,7 @@ impl<St: Store> RateLimitBuilder<St> {
     /// The first rule that cannot be used, as an [`InvalidRule`] naming
     /// it and the fix.
     pub fn build(mut self) -> Result<RateLimitLayer<St>, InvalidRule> {
+        check_together(&self.rules)?;
         for rule in &self.rules {
             check(&*self.config.store, rule)?;
             if let OnStoreError::Fallback(fallback) = &self.config.on_store_error {
