@@ -14,8 +14,9 @@ cargo build --quiet --release -p tollgate-bench --bin redis_bench
 BENCH="${CARGO_TARGET_DIR:-target}/release/redis_bench"
 PORT=38200
 source benches/private_redis.sh
-SHA=$(cli SCRIPT LOAD "$(cat crates/tollgate-redis/src/one_bucket.lua)")
-FULL_SHA=$(cli SCRIPT LOAD "$(cat crates/tollgate-redis/src/decide.lua)")
+# The scripts as RedisStore renders them (the .lua files are templates).
+SHA=$(cli SCRIPT LOAD "$("$BENCH" --print-script one-bucket)")
+FULL_SHA=$(cli SCRIPT LOAD "$("$BENCH" --print-script decide)")
 GSHA=$(cli SCRIPT LOAD "$(cat benches/gcra.lua)")
 usec_per_call() { cli INFO commandstats | tr -d '\r' | awk -F'[=,]' '/^cmdstat_evalsha:/ {print $6}'; }
 evalsha_calls() { cli INFO commandstats | tr -d '\r' | awk -F'[=,]' '/^cmdstat_evalsha:/ {print $2}'; }

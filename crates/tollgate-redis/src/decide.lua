@@ -1,4 +1,7 @@
 #!lua
+--@ (Template: each @NAME@ below is a number the store shares with Rust, put in
+--@ from the constant of that name in src/lua.rs when the store builds the
+--@ script. Lines starting with "--@" are left out of the script.)
 -- tollgate: one atomic decision for every charge of a request.
 --
 -- KEYS[i]   the Redis key of charge i
@@ -61,9 +64,9 @@
 -- replaced (1, level, prior, era, offset; or 0 and zeros when there was
 -- none). Cancel answers {1 if given back, else 0; then zeros} per charge.
 
-local ERA_SEC = 4000000
-local ERA_NS = 4000000000000000
-local HUGE = 9000000000000000
+local ERA_SEC = @ERA_SECS@
+local ERA_NS = @ERA_NS@
+local HUGE = @HUGE_NS@
 
 local floor = math.floor
 
@@ -113,7 +116,7 @@ end
 
 -- How long a reservation may wait to be settled, at least, in seconds
 -- (tollgate_budget's algorithm::MAX_RESERVATION): the length of an epoch.
-local EPOCH_SEC = 60
+local EPOCH_SEC = @MAX_RESERVATION_SECS@
 
 -- The epoch of (e, o): whole epochs since the store epoch.
 local function epoch_of(e, o)
@@ -274,12 +277,12 @@ end
 
 -- The longest debt a carried-over bucket keeps (tollgate_budget's
 -- algorithm::MAX_CARRIED_DEBT), and the largest whole count carried.
-local MAX_DEBT = 2000000000000000
-local MAX_COUNT = 9007199254740991
+local MAX_DEBT = @MAX_CARRIED_DEBT@
+local MAX_COUNT = @MAX_COUNT@
 
 -- How long an initially-empty bucket is kept once full (tollgate_budget's
 -- algorithm::EMPTY_KEPT_FULL): until then it is full, not new.
-local KEEP = 60000000000
+local KEEP = @EMPTY_KEPT_FULL@
 
 -- When the last request a bucket's state holds is released (nil: none).
 local function hold_end(prior, se, so)
@@ -392,7 +395,7 @@ end
 -- time. Expiry never changes a decision once a state is idle, so under
 -- injected time keys live at least an hour of real time instead.
 local MIN_TTL_MS = 1
-if ARGV[1] == "i" then MIN_TTL_MS = 3600000 end
+if ARGV[1] == "i" then MIN_TTL_MS = @INJECTED_MIN_TTL_MS@ end
 
 -- TTL in ms until (e, o), at least MIN_TTL_MS.
 local function ttl(e, o)

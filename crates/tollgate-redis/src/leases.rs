@@ -3,26 +3,22 @@
 //! on Redis's clock (`leases.lua`).
 //!
 //! Keys: `PREFIX:{inflight/NAME}:all` holds every lease of the limit
-//! `NAME`, `PREFIX:{inflight/NAME}:k:KEY` those of one key. One hash tag
-//! for the limit, so that both bounds are checked and taken in one atomic
-//! script, on one node of a cluster.
+//! `NAME`, `PREFIX:{inflight/NAME}:k:KEY` those of one key
+//! ([`keys::lease_keys`]). One hash tag for the limit, so that both bounds
+//! are checked and taken in one atomic script, on one node of a cluster.
 
-use std::sync::LazyLock;
 use std::time::Duration;
 
 use tollgate_budget::{
     Acquired, Lease, LeaseRequest, LeaseStore, Renewed, StoreError, StoreErrorKind, StoreFuture,
 };
 
-use crate::RedisStore;
+use crate::keys;
+use crate::lua::{self, LEASE_SOURCE};
+use crate::store::RedisStore;
 
 /// The longest lease the script is asked for, in ms.
 const MAX_TTL_MS: u64 = 1_000_000_000_000;
-
-/// The lease script's Lua source.
-pub(crate) const SOURCE: &str = include_str!("leases.lua");
-
-static LEASES: LazyLock<redis::Script> = LazyLock::new(|| redis::Script::new(SOURCE));
 
 impl RedisStore {
     /// The Lua source of the lease script (fleet-wide in-flight limits:
@@ -31,30 +27,17 @@ impl RedisStore {
     /// decision script. The store loads it itself when Redis answers
     /// `NOSCRIPT`.
     pub fn lease_script_source() -> &'static str {
-        SOURCE
+        LEASE_SOURCE
     }
 
     /// The SHA-1 the store calls the lease script by (`EVALSHA`).
     pub fn lease_script_sha() -> String {
-        LEASES.get_hash().to_owned()
+        lua::lease_script().get_hash().to_owned()
     }
 
     /// The Redis keys of `request`'s leases: the limit's, and its key's.
     pub fn lease_keys(&self, request: &LeaseRequest) -> Vec<String> {
-        let tag = format!("{}:{{inflight/{}}}", self.inner.prefix, request.limit);
-        let mut keys = vec![format!("{tag}:all")];
-        if let Some(key) = &request.key {
-            let mut k = format!("{tag}:k:");
-            for c in key.chars() {
-                match c {
-                    '{' => k.push_str("%7B"),
-                    '}' => k.push_str("%7D"),
-                    c => k.push(c),
-                }
-            }
-            keys.push(k);
-        }
-        keys
+        keys::lease_keys(&self.inner.prefix, &request.limit, request.key.as_deref())
     }
 
     async fn lease_call(
@@ -70,7 +53,7 @@ impl RedisStore {
         let ttl_ms = u64::try_from(request.ttl.as_millis())
             .unwrap_or(u64::MAX)
             .clamp(1, MAX_TTL_MS);
-        let mut invocation = LEASES.prepare_invoke();
+        let mut invocation = lua::lease_script().prepare_invoke();
         for k in &keys {
             invocation.key(k);
         }
@@ -82,7 +65,7 @@ impl RedisStore {
             .arg(bounds.1);
         let eval = || {
             let mut cmd = redis::cmd("EVAL");
-            cmd.arg(SOURCE).arg(keys.len());
+            cmd.arg(LEASE_SOURCE).arg(keys.len());
             for k in &keys {
                 cmd.arg(k);
             }

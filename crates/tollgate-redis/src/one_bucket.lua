@@ -1,4 +1,7 @@
 #!lua
+--@ (Template: each @NAME@ below is a number the store shares with Rust, put in
+--@ from the constant of that name in src/lua.rs when the store builds the
+--@ script. Lines starting with "--@" are left out of the script.)
 -- tollgate: the common decision alone — one token-bucket charge, not
 -- shaped, of a bucket that starts full, on a key whose state (if any) was
 -- written under the same numbers. It decides exactly as decide.lua does
@@ -40,13 +43,13 @@ if algo ~= 1 or full ~= 1 or wait ~= 0 then return "" end
 local sec, nsec, min_ttl
 if ARGV[2] then
   -- Under injected time keys live at least an hour (see decide.lua).
-  sec, nsec, min_ttl = ARGV[2] + 0, ARGV[3] + 0, 3600000
+  sec, nsec, min_ttl = ARGV[2] + 0, ARGV[3] + 0, @INJECTED_MIN_TTL_MS@
 else
   local t = redis.call("TIME")
-  sec, nsec, min_ttl = t[1] - 1767225600, t[2] * 1000, 1
+  sec, nsec, min_ttl = t[1] - @EPOCH_UNIX_SECS@, t[2] * 1000, 1
 end
-local ne = floor(sec / 4000000)
-local no = (sec - ne * 4000000) * 1000000000 + nsec
+local ne = floor(sec / @ERA_SECS@)
+local no = (sec - ne * @ERA_SECS@) * 1000000000 + nsec
 
 local key = KEYS[1]
 local v = redis.call("GET", key)
@@ -64,7 +67,7 @@ if v then
   local el
   if se < ne then
     -- decide.lua's diff: more than an era apart is HUGE (refills fully).
-    if se + 1 == ne then el = 4000000000000000 + no - so else el = 9000000000000000 end
+    if se + 1 == ne then el = @ERA_NS@ + no - so else el = @HUGE_NS@ end
   elseif so <= no then
     el = no - so
   else

@@ -1,38 +1,14 @@
-//! The Lua script, the encoding of charges as its arguments, the Redis key
-//! layout, and cluster slots.
+//! The decision scripts' calls: charges encoded as their arguments
+//! ([`Prepared`], [`params`]) and their replies decoded.
 
 use std::time::Duration;
 
 use redis::{Script, ScriptInvocation};
 use tollgate_budget::{
-    Algorithm, Charge, Decision, Initial, Nanos, Policy, StoreError, StoreErrorKind, Unit,
+    Algorithm, Charge, Decision, Initial, Nanos, Policy, StoreError, StoreErrorKind,
 };
 
-/// Unix time of the store epoch, 2026-01-01T00:00:00Z. Server time is
-/// counted from here so that seconds stay small.
-pub(crate) const EPOCH_UNIX_SECS: u64 = 1_767_225_600;
-
-/// Integers the script handles must stay below 2^53 to be exact.
-const EXACT: u128 = 1 << 53;
-/// Longest horizon (time to full, or window span) the script accepts: half
-/// an era, so every difference of interest is exact.
-pub(crate) const MAX_HORIZON_NS: u128 = 2_000_000_000_000_000;
-
-/// The decision script's Lua source.
-pub(crate) const SOURCE: &str = include_str!("decide.lua");
-
-pub(crate) fn script() -> Script {
-    Script::new(SOURCE)
-}
-
-/// The one-bucket script's Lua source: the common call (one token-bucket
-/// charge, unshaped, of a bucket that starts full) decided with a fraction
-/// of the full script's work, or handed back to it.
-pub(crate) const ONE_BUCKET_SOURCE: &str = include_str!("one_bucket.lua");
-
-pub(crate) fn one_bucket_script() -> Script {
-    Script::new(ONE_BUCKET_SOURCE)
-}
+use crate::lua::{self, EPOCH_UNIX_SECS, ERA_NS, EXACT, MAX_HORIZON_NS};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Mode {
@@ -109,40 +85,6 @@ pub(crate) fn params(policy: &Policy, cost: u64) -> Result<[u128; 6], StoreError
             Ok([3, l, w, 0, 0, cost])
         }
     }
-}
-
-/// `PREFIX:{KEY}:NAME/UNIT` — the braces make the key's own text its
-/// cluster hash tag; the policy's name and unit keep the state of
-/// different budgets apart, as `MemoryStore` does. The numbers are not part
-/// of the key: the state records the numbers that wrote it, and the script
-/// carries it over when they change.
-pub(crate) fn redis_key(prefix: &str, charge: &Charge) -> String {
-    let text = charge.key().text();
-    let mut key = String::with_capacity(prefix.len() + text.len() + 48);
-    key.push_str(prefix);
-    key.push_str(":{");
-    for c in text.chars() {
-        match c {
-            '{' => key.push_str("%7B"),
-            '}' => key.push_str("%7D"),
-            c => key.push(c),
-        }
-    }
-    key.push_str("}:");
-    key.push_str(&fingerprint(charge.policy()));
-    key
-}
-
-/// `NAME/UNIT`: every part of a policy that `MemoryStore` tells states
-/// apart by. Names are `[A-Za-z0-9._-]`; a unit of your own is `o.` and its
-/// name escaped like a key component, so that it can never read as one of
-/// the built-in units.
-fn fingerprint(policy: &Policy) -> String {
-    let unit = match policy.unit() {
-        Unit::Other(name) => format!("o.{}", tollgate_budget::Key::new(&**name)),
-        built_in => built_in.as_str().to_owned(),
-    };
-    format!("{}/{unit}", policy.name())
 }
 
 /// Charges encoded for one script call.
@@ -222,7 +164,7 @@ impl Prepared {
     /// The same call as [`Prepared::one_bucket_invocation`], as an `EVAL`.
     pub(crate) fn one_bucket_eval(&self, now: Option<Nanos>) -> redis::Cmd {
         let mut cmd = redis::cmd("EVAL");
-        cmd.arg(ONE_BUCKET_SOURCE).arg(1).arg(&self.keys[0]);
+        cmd.arg(lua::one_bucket_source()).arg(1).arg(&self.keys[0]);
         cmd.arg(&packed(&self.params[0], self.windows[0])[..]);
         if let Some(t) = now {
             cmd.arg(t / 1_000_000_000).arg(t % 1_000_000_000);
@@ -313,7 +255,7 @@ impl Prepared {
     /// carries the script itself.
     pub(crate) fn eval(&self, now: Option<Nanos>, mode: Mode) -> redis::Cmd {
         let mut cmd = redis::cmd("EVAL");
-        cmd.arg(SOURCE).arg(self.keys.len());
+        cmd.arg(lua::decide_source()).arg(self.keys.len());
         for k in &self.keys {
             cmd.arg(k);
         }
@@ -378,15 +320,17 @@ fn era_offset(at: Nanos) -> (i64, i64) {
 /// Reply values per charge.
 pub(crate) const REPLY: usize = 8;
 
+/// The [`REPLY`] values of the `slot`-th charge of a call.
+pub(crate) fn values(reply: &[i64], slot: usize) -> &[i64] {
+    &reply[slot * REPLY..(slot + 1) * REPLY]
+}
+
 /// Where an admitted charge was counted (its window's start), from its
 /// [`REPLY`] values, in nanoseconds since the store's epoch.
 pub(crate) fn window(values: &[i64]) -> Nanos {
     let n = |i: usize| u64::try_from(values[i]).unwrap_or(0);
     n(4).saturating_mul(ERA_NS).saturating_add(n(5))
 }
-
-/// Nanoseconds per era of the script's (era, offset) time.
-pub(crate) const ERA_NS: u64 = 4_000_000_000_000_000;
 
 /// A shaped charge's reservation from its reply values in a delayed call:
 /// the call's delay and the state the script wrote, in the store's time
@@ -475,74 +419,10 @@ pub(crate) fn one_bucket_decision(
     }
 }
 
-/// Charge indices grouped by cluster slot, groups in slot order.
-pub(crate) fn slot_groups(keys: &[String]) -> Vec<Vec<usize>> {
-    let mut by_slot: Vec<(u16, usize)> =
-        keys.iter().enumerate().map(|(i, k)| (slot(k), i)).collect();
-    by_slot.sort_unstable();
-    let mut groups: Vec<Vec<usize>> = Vec::new();
-    let mut last = None;
-    for (s, i) in by_slot {
-        if last == Some(s) {
-            if let Some(g) = groups.last_mut() {
-                g.push(i);
-            }
-        } else {
-            groups.push(vec![i]);
-            last = Some(s);
-        }
-    }
-    groups
-}
-
-/// The Redis Cluster slot of a key: CRC16 (XMODEM) of its hash tag, mod 16384.
-pub(crate) fn slot(key: &str) -> u16 {
-    let bytes = key.as_bytes();
-    let tagged = bytes.iter().position(|&b| b == b'{').and_then(|open| {
-        let close = bytes[open + 1..].iter().position(|&b| b == b'}')?;
-        (close > 0).then(|| &bytes[open + 1..open + 1 + close])
-    });
-    crc16(tagged.unwrap_or(bytes)) % 16384
-}
-
-fn crc16(data: &[u8]) -> u16 {
-    let mut crc: u16 = 0;
-    for &b in data {
-        crc ^= u16::from(b) << 8;
-        for _ in 0..8 {
-            crc = if crc & 0x8000 != 0 {
-                (crc << 1) ^ 0x1021
-            } else {
-                crc << 1
-            };
-        }
-    }
-    crc
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tollgate_budget::{Key, Rate};
-
-    #[test]
-    fn crc16_and_hash_tags_match_redis() {
-        // The reference value from the Redis Cluster specification.
-        assert_eq!(crc16(b"123456789"), 0x31C3);
-        assert_eq!(slot("{user1000}.following"), slot("{user1000}.followers"));
-        assert_eq!(slot("foo{}{bar}"), crc16(b"foo{}{bar}") % 16384);
-        assert_eq!(slot("foo{{bar}}zap"), crc16(b"{bar") % 16384);
-    }
-
-    #[test]
-    fn keys_escape_braces_and_carry_the_policy() {
-        let p = Policy::token_bucket("export", 3, Rate::per_second(2)).unwrap();
-        let c = Charge::new(Key::new("export").with("a{b}"), p, 1).unwrap();
-        assert_eq!(
-            redis_key("app", &c),
-            "app:{export:a%7Bb%7D}:export/requests"
-        );
-    }
+    use tollgate_budget::Rate;
 
     #[test]
     fn out_of_range_policies_are_refused_with_the_reason() {

@@ -288,7 +288,7 @@ impl RedisCluster {
 /// The Redis Cluster slot of `key` (CRC16 of its hash tag, mod 16384), as
 /// the store groups charges by it.
 pub fn slot(key: &str) -> u16 {
-    crate::script::slot(key)
+    crate::keys::slot(key)
 }
 
 /// Certificates for TLS tests, made with the `openssl` command in a fresh

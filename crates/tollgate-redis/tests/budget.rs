@@ -360,7 +360,7 @@ async fn malformed_script_arguments_are_refused_untouched() {
     };
     let client = redis::Client::open(server.url()).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let script = redis::Script::new(include_str!("../src/decide.lua"));
+    let script = redis::Script::new(RedisStore::script_source());
     let result: redis::RedisResult<Vec<i64>> = script
         .key("a")
         .key("b")
@@ -400,7 +400,7 @@ async fn text_charge_arguments_decide_like_packed_ones() {
     let p = Policy::token_bucket("text", 5, Rate::new(1, Duration::from_micros(1))).unwrap();
     let client = redis::Client::open(server.url()).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let script = redis::Script::new(include_str!("../src/decide.lua"));
+    let script = redis::Script::new(RedisStore::script_source());
     for round in 0..6 {
         let by_store = s.charge(&[charge("packed", &p, 1)]).await.unwrap();
         let reply: Vec<i64> = script

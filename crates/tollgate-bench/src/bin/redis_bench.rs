@@ -38,9 +38,22 @@ async fn main() -> ExitCode {
             "--seconds" => secs = value().parse().unwrap_or(0),
             "--mode" => mode = value(),
             "--cache" => cache = true,
+            // The scripts as the store sends them (rendered with the
+            // constants they share with Rust), for SCRIPT LOAD by hand.
+            "--print-script" => {
+                match value().as_str() {
+                    "one-bucket" => print!("{}", tollgate::RedisStore::one_bucket_script_source()),
+                    "decide" => print!("{}", tollgate::RedisStore::script_source()),
+                    _ => {
+                        eprintln!("--print-script one-bucket|decide");
+                        return ExitCode::from(2);
+                    }
+                }
+                return ExitCode::SUCCESS;
+            }
             _ => {
                 eprintln!(
-                    "usage: redis_bench --redis URL --concurrency N --seconds S --mode allow|deny [--cache]"
+                    "usage: redis_bench --redis URL --concurrency N --seconds S --mode allow|deny [--cache]\n       redis_bench --print-script one-bucket|decide"
                 );
                 return ExitCode::from(2);
             }
