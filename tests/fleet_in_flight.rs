@@ -1309,7 +1309,14 @@ async fn releases_retried_during_a_stall_are_bounded() {
         calls <= REQUESTS + MAX_PENDING + 20,
         "{calls} calls for {REQUESTS} requests"
     );
-    assert_eq!(abandoned, REQUESTS - MAX_PENDING);
+    // At most MAX_PENDING wait in the queue, and the retrying task may hold
+    // one more out of it while its call is out (whether it holds one when
+    // the last request fails depends on the timing): so 75 or 76 of the
+    // 1,100 are given up, never more, and never none.
+    assert!(
+        (REQUESTS - MAX_PENDING - 1..=REQUESTS - MAX_PENDING).contains(&abandoned),
+        "{abandoned} abandoned of {REQUESTS} with {MAX_PENDING} pending at most"
+    );
     // Every lease queued was released: those left are the abandoned ones.
     assert!(left <= abandoned, "{left} left, {abandoned} abandoned");
 }
