@@ -18,7 +18,7 @@ pin_project! {
     /// A response body that keeps its request counted as in flight until the
     /// body has ended, failed, or been dropped (e.g. the client went away),
     /// or has made no progress for the layer's
-    /// [`body_idle_timeout`](super::ConcurrencyLimitLayer::body_idle_timeout):
+    /// [`body_idle_timeout`](crate::concurrency::ConcurrencyLimitBuilder::body_idle_timeout):
     /// then the slot is released at once, and the body ends with
     /// [`BodyStalled`](super::BodyStalled) when it is next polled.
     ///

@@ -288,9 +288,9 @@ impl ConcurrencyLimitBuilder {
     ///   the first waiter of this instance asks again every
     ///   [`poll_every`](Self::poll_every) (50 ms by default), one store
     ///   round trip each, and hands the turn to the next waiter that could
-    ///   be admitted, until its wait is over (the README's "Waiting" says
+    ///   be admitted, until its wait is over (the guide's "Fleet-wide in-flight limits" says
     ///   exactly who). Within an instance, first come first served as the
-    ///   README's "Waiting" details; across instances, not.
+    ///   guide's "Bounding work in flight" details; across instances, not.
     /// - When the store fails: [`on_lease_error`](Self::on_lease_error)
     ///   (fail closed with `503` by default).
     ///
@@ -411,7 +411,7 @@ impl ConcurrencyLimitBuilder {
 
     /// Lets requests that `exemption` matches skip this limit (repeat to
     /// add more; any one exempts), as
-    /// [`RateLimitLayer::exempt`](crate::rate_limit::RateLimitBuilder::exempt) does: an
+    /// [`RateLimitBuilder::exempt`](crate::rate_limit::RateLimitBuilder::exempt) does: an
     /// exempt request is not counted in flight, never waits and is never
     /// refused, so a health check or a `/metrics` route stays up when the
     /// service is at capacity. Exemptions by network read the client

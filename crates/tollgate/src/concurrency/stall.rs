@@ -3,7 +3,7 @@
 //! stops the server from polling the body at all, so the body itself
 //! cannot notice. One watchdog task per layer looks at every body in
 //! flight and, for one that has yielded nothing for the layer's
-//! [`body_idle_timeout`](super::ConcurrencyLimitLayer::body_idle_timeout),
+//! [`body_idle_timeout`](super::ConcurrencyLimitBuilder::body_idle_timeout),
 //! releases its slot (and fleet lease) at once; the body then ends with an
 //! error the next time it is polled, which resets the stream (HTTP/2) or
 //! closes the connection (HTTP/1.1).

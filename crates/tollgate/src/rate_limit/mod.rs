@@ -43,8 +43,8 @@
 //!
 //! When an authentication layer answers `401` itself before the request
 //! reaches this layer, put an address-keyed `RateLimitLayer` outside the
-//! authentication layer and the account-keyed rules inside it (see the
-//! README, "When authentication answers first").
+//! authentication layer and the account-keyed rules inside it (see [the
+//! guide](crate::guide::rate_limits#when-authentication-answers-first)).
 //!
 //! The inner service's error type passes through unchanged: refusals are
 //! responses, not errors. `poll_ready` only forwards the inner service's

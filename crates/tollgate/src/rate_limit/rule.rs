@@ -230,7 +230,7 @@ pub struct Rule {
     pub(crate) policy: Policy,
     plans: Option<Arc<Plans>>,
     /// The first problem a builder call found ([`Rule::on_route`],
-    /// [`Rule::plan`], ...), reported when the rule is added to a layer.
+    /// [`Rule::plan`], ...), reported when a layer is built with the rule.
     invalid: Option<Arc<Problem>>,
     routes: Vec<RoutePattern>,
     methods: Option<Vec<Method>>,
