@@ -109,7 +109,7 @@
 //! | [`concurrency`] | the in-flight service, its builder, counters and the [`concurrency::InFlight`] handle ([`ConcurrencyLimitLayer`] is at the root) |
 //! | [`store`] | for store authors and tests: charges, [`Decision`](crate::store::Decision) / [`Outcome`](crate::store::Outcome) / [`Verdict`](crate::store::Verdict), keys, leases, clocks, the in-memory store's builder |
 //! | [`client`] | `Retry-After` parsing and a retry policy for callers (feature `client`) |
-//! | `redis` | the Redis store's builder and counters (feature `redis`; [`RedisStore`](crate::RedisStore) is at the root) |
+//! | `redis` | the Redis store's builder and counters (feature `redis`; `RedisStore` is at the root) |
 //!
 //! # Features
 //!
