@@ -56,6 +56,8 @@ struct Emitted {
     kind: Kind,
     /// Where it is first emitted (`path:line`), for messages.
     at: String,
+    /// Its label keys, wherever it is emitted.
+    labels: BTreeSet<String>,
 }
 
 /// What the sources emit.
@@ -225,7 +227,15 @@ fn scan(root: &Path) -> Scan {
             let seen = metrics.entry(name.to_owned()).or_insert_with(|| Emitted {
                 kind,
                 at: at.clone(),
+                labels: BTreeSet::new(),
             });
+            if before.ends_with("count(") {
+                // observe.rs's count(name, policy, by): the policy label.
+                seen.labels.insert("policy".to_owned());
+            } else {
+                let args = &code[start..];
+                seen.labels.extend(label_keys(&args[..closing(args)]));
+            }
             if seen.kind != kind {
                 problems.push(format!(
                     "metric `{name}` is emitted as a {:?} at {} and as a {kind:?} at {at}",
@@ -295,6 +305,59 @@ fn items(value: &Json) -> &[Json] {
     value.as_array().map(Vec::as_slice).unwrap_or_default()
 }
 
+/// Labels every series has once Prometheus scrapes it, and those the
+/// exporter adds to a histogram's series.
+const SCRAPE_LABELS: [&str; 4] = ["job", "instance", "le", "quantile"];
+
+/// The label names `expr` uses with a metric that does not have them:
+/// in a selector (`metric{label="..."}`) the metric's own labels, in a
+/// `by (...)` / `without (...)` the labels of any metric of the query.
+fn unknown_labels(expr: &str, metrics: &BTreeMap<String, Emitted>) -> Vec<String> {
+    let known = |labels: &BTreeSet<String>, label: &str| {
+        labels.contains(label) || SCRAPE_LABELS.contains(&label)
+    };
+    let mut all = BTreeSet::new();
+    let mut unknown = Vec::new();
+    for name in metric_names(expr) {
+        let Some(emitted) = emitted_name(name, metrics).and_then(|base| metrics.get(base)) else {
+            continue;
+        };
+        all.extend(emitted.labels.iter().cloned());
+        for (at, _) in expr.match_indices(name) {
+            let after = &expr[at + name.len()..];
+            if after.starts_with(|c: char| is_name_char(c)) {
+                continue;
+            }
+            let Some(selector) = after.strip_prefix('{') else {
+                continue;
+            };
+            let selector = &selector[..selector.find('}').unwrap_or(selector.len())];
+            for matcher in selector.split(',') {
+                let label = matcher.split(['=', '!', '~']).next().unwrap_or("").trim();
+                if !label.is_empty() && !known(&emitted.labels, label) {
+                    unknown.push(format!("{name}{{{label}}}"));
+                }
+            }
+        }
+    }
+    for keyword in ["by", "without"] {
+        for (at, _) in expr.match_indices(keyword) {
+            let before_ok = expr[..at].ends_with(|c: char| !is_name_char(c));
+            let rest = expr[at + keyword.len()..].trim_start();
+            let (true, Some(list)) = (before_ok, rest.strip_prefix('(')) else {
+                continue;
+            };
+            let list = &list[..list.find(')').unwrap_or(list.len())];
+            for label in list.split(',').map(str::trim).filter(|l| !l.is_empty()) {
+                if !known(&all, label) {
+                    unknown.push(format!("{keyword} ({label})"));
+                }
+            }
+        }
+    }
+    unknown
+}
+
 /// The panels of `list`, those of rows included, the rows left out.
 fn collect_panels<'a>(list: &'a [Json], out: &mut Vec<&'a Json>) {
     for panel in list {
@@ -345,6 +408,12 @@ fn dashboard_names_only_metrics_tollgate_emits() {
             ));
         }
         for expr in exprs {
+            for label in unknown_labels(expr, &metrics) {
+                errors.push(format!(
+                    "panel {title:?} uses the label {label}, which no metric it queries \
+                     has (query: {expr})"
+                ));
+            }
             let names = metric_names(expr);
             if names.is_empty() {
                 errors.push(format!(
