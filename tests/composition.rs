@@ -77,7 +77,7 @@ use tollgate::{
 };
 use tollgate_budget::{Receipt, Reservation};
 use tollgate_redis::RedisStore;
-use tollgate_redis::testing::RedisServer;
+use tollgate_testkit::RedisServer;
 use tower::{Layer, Service};
 
 type Q = Ratio<i128>;
@@ -1489,9 +1489,7 @@ fn features_compose_on_the_memory_store() {
 
 #[test]
 fn features_compose_on_redis() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let runtime = Arc::new(
         tokio::runtime::Builder::new_multi_thread()
             .worker_threads(1)

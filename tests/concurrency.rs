@@ -684,8 +684,6 @@ async fn stalled_http2_streams_free_their_slots_in_memory() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn stalled_http2_streams_free_their_leases_in_redis() {
-    let Some(redis) = tollgate_redis::testing::RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(tollgate_testkit::RedisServer::start());
     stalled_streams_free_their_slots(&["--store", &redis.url()]).await;
 }

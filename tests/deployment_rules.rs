@@ -677,9 +677,7 @@ async fn concurrent_failed_logins_spend_the_budget_in_memory() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn failed_logins_are_charged_in_redis_too() {
-    let Some(server) = tollgate_redis::testing::RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(tollgate_testkit::RedisServer::start());
     let store = || {
         tollgate::RedisStore::builder(&server.url())
             .unwrap()

@@ -22,7 +22,7 @@ use common::{Quickstart, ip, quickstart, send};
 use http::StatusCode;
 use http_body_util::{BodyExt, Empty};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tollgate_redis::testing::RedisServer;
+use tollgate_testkit::RedisServer;
 
 const WRONG: (&str, &str) = ("Authorization", "Bearer guess");
 const RIGHT: (&str, &str) = ("Authorization", "Bearer bob-key");
@@ -66,9 +66,7 @@ fn login(server: SocketAddr, who: (&str, &str)) -> http::Request<Empty<Bytes>> {
 }
 
 async fn one_at_a_time(redis: bool) {
-    let Some((q, _redis)) = quickstart_on(redis, &[]) else {
-        return;
-    };
+    let (q, _redis) = tollgate_testkit::or_skip!(quickstart_on(redis, &[]));
     // Many addresses: the charge after the answer lost the race only now
     // and then.
     for host in 1..=12 {
@@ -135,9 +133,7 @@ async fn pipelined(server: SocketAddr, from: &str, n: usize) -> Vec<u16> {
 }
 
 async fn pipelined_guesses(redis: bool) {
-    let Some((q, _redis)) = quickstart_on(redis, &[]) else {
-        return;
-    };
+    let (q, _redis) = tollgate_testkit::or_skip!(quickstart_on(redis, &[]));
     for host in 1..=8 {
         let statuses = pipelined(q.addr, &format!("127.0.81.{host}"), 5).await;
         assert_eq!(statuses, [401, 401, 401, 429, 429], "127.0.81.{host}");
@@ -157,9 +153,7 @@ async fn pipelined_guesses_get_three_401s_in_redis() {
 /// Twenty wrong logins at once from one address, on twenty connections:
 /// three are answered (reserved first), the rest refused.
 async fn guesses_at_once(redis: bool) {
-    let Some((q, _redis)) = quickstart_on(redis, &[]) else {
-        return;
-    };
+    let (q, _redis) = tollgate_testkit::or_skip!(quickstart_on(redis, &[]));
     for host in 1..=4 {
         let from = format!("127.0.82.{host}");
         let tasks: Vec<_> = (0..20)
@@ -205,9 +199,8 @@ async fn guesses_at_once_get_at_most_three_401s_in_redis() {
 /// exempt from the per-address rule (so only the failed-login budget is in
 /// play) that has one failure left: one `401`, 149 `429`.
 async fn streams_at_once(redis: bool) {
-    let Some((q, _redis)) = quickstart_on(redis, &["--exempt", "127.0.83.0/24"]) else {
-        return;
-    };
+    let (q, _redis) =
+        tollgate_testkit::or_skip!(quickstart_on(redis, &["--exempt", "127.0.83.0/24"]));
     let from = "127.0.83.1";
     for _ in 0..2 {
         let r = send(q.addr, ip(from), "POST", "/login", &[WRONG], b"").await;
@@ -262,9 +255,8 @@ async fn guesses_as_http2_streams_get_the_one_401_left_in_redis() {
 /// (the layer's own, and the in-flight layer's on `/slow`), and once it is
 /// spent, a right key gets 429 on those routes too.
 async fn every_401_spends_the_same_budget(redis: bool) {
-    let Some((q, _redis)) = quickstart_on(redis, &["--exempt", "127.0.84.0/24"]) else {
-        return;
-    };
+    let (q, _redis) =
+        tollgate_testkit::or_skip!(quickstart_on(redis, &["--exempt", "127.0.84.0/24"]));
     let from = ip("127.0.84.1");
     for _ in 0..10 {
         let r = send(q.addr, from, "POST", "/login", &[RIGHT], b"").await;
@@ -349,9 +341,8 @@ async fn budget_is_whole(server: SocketAddr, from: &str) {
 /// a right key, and the address was refused everywhere for a minute,
 /// having sent no wrong key.
 async fn held_requests_give_their_reservations_back(redis: bool) {
-    let Some((q, _redis)) = quickstart_on(redis, &["--exempt", "127.0.86.0/24"]) else {
-        return;
-    };
+    let (q, _redis) =
+        tollgate_testkit::or_skip!(quickstart_on(redis, &["--exempt", "127.0.86.0/24"]));
     let from = "127.0.86.1";
     // A bucket of 1 refilled 2 per second: one at once, the rest held
     // 0.5 s apart. (Three: each holds a unit of the address's three
@@ -385,9 +376,8 @@ async fn held_requests_give_their_reservations_back_in_redis() {
 /// given back with its shaped one (a request dropped once the service has
 /// it counts as an attempt).
 async fn dropped_while_held_is_no_attempt(redis: bool) {
-    let Some((q, _redis)) = quickstart_on(redis, &["--exempt", "127.0.87.0/24"]) else {
-        return;
-    };
+    let (q, _redis) =
+        tollgate_testkit::or_skip!(quickstart_on(redis, &["--exempt", "127.0.87.0/24"]));
     let from = "127.0.87.1";
     let tasks: Vec<_> = (0..3)
         .map(|_| {

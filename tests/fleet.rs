@@ -5,13 +5,11 @@ mod common;
 
 use common::{ip, quickstart, send};
 use http::StatusCode;
-use tollgate_redis::testing::RedisServer;
+use tollgate_testkit::RedisServer;
 
 #[tokio::test(flavor = "multi_thread")]
 async fn two_quickstart_processes_admit_exactly_the_shared_budget() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let url = redis.url();
     let a = quickstart(&["--store", &url]);
     let b = quickstart(&["--store", &url]);
@@ -58,9 +56,7 @@ async fn two_quickstart_processes_admit_exactly_the_shared_budget() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn redis_outage_fails_closed_with_503_not_429() {
-    let Some(mut redis) = RedisServer::start() else {
-        return;
-    };
+    let mut redis = tollgate_testkit::or_skip!(RedisServer::start());
     let q = quickstart(&["--store", &redis.url()]);
     assert_eq!(
         send(q.addr, ip("127.0.50.1"), "GET", "/", &[], b"")

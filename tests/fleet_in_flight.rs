@@ -24,7 +24,7 @@ use tollgate::{
     concurrency::{ConcurrencyLimitBuilder, OnLeaseError},
     store::LeaseStore,
 };
-use tollgate_redis::testing::RedisServer;
+use tollgate_testkit::RedisServer;
 
 const ALICE: (&str, &str) = ("Authorization", "Bearer alice-key-1");
 const BOB: (&str, &str) = ("Authorization", "Bearer bob-key");
@@ -58,9 +58,7 @@ async fn status(q: &Quickstart, from: &str, who: (&'static str, &'static str)) -
 /// on the second once one of hers on the first has finished.
 #[tokio::test(flavor = "multi_thread")]
 async fn two_quickstarts_share_the_slow_limits() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let url = redis.url();
     let (a, b) = (
         quickstart(&["--store", &url]),
@@ -139,9 +137,7 @@ async fn alice_holding_two(
 /// its last renewal, then alice is admitted on the other instance.
 #[tokio::test(flavor = "multi_thread")]
 async fn killing_the_holder_frees_its_slots_within_the_lease() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let (a, b, _held) = alice_holding_two(&redis, 91, 10_000).await;
     a.signal("KILL");
     let killed = Instant::now();
@@ -174,9 +170,7 @@ async fn killing_the_holder_frees_its_slots_within_the_lease() {
 /// other instance refuses alice until her requests end.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_paused_instance_takes_its_leases_again_when_it_resumes() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let (a, b, [held0, held1]) = alice_holding_two(&redis, 92, 8000).await;
     a.signal("STOP");
     let stopped = Instant::now();
@@ -215,9 +209,7 @@ async fn a_paused_instance_takes_its_leases_again_when_it_resumes() {
 /// alice is refused on the other instance while both still run.
 #[tokio::test(flavor = "multi_thread")]
 async fn leases_flushed_from_redis_are_taken_again() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let (_a, b, [held0, held1]) = alice_holding_two(&redis, 93, 6000).await;
     redis.query(&["FLUSHALL"]).unwrap();
     tokio::time::sleep(Duration::from_millis(2500)).await;
@@ -235,9 +227,7 @@ async fn leases_flushed_from_redis_are_taken_again() {
 /// and the holder's renewals take them again.
 #[tokio::test(flavor = "multi_thread")]
 async fn leases_expired_while_redis_was_paused_are_taken_again() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let (_a, b, [held0, held1]) = alice_holding_two(&redis, 94, 8000).await;
     redis.signal("STOP");
     tokio::time::sleep(Duration::from_secs(3)).await;
@@ -314,9 +304,7 @@ fn streaming_app(store: &RedisStore, wait: Option<Duration>, on_error: OnLeaseEr
 /// soon as the body has ended.
 #[tokio::test(flavor = "multi_thread")]
 async fn leases_are_renewed_while_the_body_streams_and_waiters_poll_across_instances() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     // Its timeout a third of the 300 ms leases at most (the layer's rule).
     let store = RedisStore::builder(&redis.url())
         .unwrap()
@@ -368,9 +356,7 @@ async fn leases_are_renewed_while_the_body_streams_and_waiters_poll_across_insta
 /// the acquire that timed out (Redis ran it on resuming) was given back.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_stopped_redis_gets_the_configured_outcome_and_leaks_no_lease() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url())
         .unwrap()
         .timeout(Duration::from_millis(100))
@@ -493,9 +479,7 @@ fn leases_left(redis: &RedisServer) -> String {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_request_dropped_while_acquiring_leaves_no_lease() {
     use tower::ServiceExt;
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     let app = held_app(&store, 2, Duration::ZERO, None);
     // Warm: the script is loaded, the connection made.
@@ -573,9 +557,7 @@ impl Arrivals {
 /// process frees goes to its first waiter at once, not at the next poll.
 #[tokio::test(flavor = "multi_thread")]
 async fn waiters_are_served_in_arrival_order_and_at_once() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     let app = held_app(
         &store,
@@ -644,9 +626,7 @@ impl LeaseStore for SlowAsks {
 /// slowed down so that the third's is answered first.
 #[tokio::test(flavor = "multi_thread")]
 async fn waiters_keep_their_arrival_order_whatever_order_their_asks_are_answered() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     let slow = SlowAsks {
         store,
@@ -723,9 +703,7 @@ async fn served_in_order_when_sent_50ms_apart(sent: &Arrivals) {
 /// (~750 ms). Fails before: second, first.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_waiter_put_behind_an_earlier_arrival_does_not_poll_ahead_of_it() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     // Another instance holds the one slot until 550 ms.
     let remote = remote_holder(&store, "held").await;
@@ -766,9 +744,7 @@ async fn a_waiter_put_behind_an_earlier_arrival_does_not_poll_ahead_of_it() {
 /// third, second.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_waiter_refused_for_the_limit_in_all_does_not_let_those_behind_ask() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     let remote = remote_holder(&store, "held").await;
     let slow = SlowAsks {
@@ -873,9 +849,7 @@ async fn served_beside_another_instance(
 async fn a_waiter_refused_by_its_key_passes_the_turn_to_other_keys() {
     const A: [u8; 4] = [127, 0, 96, 1];
     const C: [u8; 4] = [127, 0, 96, 3];
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     let app = || {
         let limit = per_address(
@@ -913,9 +887,7 @@ async fn a_waiter_refused_by_its_key_passes_the_turn_to_other_keys() {
 async fn waiters_of_a_full_key_do_not_hold_up_other_keys() {
     const A: [u8; 4] = [127, 0, 98, 1];
     const C: [u8; 4] = [127, 0, 98, 3];
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     let app = || {
         let limit = per_address(
@@ -946,9 +918,7 @@ async fn waiters_of_a_full_key_do_not_hold_up_other_keys() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_request_held_up_by_its_key_is_refused_as_by_its_key() {
     const A: [u8; 4] = [127, 0, 101, 1];
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     let app = || {
         let limit = per_address(
@@ -995,9 +965,7 @@ async fn refused_behind_a_waiter(
 #[tokio::test(flavor = "multi_thread")]
 async fn a_waiter_refused_by_its_key_does_not_let_the_same_key_ask() {
     const A: [u8; 4] = [127, 0, 100, 1];
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     let remote = per_address(
         "samekey",
@@ -1033,9 +1001,7 @@ async fn a_waiter_refused_by_its_key_does_not_let_the_same_key_ask() {
 #[tokio::test(flavor = "multi_thread")]
 async fn a_full_line_refuses_the_later_arrival_whatever_order_the_asks_are_answered() {
     use tower::ServiceExt;
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     let slow = SlowAsks {
         store: store.clone(),
@@ -1096,9 +1062,7 @@ async fn a_full_line_refuses_the_later_arrival_whatever_order_the_asks_are_answe
 async fn making_room_in_a_full_line_hands_no_turn_past_the_earlier_arrival() {
     const KEY_A: [u8; 4] = [127, 0, 99, 1];
     const KEY_B: [u8; 4] = [127, 0, 99, 2];
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     let remote = remote_holder(&store, "bump").await;
     let slow = SlowAsks {
@@ -1136,9 +1100,7 @@ async fn making_room_in_a_full_line_hands_no_turn_past_the_earlier_arrival() {
 #[tokio::test(flavor = "multi_thread")]
 async fn local_fallback_counts_the_leases_already_held() {
     use tower::ServiceExt;
-    let Some(mut redis) = RedisServer::start() else {
-        return;
-    };
+    let mut redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url())
         .unwrap()
         .timeout(Duration::from_millis(200))
@@ -1172,9 +1134,7 @@ async fn a_slot_freed_by_another_instance_reaches_every_waiter() {
     use tollgate::store::Acquired;
     use tollgate::store::LeaseRequest;
     use tower::ServiceExt;
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     // Each admitted request holds its slot for `HOLD`, longer than the
     // wait: a slot this instance frees cannot be what admits the second.
@@ -1244,9 +1204,7 @@ async fn releases_retried_during_a_stall_are_bounded() {
     use tower::ServiceExt;
     const REQUESTS: u64 = 1100;
     const MAX_PENDING: u64 = 1024;
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url())
         .unwrap()
         .timeout(Duration::from_millis(200))
@@ -1382,9 +1340,7 @@ fn a_lease_shorter_than_three_store_timeouts_is_refused() {
 /// `now + max_wait`, unchecked).
 #[tokio::test(flavor = "multi_thread")]
 async fn a_shared_limit_may_wait_as_long_as_it_takes() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     let remote = remote_holder(&store, "forever").await;
     let limit = per_address(
@@ -1414,9 +1370,7 @@ async fn a_shared_limit_may_wait_as_long_as_it_takes() {
 async fn a_waiter_refused_by_its_key_and_the_limit_in_all_is_not_overtaken() {
     const A: [u8; 4] = [127, 0, 102, 1];
     const C: [u8; 4] = [127, 0, 102, 3];
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     let app = || {
         let limit = per_address(
@@ -1449,9 +1403,7 @@ async fn a_waiter_refused_by_its_key_and_the_limit_in_all_is_not_overtaken() {
 /// w served at its poll and ended at ~1.7 s, not ~0.7 s.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_slot_freed_while_a_first_ask_is_out_reaches_it_at_once() {
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     let slow = SlowAsks {
         store: store.clone(),
@@ -1488,9 +1440,7 @@ async fn a_newcomer_behind_its_key_refused_in_all_is_refused_as_in_all() {
     const A: [u8; 4] = [127, 0, 120, 1];
     const B: [u8; 4] = [127, 0, 120, 2];
     const X: [u8; 4] = [127, 0, 120, 9];
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     let app = || {
         let limit = per_address(
@@ -1518,9 +1468,7 @@ async fn a_newcomer_does_not_ask_beside_the_waiter_a_freed_slot_reached() {
     const W: [u8; 4] = [127, 0, 121, 1];
     const N: [u8; 4] = [127, 0, 121, 2];
     const R: [u8; 4] = [127, 0, 121, 9];
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     let slow = SlowAsks {
         store: store.clone(),
@@ -1565,9 +1513,7 @@ async fn a_turn_handed_to_nobody_before_the_newcomer_joins_is_not_lost() {
     const A: [u8; 4] = [127, 0, 123, 1];
     const H: [u8; 4] = [127, 0, 123, 2];
     const N: [u8; 4] = [127, 0, 123, 3];
-    let Some(redis) = RedisServer::start() else {
-        return;
-    };
+    let redis = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&redis.url()).unwrap().build().unwrap();
     let slow = SlowAsks {
         store: store.clone(),

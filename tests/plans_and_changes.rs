@@ -126,9 +126,7 @@ async fn a_plan_upgrade_and_downgrade_carry_the_budget_over_in_memory() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_plan_upgrade_and_downgrade_carry_the_budget_over_in_redis() {
-    let Some(server) = tollgate_redis::testing::RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(tollgate_testkit::RedisServer::start());
     let clock = ManualClock::new(0);
     let reading = clock.clone();
     let store = tollgate::RedisStore::builder(&server.url())
@@ -196,9 +194,7 @@ fn a_plan_must_share_the_rules_budget() {
 #[tokio::test]
 async fn a_plan_the_store_cannot_hold_is_refused_when_the_rule_is_added() {
     let huge = Policy::token_bucket("export", 1 << 30, Rate::per_second(1)).unwrap();
-    let Some(server) = tollgate_redis::testing::RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(tollgate_testkit::RedisServer::start());
     let store = tollgate::RedisStore::builder(&server.url())
         .unwrap()
         .build()
@@ -342,9 +338,7 @@ async fn a_limit_changed_under_load_keeps_to_the_envelope_in_memory() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_limit_changed_under_load_keeps_to_the_envelope_in_redis() {
-    let Some(server) = tollgate_redis::testing::RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(tollgate_testkit::RedisServer::start());
     let clock = ManualClock::new(0);
     let reading = clock.clone();
     let store = tollgate::RedisStore::builder(&server.url())

@@ -72,9 +72,7 @@ async fn behind_nginx_clients_are_limited_by_the_address_nginx_saw() {
         "proxy_bind {nginx_addr};\n{}",
         config.replace("127.0.0.1:3000", &service.to_string())
     );
-    let Some(nginx) = Nginx::start(&server) else {
-        return;
-    };
+    let nginx = tollgate_testkit::or_skip!(Nginx::start(&server));
     let via_nginx = |from: &'static str, forged: &'static str| async move {
         send(
             nginx.addr,

@@ -6,19 +6,15 @@ mod common;
 
 use common::{ip, quickstart, send};
 use http::StatusCode;
-use tollgate_redis::testing::{RedisServer, TestCertificates, free_loopback_port};
+use tollgate_testkit::{RedisServer, TestCertificates, free_loopback_port};
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_quickstart_shares_budgets_through_a_tls_redis() {
-    let Some(certs) = TestCertificates::generate() else {
-        return;
-    };
+    let certs = tollgate_testkit::or_skip!(TestCertificates::generate());
     let tls_port = free_loopback_port();
     let args = certs.server_args(tls_port, "server.pem");
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let Some(server) = RedisServer::start_with(&args) else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start_with(&args));
     let url = format!("rediss://127.0.0.1:{tls_port}");
     let ca = certs.path("ca.pem").to_string_lossy().into_owned();
     let verified = quickstart(&["--store", &url, "--redis-ca", &ca]);
@@ -44,15 +40,11 @@ async fn the_quickstart_shares_budgets_through_a_tls_redis() {
 /// thirty at once, right after it starts, from thirty addresses, all 200.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_quickstart_connects_before_it_listens() {
-    let Some(certs) = TestCertificates::generate() else {
-        return;
-    };
+    let certs = tollgate_testkit::or_skip!(TestCertificates::generate());
     let tls_port = free_loopback_port();
     let args = certs.server_args(tls_port, "server.pem");
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
-    let Some(server) = RedisServer::start_with(&args) else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start_with(&args));
     let url = format!("rediss://127.0.0.1:{tls_port}");
     let ca = certs.path("ca.pem").to_string_lossy().into_owned();
     let q = quickstart(&["--store", &url, "--redis-ca", &ca]);

@@ -94,9 +94,7 @@ async fn a_burst_is_released_at_the_sustained_rate_in_memory() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_burst_is_released_at_the_sustained_rate_in_redis() {
-    let Some(server) = tollgate_redis::testing::RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(tollgate_testkit::RedisServer::start());
     let q = quickstart(&["--store", &server.url()]);
     eight_at_once(q.addr, 71, (4, 5)).await;
 }
@@ -217,9 +215,7 @@ async fn a_burst_beyond_per_key_spends_nothing_in_memory() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_burst_beyond_per_key_spends_nothing_in_redis() {
-    let Some(server) = tollgate_redis::testing::RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(tollgate_testkit::RedisServer::start());
     let store = tollgate::RedisStore::builder(&server.url())
         .unwrap()
         .build()

@@ -102,8 +102,6 @@ mod redact;
 mod script;
 mod sentinel;
 mod store;
-#[cfg(feature = "testing")]
-pub mod testing;
 
 pub use builder::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_OVER_LIMIT_CACHE, RedisStoreBuilder};
 pub use cache::CacheStats;

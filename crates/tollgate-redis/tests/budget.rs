@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::Barrier;
 use tollgate_budget::{Charge, Decision, Key, Policy, Rate, Store, StoreErrorKind, Verdict};
 use tollgate_redis::RedisStore;
-use tollgate_redis::testing::RedisServer;
+use tollgate_testkit::RedisServer;
 
 fn store(server: &RedisServer) -> RedisStore {
     RedisStore::builder(&server.url())
@@ -17,15 +17,11 @@ fn store(server: &RedisServer) -> RedisStore {
         .unwrap()
 }
 
-fn charge(key: &str, policy: &Policy, cost: u64) -> Charge {
-    Charge::new(Key::new(policy.name()).with(key), policy.clone(), cost).unwrap()
-}
+use tollgate_testkit::charge;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn many_tasks_on_several_connections_admit_exactly_the_budget() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     // Slow refill: nothing comes back during a trial.
     let policy = Policy::token_bucket("contended", 20, Rate::per_hour(100)).unwrap();
     let stores: Vec<RedisStore> = (0..6).map(|_| store(&server)).collect();
@@ -54,9 +50,7 @@ async fn many_tasks_on_several_connections_admit_exactly_the_budget() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cross_slot_charges_with_refunds_never_exceed_any_budget() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     // Per-address limits of 3 and one global limit of 10: keys in different
     // slots, charged slot by slot with compensating refunds.
     let per_ip = Policy::token_bucket("per-ip", 3, Rate::per_hour(100)).unwrap();
@@ -119,9 +113,7 @@ async fn cross_slot_charges_with_refunds_never_exceed_any_budget() {
 /// cannot let a key expire in between (it did, with 100 ms horizons).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_key_has_a_ttl_and_is_gone_after_the_horizon() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let s = store(&server);
     let tb = Policy::token_bucket("tb", 2, Rate::per_second(2)).unwrap();
     let fw = Policy::fixed_window("fw", 2, Duration::from_millis(1500)).unwrap();
@@ -150,9 +142,7 @@ async fn every_key_has_a_ttl_and_is_gone_after_the_horizon() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn never_fits_touches_no_redis_state_and_needs_no_redis() {
-    let Some(mut server) = RedisServer::start() else {
-        return;
-    };
+    let mut server = tollgate_testkit::or_skip!(RedisServer::start());
     let s = store(&server);
     let p = Policy::token_bucket("upload", 1024, Rate::per_second(256)).unwrap();
     let small = charge(
@@ -181,9 +171,7 @@ async fn never_fits_touches_no_redis_state_and_needs_no_redis() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unsupported_policies_are_refused_with_a_reason() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let s = store(&server);
     let p = Policy::token_bucket("huge", 1 << 30, Rate::per_second(1)).unwrap();
     let e = s.charge(&[charge("k", &p, 1)]).await.unwrap_err();
@@ -198,9 +186,7 @@ async fn unsupported_policies_are_refused_with_a_reason() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn over_limit_cache_refuses_locally_and_never_admits_more() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let p = Policy::token_bucket("hot", 5, Rate::per_second(2)).unwrap();
     let cached = RedisStore::builder(&server.url())
         .unwrap()
@@ -281,9 +267,7 @@ async fn over_limit_cache_refuses_locally_and_never_admits_more() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_flood_of_fresh_keys_leaves_no_key_without_a_ttl() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let s = store(&server);
     // A slow refill keeps the keys alive long enough to inspect them all.
     let p = Policy::token_bucket("flood", 5, Rate::per_hour(5)).unwrap();
@@ -325,9 +309,7 @@ async fn a_flood_of_fresh_keys_leaves_no_key_without_a_ttl() {
 /// by an earlier version is still read, and rewritten packed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn text_states_from_earlier_versions_are_still_read() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let s = RedisStore::builder(&server.url())
         .unwrap()
         .timeout(Duration::from_secs(2))
@@ -346,7 +328,7 @@ async fn text_states_from_earlier_versions_are_still_read() {
     assert!(!s.charge(&[charge("k", &p, 1)]).await.unwrap().is_admitted());
     let stored = server.get_bytes(&key).unwrap().expect("state is stored");
     assert_eq!(
-        tollgate_redis::testing::decode_state(&stored),
+        tollgate_testkit::decode_state(&stored),
         Some((3, 0, 0, 5_000_000_000))
     );
 }
@@ -355,9 +337,7 @@ async fn text_states_from_earlier_versions_are_still_read() {
 /// before anything is read or written.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_script_arguments_are_refused_untouched() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let client = redis::Client::open(server.url()).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
     let script = redis::Script::new(RedisStore::script_source());
@@ -387,9 +367,7 @@ async fn malformed_script_arguments_are_refused_untouched() {
 /// send binary) decides like the packed form the store sends.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn text_charge_arguments_decide_like_packed_ones() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let s = RedisStore::builder(&server.url())
         .unwrap()
         .timeout(Duration::from_secs(2))
@@ -429,9 +407,7 @@ async fn text_charge_arguments_decide_like_packed_ones() {
 /// horizon, and the spent budget is still spent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn real_time_expiry_never_runs_ahead_of_injected_time() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let s = RedisStore::builder(&server.url())
         .unwrap()
         .timeout(Duration::from_secs(2))
@@ -462,9 +438,7 @@ async fn real_time_expiry_never_runs_ahead_of_injected_time() {
 /// and they were never refunded. Now the whole call is refused first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unsupported_policy_in_a_later_slot_charges_no_earlier_slot() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let split = RedisStore::builder(&server.url())
         .unwrap()
         .timeout(Duration::from_secs(2))
@@ -506,9 +480,7 @@ async fn an_unsupported_policy_in_a_later_slot_charges_no_earlier_slot() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_charged_twice_in_one_call_is_not_remembered_as_refused() {
     use tollgate_budget::MemoryStore;
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let cached = RedisStore::builder(&server.url())
         .unwrap()
         .prefix("cached")
@@ -540,9 +512,7 @@ async fn a_key_charged_twice_in_one_call_is_not_remembered_as_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refund_that_leaves_nothing_spent_leaves_no_state() {
     use tollgate_budget::{Initial, ManualClock, MemoryStore};
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let clock = ManualClock::new(0);
     let reading = clock.clone();
     let redis = RedisStore::builder(&server.url())
@@ -562,7 +532,7 @@ async fn a_refund_that_leaves_nothing_spent_leaves_no_state() {
     // Two slots, the bucket's charged first: the refund path runs.
     let slots: Vec<u16> = pair
         .iter()
-        .map(|c| tollgate_redis::testing::slot(&redis.redis_key(c)))
+        .map(|c| tollgate_testkit::slot(&redis.redis_key(c)))
         .collect();
     assert!(slots[0] < slots[1], "{slots:?}");
     let gate_only = [Charge::new(second, gate, 1).unwrap()];
@@ -591,9 +561,7 @@ async fn a_refund_that_leaves_nothing_spent_leaves_no_state() {
 /// other; the script an operator pre-loads is the one the store calls.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_on_your_own_connection_and_a_preloaded_script() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let sha = server
         .query(&["SCRIPT", "LOAD", RedisStore::script_source()])
         .unwrap();
@@ -662,9 +630,7 @@ fn script_calls(server: &RedisServer) -> u64 {
 /// admits its refill, never more than `B + r·t`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_flood_costs_about_one_call_per_refill() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let p = Policy::token_bucket("flooded", 2, Rate::per_second(10)).unwrap();
     let store = RedisStore::builder(&server.url()).unwrap().build().unwrap();
     // Loads the script (the first call of each task would otherwise be a

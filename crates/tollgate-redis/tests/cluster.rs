@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::sync::Barrier;
 use tollgate_budget::{Charge, Key, Policy, Rate, Store};
 use tollgate_redis::RedisStore;
-use tollgate_redis::testing::RedisCluster;
+use tollgate_testkit::RedisCluster;
 
 fn charge(key: &str, policy: &Policy) -> Charge {
     Charge::new(Key::new(policy.name()).with(key), policy.clone(), 1).unwrap()
@@ -17,9 +17,7 @@ fn charge(key: &str, policy: &Policy) -> Charge {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn cluster_store_keeps_every_budget_across_slots() {
-    let Some(cluster) = RedisCluster::start() else {
-        return;
-    };
+    let cluster = tollgate_testkit::or_skip!(RedisCluster::start());
     let urls = cluster.urls();
     let nodes: Vec<&str> = urls.iter().map(String::as_str).collect();
     let stores: Vec<RedisStore> = (0..3)
@@ -207,14 +205,12 @@ async fn a_charge_whose_reply_is_lost_is_applied_once_and_uncertain() {
         proxies.push(CuttingProxy::start().await);
     }
     let announced: Vec<u16> = proxies.iter().map(|p| p.port).collect();
-    let Some(cluster) = RedisCluster::start_with(|i| {
+    let cluster = tollgate_testkit::or_skip!(RedisCluster::start_with(|i| {
         vec![
             "--cluster-announce-port".to_owned(),
             announced[i].to_string(),
         ]
-    }) else {
-        return;
-    };
+    }));
     for (proxy, node) in proxies.iter().zip(cluster.nodes()) {
         *proxy.target.lock().unwrap() = Some(node.port());
         // Loaded up front, so the first EVALSHA is the one that runs.
@@ -268,7 +264,7 @@ async fn a_charge_whose_reply_is_lost_is_applied_once_and_uncertain() {
         })
         .expect("the charge was applied on its node");
     let state = owner.get_bytes(&redis_key).unwrap().unwrap();
-    let (level, ..) = tollgate_redis::testing::decode_state(&state).unwrap();
+    let (level, ..) = tollgate_testkit::decode_state(&state).unwrap();
     let per_token = 3_600_000_000_000u64;
     assert_eq!(
         level,
@@ -283,10 +279,8 @@ async fn a_charge_whose_reply_is_lost_is_applied_once_and_uncertain() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_single_node_store_does_not_resend_a_lost_charge() {
     use std::sync::atomic::Ordering;
-    use tollgate_redis::testing::RedisServer;
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    use tollgate_testkit::RedisServer;
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let proxy = CuttingProxy::start().await;
     *proxy.target.lock().unwrap() = Some(server.port());
     for source in [
@@ -312,7 +306,7 @@ async fn a_single_node_store_does_not_resend_a_lost_charge() {
     assert_eq!(proxy.cuts.load(Ordering::SeqCst), 1);
     assert!(error.is_uncertain(), "{error}");
     let state = server.get_bytes(&store.redis_key(&five)).unwrap().unwrap();
-    let (level, ..) = tollgate_redis::testing::decode_state(&state).unwrap();
+    let (level, ..) = tollgate_testkit::decode_state(&state).unwrap();
     assert_eq!(level, 5 * 3_600_000_000_000);
 }
 
@@ -323,10 +317,8 @@ async fn a_single_node_store_does_not_resend_a_lost_charge() {
 async fn a_cross_slot_decision_keeps_one_time_limit() {
     use std::sync::atomic::Ordering;
     use std::time::Instant;
-    use tollgate_redis::testing::RedisServer;
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    use tollgate_testkit::RedisServer;
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let proxy = CuttingProxy::start().await;
     *proxy.target.lock().unwrap() = Some(server.port());
     for source in [
@@ -366,10 +358,8 @@ async fn a_cross_slot_decision_keeps_one_time_limit() {
 /// A store that charges slot by slot does not remember refusals.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_by_slot_store_remembers_no_refusal() {
-    use tollgate_redis::testing::RedisServer;
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    use tollgate_testkit::RedisServer;
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&server.url())
         .unwrap()
         .split_by_slot(true)
@@ -401,9 +391,7 @@ async fn a_slot_by_slot_store_remembers_no_refusal() {
 /// store now asks the importing node itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn a_charge_on_a_migrating_key_follows_ask() {
-    let Some(cluster) = RedisCluster::start() else {
-        return;
-    };
+    let cluster = tollgate_testkit::or_skip!(RedisCluster::start());
     let urls = cluster.urls();
     let nodes: Vec<&str> = urls.iter().map(String::as_str).collect();
     let store = RedisStore::cluster_builder(&nodes)

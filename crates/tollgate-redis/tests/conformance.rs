@@ -4,13 +4,11 @@
 use tollgate_budget::ManualClock;
 use tollgate_budget::conformance::{cases, run_case};
 use tollgate_redis::RedisStore;
-use tollgate_redis::testing::RedisServer;
+use tollgate_testkit::RedisServer;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_store_reproduces_every_case() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     for split in [false, true] {
         let clock = ManualClock::new(0);
         let reading = clock.clone();
@@ -98,9 +96,7 @@ fn side_by_side(
 async fn large_clock_jumps_agree_with_the_memory_store() {
     use std::time::Duration;
     use tollgate_budget::{Charge, Key, Policy, Rate, Store};
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let (clock, redis, memory) = side_by_side(&server, false);
     let policies = [
         Policy::token_bucket("tb", 7, Rate::new(3, Duration::from_secs(7))).unwrap(),
@@ -160,9 +156,7 @@ async fn large_clock_jumps_agree_with_the_memory_store() {
 /// client sees, and a check answers what the next charge answers.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn policy_changes_carry_over_like_the_memory_store() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     for split in [false, true] {
         // Calls charge one key (one slot), so slot by slot is one script
         // too, through the per-slot path.
@@ -279,9 +273,7 @@ async fn policy_changes_trace(
 async fn shaping_agrees_with_the_memory_store() {
     use std::time::Duration;
     use tollgate_budget::{Charge, Key, Outcome, Policy, Rate, Store};
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let (clock, redis, memory) = side_by_side(&server, false);
     let policies = [
         Policy::token_bucket("two", 2, Rate::per_second(2)).unwrap(),
@@ -355,7 +347,7 @@ mod settlement {
 
     use tollgate_budget::{Charge, Key, MemoryStore, Outcome, Policy, Rate, Receipt, Store};
     use tollgate_redis::RedisStore;
-    use tollgate_redis::testing::RedisServer;
+    use tollgate_testkit::RedisServer;
 
     const S: u64 = 1_000_000_000;
 
@@ -378,9 +370,7 @@ mod settlement {
     /// its own), so repeated refunds filled an emptied bucket.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_receipt_that_names_no_reservation_gives_nothing_back() {
-        let Some(server) = RedisServer::start() else {
-            return;
-        };
+        let server = tollgate_testkit::or_skip!(RedisServer::start());
         let (clock, redis, memory) = super::side_by_side(&server, false);
         let hourly = Policy::token_bucket("forged", 3, Rate::per_hour(1)).unwrap();
         let plain = Charge::new(Key::new("k").with("a"), hourly.clone(), 1).unwrap();
@@ -430,9 +420,7 @@ mod settlement {
     /// that can: Redis held such a call 20 s past a 500 ms wait.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_shaped_call_waits_no_longer_than_any_of_its_charges_allows() {
-        let Some(server) = RedisServer::start() else {
-            return;
-        };
+        let server = tollgate_testkit::or_skip!(RedisServer::start());
         let (clock, redis, memory) = super::side_by_side(&server, false);
         clock.set(1_000 * S);
         let slow = Policy::token_bucket("slow", 1, Rate::new(1, Duration::from_secs(20))).unwrap();

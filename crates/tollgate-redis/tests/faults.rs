@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use tollgate_budget::{Charge, Key, Policy, Rate, Store, StoreErrorKind};
 use tollgate_redis::RedisStore;
-use tollgate_redis::testing::RedisServer;
+use tollgate_testkit::RedisServer;
 
 const TIMEOUT: Duration = Duration::from_millis(200);
 const MARGIN: Duration = Duration::from_millis(300);
@@ -45,9 +45,7 @@ async fn until_ok(store: &RedisStore) -> Duration {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn starts_while_unreachable_then_connects_by_itself() {
-    let Some(mut server) = RedisServer::start() else {
-        return;
-    };
+    let mut server = tollgate_testkit::or_skip!(RedisServer::start());
     let url = server.url();
     server.kill();
     let store = RedisStore::builder(&url)
@@ -72,9 +70,7 @@ async fn starts_while_unreachable_then_connects_by_itself() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killed_mid_run_and_restarted_recovers_without_a_new_store() {
-    let Some(mut server) = RedisServer::start() else {
-        return;
-    };
+    let mut server = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&server.url())
         .unwrap()
         .timeout(TIMEOUT)
@@ -108,9 +104,7 @@ async fn killed_mid_run_and_restarted_recovers_without_a_new_store() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn script_flush_is_survived() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&server.url())
         .unwrap()
         .timeout(TIMEOUT)
@@ -123,9 +117,7 @@ async fn script_flush_is_survived() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn paused_past_the_timeout_is_uncertain_then_recovers() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&server.url())
         .unwrap()
         .timeout(TIMEOUT)
@@ -142,9 +134,7 @@ async fn paused_past_the_timeout_is_uncertain_then_recovers() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_memory_with_noeviction_is_unavailable_not_an_empty_counter() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&server.url())
         .unwrap()
         .timeout(TIMEOUT)

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tollgate_budget::{Acquired, Lease, LeaseRequest, LeaseStore, Renewed};
 use tollgate_redis::RedisStore;
-use tollgate_redis::testing::{RedisCluster, RedisServer};
+use tollgate_testkit::{RedisCluster, RedisServer};
 
 fn request(
     limit: &str,
@@ -59,9 +59,7 @@ async fn bounds_hold(store: &RedisStore, limit: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bounds_per_key_and_in_all_hold_and_refusals_take_nothing() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&server.url()).unwrap().build().unwrap();
     bounds_hold(&store, "bounds").await;
     // A key with braces stays inside the limit's hash tag.
@@ -74,9 +72,7 @@ async fn bounds_per_key_and_in_all_hold_and_refusals_take_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_holds_the_bounds_in_one_slot() {
-    let Some(cluster) = RedisCluster::start() else {
-        return;
-    };
+    let cluster = tollgate_testkit::or_skip!(RedisCluster::start());
     let urls = cluster.urls();
     let nodes: Vec<&str> = urls.iter().map(String::as_str).collect();
     let store = RedisStore::cluster_builder(&nodes)
@@ -93,9 +89,7 @@ async fn a_cluster_holds_the_bounds_in_one_slot() {
 /// leases.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leases_expire_unless_renewed() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let store = RedisStore::builder(&server.url()).unwrap().build().unwrap();
     let r = request("expiry", Some("k"), 1, 1, Duration::from_millis(300));
     let kept = granted(&store, &r, 1).await;
@@ -219,9 +213,7 @@ fn most_at_once(intervals: &[(u128, u128)]) -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn never_more_than_the_limit_hold_a_key_across_connections_and_processes() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let url = server.url();
     let exe = std::env::current_exe().unwrap();
     let worker = tokio::process::Command::new(exe)
@@ -276,9 +268,7 @@ async fn never_more_than_the_limit_hold_a_key_across_connections_and_processes()
 /// loading it again.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_lease_script_can_be_preloaded() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let sha = server
         .query(&["SCRIPT", "LOAD", RedisStore::lease_script_source()])
         .unwrap();

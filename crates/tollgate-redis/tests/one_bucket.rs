@@ -6,9 +6,9 @@
 
 use std::time::Duration;
 
-use tollgate_budget::{Charge, Initial, Key, ManualClock, MemoryStore, Policy, Rate, Store};
+use tollgate_budget::{Charge, Initial, ManualClock, MemoryStore, Policy, Rate, Store};
 use tollgate_redis::RedisStore;
-use tollgate_redis::testing::RedisServer;
+use tollgate_testkit::RedisServer;
 
 const EPOCH: u64 = 1_767_225_600;
 const ERA_NS: u64 = 4_000_000_000_000_000;
@@ -187,9 +187,7 @@ impl Scripts {
 /// cover, and then leaves its key as it was.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_one_bucket_script_decides_and_writes_as_the_full_script() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let mut s = Scripts::new(&server).await;
     let mut x: u64 = 0x2545_F491_4F6C_DD1D;
     let mut next = move || {
@@ -343,9 +341,7 @@ fn side_by_side(server: &RedisServer) -> (ManualClock, RedisStore, MemoryStore) 
     (clock, redis, memory)
 }
 
-fn charge(key: &str, policy: &Policy, cost: u64) -> Charge {
-    Charge::new(Key::new(policy.name()).with(key), policy.clone(), cost).unwrap()
-}
+use tollgate_testkit::charge;
 
 /// Through the store: a plan upgrade (other numbers under the policy's
 /// name), a clock stepped back across an era, and states of earlier
@@ -354,9 +350,7 @@ fn charge(key: &str, policy: &Policy, cost: u64) -> Charge {
 /// the memory store's (or, for the old formats, the state's own).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_the_one_bucket_script_does_not_cover_goes_to_the_full_script() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let (clock, redis, memory) = side_by_side(&server);
     let calls = |store: &RedisStore| {
         let s = store.script_stats();
@@ -454,9 +448,7 @@ async fn what_the_one_bucket_script_does_not_cover_goes_to_the_full_script() {
 /// check, a refund or a cancel.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn only_the_common_call_goes_to_the_one_bucket_script() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let (_clock, redis, memory) = side_by_side(&server);
     let bucket = Policy::token_bucket("b", 3, Rate::per_second(1)).unwrap();
     let empty = bucket.clone().with_initial(Initial::Empty);
@@ -490,9 +482,7 @@ async fn only_the_common_call_goes_to_the_one_bucket_script() {
 /// the third charge, with the wait the full script would give.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_one_bucket_script_keeps_server_time() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let redis = RedisStore::builder(&server.url())
         .unwrap()
         .timeout(Duration::from_secs(2))
@@ -524,9 +514,7 @@ async fn the_one_bucket_script_keeps_server_time() {
 /// a charge is handed over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn text_charge_arguments_decide_like_packed_ones() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let client = redis::Client::open(server.url()).unwrap();
     let mut conn = client.get_multiplexed_async_connection().await.unwrap();
     let script = redis::Script::new(RedisStore::one_bucket_script_source());

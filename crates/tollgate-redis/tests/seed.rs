@@ -7,16 +7,14 @@ use std::time::Duration;
 use tokio::sync::Barrier;
 use tollgate_budget::{Charge, Decision, Key, Policy, Store};
 use tollgate_redis::RedisStore;
-use tollgate_redis::testing::{RedisServer, decode_state};
+use tollgate_testkit::{RedisServer, decode_state};
 
 const LIMIT: u64 = 5;
 const WORKERS: usize = 16;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 async fn split_check_overspends_and_the_script_admits_exactly_five() {
-    let Some(server) = RedisServer::start() else {
-        return;
-    };
+    let server = tollgate_testkit::or_skip!(RedisServer::start());
     let url = server.url();
 
     // The broken path: every caller reads before any increments.

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use tollgate_budget::{Charge, Key, Policy, Rate, Store, StoreErrorKind};
 use tollgate_redis::RedisStore;
-use tollgate_redis::testing::{RedisSentinel, RedisServer};
+use tollgate_testkit::{RedisSentinel, RedisServer};
 
 const NAME: &str = "tollgate-master";
 
@@ -51,9 +51,8 @@ async fn master_replica_sentinel() -> Option<(RedisServer, RedisServer, RedisSen
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_store_follows_a_sentinel_failover_under_load() {
-    let Some((mut master, replica, sentinel)) = master_replica_sentinel().await else {
-        return;
-    };
+    let (mut master, replica, sentinel) =
+        tollgate_testkit::or_skip!(master_replica_sentinel().await);
     let timeout = Duration::from_millis(300);
     let store = RedisStore::sentinel_builder(&[&sentinel.url()], NAME)
         .unwrap()
@@ -145,13 +144,13 @@ async fn the_store_follows_a_sentinel_failover_under_load() {
 /// without it the refusal is unavailable (nothing was sent) and says why.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_master_with_a_password_is_reached_through_sentinel() {
-    let Some(master) = RedisServer::start_with(&["--requirepass", "pw-for-master"]) else {
-        return;
-    };
-    let Some(sentinel) = RedisSentinel::start_with_auth(NAME, master.port(), Some("pw-for-master"))
-    else {
-        return;
-    };
+    let master =
+        tollgate_testkit::or_skip!(RedisServer::start_with(&["--requirepass", "pw-for-master"]));
+    let sentinel = tollgate_testkit::or_skip!(RedisSentinel::start_with_auth(
+        NAME,
+        master.port(),
+        Some("pw-for-master")
+    ));
     let policy = Policy::token_bucket("auth", 5, Rate::per_second(1)).unwrap();
     let charge = Charge::new(Key::new("auth"), policy, 1).unwrap();
     let with =
@@ -215,9 +214,7 @@ fn script_calls(server: &RedisServer) -> u64 {
 /// interval (plus slack) of the promotion and go to the new master.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_failover_no_call_goes_to_the_demoted_master() {
-    let Some((master, replica, sentinel)) = master_replica_sentinel().await else {
-        return;
-    };
+    let (master, replica, sentinel) = tollgate_testkit::or_skip!(master_replica_sentinel().await);
     // The default check interval, 1 s.
     let store = RedisStore::sentinel_builder(&[&sentinel.url()], NAME)
         .unwrap()

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use tollgate_budget::{Charge, Key, Policy, Rate, Store, StoreErrorKind};
 use tollgate_redis::RedisStore;
-use tollgate_redis::testing::{RedisServer, TestCertificates, free_loopback_port};
+use tollgate_testkit::{RedisServer, TestCertificates, free_loopback_port};
 
 fn charge(key: &str) -> Charge {
     let p = Policy::token_bucket("tls", 2, Rate::per_hour(1)).unwrap();
@@ -38,12 +38,8 @@ fn chain(e: &dyn std::error::Error) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tls_redis_with_a_private_ca() {
-    let Some(certs) = TestCertificates::generate() else {
-        return;
-    };
-    let Some((server, url)) = tls_server(&certs, "server.pem") else {
-        return;
-    };
+    let certs = tollgate_testkit::or_skip!(TestCertificates::generate());
+    let (server, url) = tollgate_testkit::or_skip!(tls_server(&certs, "server.pem"));
     let store = RedisStore::builder(&url)
         .unwrap()
         .tls_root_certificate(certs.read("ca.pem"))
@@ -86,9 +82,7 @@ async fn a_tls_redis_with_a_private_ca() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_wrong_ca_or_an_expired_certificate_is_unavailable_and_spends_nothing() {
-    let Some(certs) = TestCertificates::generate() else {
-        return;
-    };
+    let certs = tollgate_testkit::or_skip!(TestCertificates::generate());
     for (served, trusted, why) in [
         (
             "server.pem",
@@ -98,9 +92,7 @@ async fn a_wrong_ca_or_an_expired_certificate_is_unavailable_and_spends_nothing(
         ("server.pem", None, "a private CA the system does not trust"),
         ("expired.pem", Some("ca.pem"), "an expired certificate"),
     ] {
-        let Some((server, url)) = tls_server(&certs, served) else {
-            return;
-        };
+        let (server, url) = tollgate_testkit::or_skip!(tls_server(&certs, served));
         let mut builder = RedisStore::builder(&url)
             .unwrap()
             .timeout(Duration::from_secs(2));
@@ -178,10 +170,8 @@ fn bad_tls_configuration_is_refused_at_build_with_a_reason() {
 /// through `rediss://` seeds only; with another CA, nothing is reached.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tls_cluster_with_a_private_ca() {
-    use tollgate_redis::testing::RedisCluster;
-    let Some(certs) = TestCertificates::generate() else {
-        return;
-    };
+    use tollgate_testkit::RedisCluster;
+    let certs = tollgate_testkit::or_skip!(TestCertificates::generate());
     let tls_ports: Vec<u16> = (0..3).map(|_| free_loopback_port()).collect();
     let Some(cluster) = RedisCluster::start_with(|i| {
         let mut args = certs.server_args(tls_ports[i], "server.pem");
@@ -202,7 +192,7 @@ async fn a_tls_cluster_with_a_private_ca() {
     let keys: Vec<Charge> = (0..12).map(|i| charge(&format!("node-{i}"))).collect();
     let slots: std::collections::HashSet<u16> = keys
         .iter()
-        .map(|c| tollgate_redis::testing::slot(&store.redis_key(c)) / 5462)
+        .map(|c| tollgate_testkit::slot(&store.redis_key(c)) / 5462)
         .collect();
     assert_eq!(slots.len(), 3, "the keys span the three nodes");
     for c in &keys {
@@ -277,12 +267,8 @@ async fn a_tls_cluster_with_a_private_ca() {
 /// at start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connect_makes_the_connection_and_loads_the_scripts_first() {
-    let Some(certs) = TestCertificates::generate() else {
-        return;
-    };
-    let Some((server, url)) = tls_server(&certs, "server.pem") else {
-        return;
-    };
+    let certs = tollgate_testkit::or_skip!(TestCertificates::generate());
+    let (server, url) = tollgate_testkit::or_skip!(tls_server(&certs, "server.pem"));
     let store = RedisStore::builder(&url)
         .unwrap()
         .tls_root_certificate(certs.read("ca.pem"))

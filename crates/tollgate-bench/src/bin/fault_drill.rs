@@ -19,7 +19,7 @@ use tollgate::{
     Policy, Rate, RedisStore, Store,
     store::{Charge, Key, StoreErrorKind},
 };
-use tollgate_redis::testing::RedisServer;
+use tollgate_testkit::RedisServer;
 
 /// Something done to the server at the start of a phase.
 type Fault = Box<dyn Fn(&mut RedisServer)>;

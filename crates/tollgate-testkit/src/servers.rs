@@ -1,4 +1,4 @@
-//! A private `redis-server` for tests (feature `testing`): started on a
+//! A private `redis-server` for tests: started on a
 //! free loopback port with no persistence, verified to be ours, stopped on
 //! drop.
 //!
@@ -283,12 +283,6 @@ impl RedisCluster {
     pub fn nodes(&self) -> &[RedisServer] {
         &self.nodes
     }
-}
-
-/// The Redis Cluster slot of `key` (CRC16 of its hash tag, mod 16384), as
-/// the store groups charges by it.
-pub fn slot(key: &str) -> u16 {
-    crate::keys::slot(key)
 }
 
 /// Certificates for TLS tests, made with the `openssl` command in a fresh
