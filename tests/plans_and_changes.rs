@@ -543,3 +543,17 @@ fn rules_that_share_a_budget_must_give_it_the_same_numbers() {
     );
     assert_eq!(handle.rules().len(), 2, "nothing changed");
 }
+
+/// Found in review: `Unit::Other` must be a valid name (it is written into
+/// `RateLimit-Policy` and metric labels), but a quote or a newline in it
+/// was accepted and broke the headers of every answer.
+#[test]
+fn a_unit_that_is_not_a_valid_name_is_refused() {
+    for unit in ["a\"b", "a\nb", ""] {
+        let policy = export(3, 1).with_unit(tollgate::Unit::Other(unit.into()));
+        let e = checked(Rule::per_account(policy)).unwrap_err();
+        assert!(e.to_string().contains("invalid unit"), "{unit:?}: {e}");
+    }
+    let kib = export(3, 1).with_unit(tollgate::Unit::Other("kib".into()));
+    checked(Rule::per_account(kib)).unwrap();
+}

@@ -9,7 +9,7 @@ use std::sync::atomic::AtomicBool;
 
 use arc_swap::ArcSwap;
 use http::HeaderValue;
-use tollgate_budget::{Algorithm, DynStore, Store, StoreError, StoreErrorKind};
+use tollgate_budget::{Algorithm, DynStore, Store, StoreError, StoreErrorKind, Unit, check_name};
 
 use super::invalid::{InvalidRule, Problem};
 use super::shaping::Waiters;
@@ -124,6 +124,18 @@ pub(crate) fn check_together(rules: &[Rule]) -> Result<(), InvalidRule> {
 pub(crate) fn check(store: &(impl Store + ?Sized), rule: &Rule) -> Result<(), InvalidRule> {
     if let Some(problem) = rule.invalid() {
         return Err(InvalidRule::of_rule(rule.policy().name(), problem.clone()));
+    }
+    for policy in rule.policies() {
+        // A unit is a structured-field string and a metric label, as a
+        // name is: `Unit::Other("a\"b")` would break every header.
+        if let Unit::Other(unit) = policy.unit() {
+            check_name(unit).map_err(|e| {
+                InvalidRule::new(
+                    rule.policy().name(),
+                    Problem::Rule(format!("policy {policy} has an invalid unit: {e}")),
+                )
+            })?;
+        }
     }
     let refuse = |source| InvalidRule::new(rule.policy().name(), Problem::Store(source));
     for policy in rule.policies() {
