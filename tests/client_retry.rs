@@ -37,7 +37,7 @@ fn retry_at(
 ) -> Option<Duration> {
     let value = value.map(|v| HeaderValue::from_str(v).unwrap());
     let method: Method = method.parse().unwrap();
-    let wait = RetryConfig::new().plan(&Attempt {
+    let wait = RetryConfig::new().retry_wait(&Attempt {
         status: StatusCode::from_u16(status).unwrap(),
         method: &method,
         request_headers: &HeaderMap::new(),
@@ -141,8 +141,11 @@ fn oversized_wait_exhausted_deadline_post_and_attempt_cap_stop() {
             jitter: Duration::ZERO,
         }
     }
-    assert_eq!(opted.plan(&attempt(&headers)), Some(Duration::from_secs(1)));
-    assert_eq!(opted.plan(&attempt(&HeaderMap::new())), None);
+    assert_eq!(
+        opted.retry_wait(&attempt(&headers)),
+        Some(Duration::from_secs(1))
+    );
+    assert_eq!(opted.retry_wait(&attempt(&HeaderMap::new())), None);
 }
 
 #[tokio::test(flavor = "multi_thread")]

@@ -154,7 +154,7 @@ impl RetryConfig {
     /// backoff alone. Stops when the status or method is not retried, the
     /// attempt cap is reached, or the wait would not leave `reserve` before
     /// the deadline — the server's wait is never shortened to fit.
-    pub fn plan(&self, a: &Attempt<'_>) -> Option<Duration> {
+    pub fn retry_wait(&self, a: &Attempt<'_>) -> Option<Duration> {
         if !self.statuses.contains(&a.status) || a.status.is_redirection() {
             return None;
         }
@@ -367,7 +367,7 @@ impl<B: Clone, Rb, E> tower::retry::Policy<Request<B>, Response<Rb>, E> for Retr
             remaining: self.config.deadline.saturating_sub(elapsed),
             jitter: self.jitter.jitter(self.config.jitter_max),
         };
-        let wait = self.config.plan(&attempt)?;
+        let wait = self.config.retry_wait(&attempt)?;
         if let Some(budget) = &self.budget
             && !budget.withdraw()
         {

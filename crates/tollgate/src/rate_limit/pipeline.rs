@@ -43,7 +43,7 @@ pub(crate) type Charges = SmallVec<[Charge; 2]>;
 pub(crate) type Settled = SmallVec<[(Charge, StatusFilter); 1]>;
 
 /// What the head of a request asks of the store.
-pub(crate) struct Plan {
+pub(crate) struct ChargePlan {
     /// Every applicable rule whose key and cost are known: the enforced
     /// ones first, then the dry-run ones.
     pub(crate) charges: Charges,
@@ -104,7 +104,7 @@ pub(crate) struct Admit {
     pub(crate) settle: Option<AfterResponse>,
 }
 
-pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
+pub(crate) fn charge_plan<St>(config: &Config<St>, parts: &Parts) -> ChargePlan {
     let mut who = RequestIdentity::new(parts, &config.resolver);
     let mut charges = Charges::new();
     let mut dry = Charges::new();
@@ -240,7 +240,7 @@ pub(crate) fn plan<St>(config: &Config<St>, parts: &Parts) -> Plan {
     if !dry.is_empty() {
         charges.extend(dry);
     }
-    Plan {
+    ChargePlan {
         charges,
         enforced,
         settled,

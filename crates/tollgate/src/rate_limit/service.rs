@@ -11,7 +11,7 @@ use tower_service::Service;
 
 use super::ResponseFuture;
 use super::config::Config;
-use super::pipeline::{self, Admit, Now, Plan};
+use super::pipeline::{self, Admit, ChargePlan, Now};
 use crate::response::Protocol;
 
 /// Rate-limits requests to an inner service; made by
@@ -78,13 +78,13 @@ where
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
         let (parts, body) = req.into_parts();
-        let Plan {
+        let ChargePlan {
             mut charges,
             enforced,
             mut settled,
             mut refusal,
             shaping,
-        } = pipeline::plan(&self.config, &parts);
+        } = pipeline::charge_plan(&self.config, &parts);
         let config = &self.config;
         if charges.is_empty() {
             return match refusal {
