@@ -200,7 +200,11 @@ fn parse_args() -> Result<Args, String> {
                 }
             }
             "--demo" => args.demo = true,
-            "-h" | "--help" => return Err(USAGE.to_owned()),
+            "-h" | "--help" => {
+                // Asked for: on stdout, and success.
+                println!("{USAGE}");
+                std::process::exit(0);
+            }
             // Redacted: `--store=redis://:pw@host` lands here.
             other => {
                 return Err(format!(

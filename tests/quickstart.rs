@@ -557,3 +557,22 @@ fn no_redis_password_is_printed() {
         assert!(!out.contains(secret), "{args:?} printed {secret:?}: {out}");
     }
 }
+
+/// Found in review: `--help` printed the usage on stderr and exited 2, as
+/// for a wrong argument. Asked for, it is stdout and success; a wrong
+/// argument stays an error.
+#[test]
+fn help_is_stdout_and_success_a_wrong_argument_is_an_error() {
+    let run = |arg: &str| {
+        std::process::Command::new(common::example_binary("quickstart"))
+            .arg(arg)
+            .output()
+            .unwrap()
+    };
+    let help = run("--help");
+    assert!(help.status.success(), "{:?}", help.status);
+    assert!(String::from_utf8_lossy(&help.stdout).contains("--store"));
+    let wrong = run("--no-such-flag");
+    assert_eq!(wrong.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&wrong.stderr).contains("unknown argument"));
+}

@@ -232,7 +232,7 @@ impl Drop for Quickstart {
 }
 
 /// The example `name`, built once per test process.
-fn example_binary(name: &str) -> std::path::PathBuf {
+pub fn example_binary(name: &str) -> std::path::PathBuf {
     static BUILT: Mutex<Vec<String>> = Mutex::new(Vec::new());
     let mut built = BUILT.lock().unwrap();
     if !built.iter().any(|b| b == name) {
