@@ -687,3 +687,25 @@ async fn stalled_http2_streams_free_their_leases_in_redis() {
     let redis = tollgate_testkit::or_skip!(tollgate_testkit::RedisServer::start());
     stalled_streams_free_their_slots(&["--store", &redis.url()]).await;
 }
+
+/// Found in review: a limit with neither a global nor a per-key bound was
+/// built, and limited nothing. It is a configuration error, as a bad name.
+#[test]
+fn a_limit_without_a_bound_is_refused() {
+    let e = ConcurrencyLimitLayer::builder("nothing")
+        .build()
+        .unwrap_err();
+    assert_eq!(e.name(), "nothing");
+    assert!(e.to_string().contains("no bound"), "{e}");
+    let e = ConcurrencyLimitLayer::builder("bad name!")
+        .global(std::num::NonZeroUsize::MIN)
+        .build()
+        .unwrap_err();
+    assert_eq!(e.lease(), None, "{e}");
+    assert!(
+        ConcurrencyLimitLayer::builder("one")
+            .global(std::num::NonZeroUsize::MIN)
+            .build()
+            .is_ok()
+    );
+}

@@ -45,7 +45,8 @@ pub(crate) struct InvalidLease {
 
 /// A concurrency limit that cannot be built, from
 /// [`ConcurrencyLimitBuilder::build`]: a name that is not a valid limit
-/// name (the rule of policy names, [`check_name`]), or a shared limit's
+/// name (the rule of policy names, [`check_name`]), no bound at all, or a
+/// shared limit's
 /// lease ([`lease_ttl`](ConcurrencyLimitBuilder::lease_ttl)) shorter than
 /// [`MIN_LEASE_PER_STORE_TIMEOUT`] times its store's
 /// [timeout](LeaseStore::timeout). Names the limit and the fix.
@@ -62,6 +63,8 @@ enum LimitProblem {
     Name(InvalidName),
     #[error(transparent)]
     Lease(InvalidLease),
+    #[error("no bound: give it a global limit, a per-key limit or both")]
+    NoBound,
 }
 
 impl InvalidLimit {
@@ -75,7 +78,7 @@ impl InvalidLimit {
     pub fn lease(&self) -> Option<(Duration, Duration)> {
         match &self.problem {
             LimitProblem::Lease(e) => Some((e.ttl, e.timeout)),
-            LimitProblem::Name(_) => None,
+            LimitProblem::Name(_) | LimitProblem::NoBound => None,
         }
     }
 }
@@ -223,7 +226,9 @@ impl ConcurrencyLimitBuilder {
     ///
     /// # Errors
     ///
-    /// [`InvalidLimit`] when the name is not a valid limit name, or the
+    /// [`InvalidLimit`] when the name is not a valid limit name, the limit
+    /// has no bound (neither [`global`](Self::global) nor
+    /// [`per_key`](Self::per_key): it would limit nothing), or the
     /// lease ([`lease_ttl`](Self::lease_ttl), 10 s by default) is shorter
     /// than [`MIN_LEASE_PER_STORE_TIMEOUT`] times the store's
     /// [timeout](LeaseStore::timeout).
@@ -233,6 +238,9 @@ impl ConcurrencyLimitBuilder {
             problem,
         };
         check_name(&self.limits.name).map_err(|e| invalid(LimitProblem::Name(e)))?;
+        if self.limits.global_max.is_none() && self.limits.per_key_max.is_none() {
+            return Err(invalid(LimitProblem::NoBound));
+        }
         if let Some(store) = &self.lease_store {
             check_lease(self.lease.ttl, &**store).map_err(|e| invalid(LimitProblem::Lease(e)))?;
         }
