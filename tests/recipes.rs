@@ -60,9 +60,21 @@ async fn behind_nginx_clients_are_limited_by_the_address_nginx_saw() {
         ))
         .build()
         .unwrap();
+    // Answers with the X-Forwarded-For it was given: nginx must not pass
+    // the client's own chain on.
     let service = serve(
         Router::new()
-            .route("/", get(|| async { "ok" }))
+            .route(
+                "/",
+                get(|headers: axum::http::HeaderMap| async move {
+                    headers
+                        .get_all("x-forwarded-for")
+                        .iter()
+                        .map(|v| v.to_str().unwrap_or("?").to_owned())
+                        .collect::<Vec<_>>()
+                        .join(" | ")
+                }),
+            )
             .layer(limits),
     )
     .await;
@@ -87,6 +99,7 @@ async fn behind_nginx_clients_are_limited_by_the_address_nginx_saw() {
 
     let first = via_nginx("127.0.0.5", "203.0.113.1").await;
     assert_eq!(first.status, StatusCode::OK, "{}", first.body);
+    assert_eq!(first.body, "127.0.0.5", "X-Forwarded-For as nginx saw it");
     // Another forged address is the same client to nginx, and to tollgate.
     let second = via_nginx("127.0.0.5", "203.0.113.2").await;
     assert_eq!(second.status, StatusCode::TOO_MANY_REQUESTS);
