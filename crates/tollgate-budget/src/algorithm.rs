@@ -115,17 +115,14 @@ pub(crate) fn decide_fitting(policy: &Policy, state: State, now: Nanos, cost: u6
 #[cold]
 fn never_fits(policy: &Policy, state: Option<State>, now: Nanos, cost: u64) -> Step {
     Step {
-        decision: Decision::NeverFits {
-            cost,
-            capacity: policy.capacity(),
-        },
+        decision: Decision::never_fitting(cost, policy.capacity()),
         next: None,
         idle_at: state.map_or(now, |_| idle_at(policy, state, now)),
     }
 }
 
 /// The budget as it stands at `now`, without charging: the units available
-/// and the time until fully restored, as an [`Decision::Admitted`]-shaped
+/// and the time until fully restored, as an [admitted](Decision::admitted)
 /// description. Used to describe limits that were not spent because another
 /// limit of the same call refused.
 pub fn describe(policy: &Policy, state: Option<State>, now: Nanos) -> Decision {
@@ -145,38 +142,29 @@ pub fn describe(policy: &Policy, state: Option<State>, now: Nanos) -> Decision {
             } else {
                 Duration::ZERO
             };
-            return Decision::Admitted { remaining, reset };
+            return Decision::admitted(remaining, reset);
         }
     };
     match *policy.algorithm() {
         Algorithm::TokenBucket(p) => {
             let l = p.level_at(s, now);
-            Decision::Admitted {
-                remaining: p.tokens(l.credit),
-                reset: Duration::from_nanos(p.full_of(l) - now),
-            }
+            Decision::admitted(p.tokens(l.credit), Duration::from_nanos(p.full_of(l) - now))
         }
         Algorithm::FixedWindow(w) => {
             let (limit, window) = (w.limit, w.window);
             let end = s.at.saturating_add(window);
             if now < end {
-                Decision::Admitted {
-                    remaining: limit.saturating_sub(s.level),
-                    reset: Duration::from_nanos(end - now),
-                }
+                Decision::admitted(
+                    limit.saturating_sub(s.level),
+                    Duration::from_nanos(end - now),
+                )
             } else {
-                Decision::Admitted {
-                    remaining: limit,
-                    reset: Duration::ZERO,
-                }
+                Decision::admitted(limit, Duration::ZERO)
             }
         }
         Algorithm::SlidingWindow(w) => {
             let sl = Slide::new(w.limit, w.window, Some(s), now);
-            Decision::Admitted {
-                remaining: sl.remaining(sl.prev, sl.cur),
-                reset: ns(sl.until(sl.prev, sl.cur)),
-            }
+            Decision::admitted(sl.remaining(sl.prev, sl.cur), ns(sl.until(sl.prev, sl.cur)))
         }
     }
 }
@@ -298,9 +286,11 @@ pub fn charge_at(policy: &Policy, state: Option<State>, now: Nanos, at: Nanos, c
 /// window it was counted in).
 pub fn reserve(policy: &Policy, state: Option<State>, now: Nanos, cost: u64) -> Step {
     let mut step = decide(policy, state, now, cost);
-    if let (Algorithm::TokenBucket(p), Decision::Admitted { .. }, Some(next)) =
-        (policy.algorithm(), step.decision, step.next.as_mut())
-    {
+    if let (Algorithm::TokenBucket(p), true, Some(next)) = (
+        policy.algorithm(),
+        step.decision.is_admitted(),
+        step.next.as_mut(),
+    ) {
         // (The admission wrote the reservations as they stand at its
         // time, in that time's epoch.)
         next.epoch = next.at / MAX_RESERVATION;
@@ -944,10 +934,7 @@ fn token_bucket(p: &TokenBucket, state: Option<State>, now: Nanos, cost: u64) ->
         let next = after.state(kept_hold(state, l.t, now));
         let full = p.full_of(after);
         Step {
-            decision: Decision::Admitted {
-                remaining: p.tokens(after.credit),
-                reset: Duration::from_nanos(full - now),
-            },
+            decision: Decision::admitted(p.tokens(after.credit), Duration::from_nanos(full - now)),
             next: Some(next),
             idle_at: if next.prior == 0 && p.initial == Initial::Full {
                 full
@@ -965,11 +952,11 @@ fn token_bucket(p: &TokenBucket, state: Option<State>, now: Nanos, cost: u64) ->
         };
         let full = p.full_of(l);
         Step {
-            decision: Decision::Denied {
-                retry_after: Duration::from_nanos(p.fits_at(l, need) - now),
-                remaining: p.tokens(l.credit),
-                reset: Duration::from_nanos(full - now),
-            },
+            decision: Decision::denied(
+                Duration::from_nanos(p.fits_at(l, need) - now),
+                p.tokens(l.credit),
+                Duration::from_nanos(full - now),
+            ),
             next,
             idle_at: match next.or(state) {
                 Some(kept) => idle_since(&Algorithm::TokenBucket(*p), kept),
@@ -992,10 +979,7 @@ fn fixed_window(limit: u64, window: Nanos, state: Option<State>, now: Nanos, cos
     let left = limit.saturating_sub(count);
     if cost <= left {
         Step {
-            decision: Decision::Admitted {
-                remaining: left - cost,
-                reset,
-            },
+            decision: Decision::admitted(left - cost, reset),
             next: Some(State {
                 level: count + cost,
                 prior: 0,
@@ -1006,11 +990,7 @@ fn fixed_window(limit: u64, window: Nanos, state: Option<State>, now: Nanos, cos
         }
     } else {
         Step {
-            decision: Decision::Denied {
-                retry_after: reset,
-                remaining: left,
-                reset,
-            },
+            decision: Decision::denied(reset, left, reset),
             next: None,
             idle_at: end,
         }
@@ -1101,10 +1081,7 @@ fn sliding_window(limit: u64, window: Nanos, state: Option<State>, now: Nanos, c
         let cur = cur + c;
         let reset = sl.until(prev, cur);
         Step {
-            decision: Decision::Admitted {
-                remaining: sl.remaining(prev, cur),
-                reset: ns(reset),
-            },
+            decision: Decision::admitted(sl.remaining(prev, cur), ns(reset)),
             next: Some(State {
                 level: sat(cur),
                 prior: sat(prev),
@@ -1117,11 +1094,7 @@ fn sliding_window(limit: u64, window: Nanos, state: Option<State>, now: Nanos, c
         let wait = sliding_wait(prev, cur, sl.e, c, l, w);
         let reset = sl.until(prev, cur);
         Step {
-            decision: Decision::Denied {
-                retry_after: ns(sl.lead + wait),
-                remaining: sl.remaining(prev, cur),
-                reset: ns(reset),
-            },
+            decision: Decision::denied(ns(sl.lead + wait), sl.remaining(prev, cur), ns(reset)),
             next: None,
             idle_at: sat(sl.now + reset),
         }

@@ -150,25 +150,22 @@ fn bound(
 }
 
 const fn adm(remaining: u64, reset: Nanos) -> Decision {
-    Decision::Admitted {
-        remaining,
-        reset: Duration::from_nanos(reset),
-    }
+    Decision::admitted(remaining, Duration::from_nanos(reset))
 }
 
 const fn den(retry: Nanos, remaining: u64, reset: Nanos) -> Decision {
-    Decision::Denied {
-        retry_after: Duration::from_nanos(retry),
+    Decision::denied(
+        Duration::from_nanos(retry),
         remaining,
-        reset: Duration::from_nanos(reset),
-    }
+        Duration::from_nanos(reset),
+    )
 }
 
 const fn never(cost: u64, capacity: u64) -> Decision {
-    Decision::NeverFits { cost, capacity }
+    Decision::never_fitting(cost, capacity)
 }
 
-const UNEVALUATED: Decision = Decision::Unevaluated;
+const UNEVALUATED: Decision = Decision::unevaluated();
 
 const fn denied(ns: Nanos) -> Verdict {
     Verdict::Denied {

@@ -130,9 +130,31 @@ impl Charge {
     }
 }
 
-/// What one policy answered for one charge.
+/// What one policy answered for one charge: admitted (units left, time
+/// to full), denied (the exact wait, units available, time to full), never
+/// fits (the cost exceeds the capacity), or not evaluated.
+///
+/// The representation is private: a store builds one with
+/// [`Decision::admitted`], [`Decision::denied`], [`Decision::never_fitting`]
+/// or [`Decision::unevaluated`], and a caller reads it through the
+/// accessors, so that a store may keep the raw numbers and convert them
+/// only when they are read.
+///
+/// ```
+/// use std::time::Duration;
+/// use tollgate_budget::Decision;
+///
+/// let d = Decision::denied(Duration::from_secs(2), 0, Duration::from_secs(10));
+/// assert!(d.is_denied() && !d.is_admitted());
+/// assert_eq!(d.retry_after(), Some(Duration::from_secs(2)));
+/// assert_eq!(Decision::never_fitting(5, 3).remaining(), 0);
+/// ```
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Decision(pub(crate) Answer);
+
+/// The cases of a [`Decision`], private to this crate.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Decision {
+pub(crate) enum Answer {
     /// The cost fitted and was (or, in a multi-charge that another limit
     /// refused, would have been) deducted.
     Admitted {
@@ -164,32 +186,90 @@ pub enum Decision {
     Unevaluated,
 }
 
+impl fmt::Debug for Decision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&self.0, f)
+    }
+}
+
 impl Decision {
-    /// Whether the charge was admitted.
-    pub fn is_admitted(&self) -> bool {
-        matches!(self, Decision::Admitted { .. })
+    /// The cost fitted and was (or, in a multi-charge that another limit
+    /// refused, would have been) deducted: `remaining` whole units are
+    /// left, and the budget is fully restored after `reset` if nothing
+    /// else is charged.
+    pub const fn admitted(remaining: u64, reset: Duration) -> Self {
+        Self(Answer::Admitted { remaining, reset })
     }
 
-    /// Units left (admitted) or available now (denied); 0 for never-fits.
+    /// The cost did not fit and nothing was spent: it fits after exactly
+    /// `retry_after` if nothing else is charged; `remaining` whole units
+    /// are available now, and the budget is full after `reset`.
+    pub const fn denied(retry_after: Duration, remaining: u64, reset: Duration) -> Self {
+        Self(Answer::Denied {
+            retry_after,
+            remaining,
+            reset,
+        })
+    }
+
+    /// The cost exceeds the policy's capacity and can never fit: no wait is
+    /// promised and nothing was spent.
+    pub const fn never_fitting(cost: u64, capacity: u64) -> Self {
+        Self(Answer::NeverFits { cost, capacity })
+    }
+
+    /// Not evaluated: the call was decided without this limit (another
+    /// charge can never fit, or was already known to be refused). Nothing
+    /// was read or spent for it.
+    pub const fn unevaluated() -> Self {
+        Self(Answer::Unevaluated)
+    }
+
+    /// Whether the charge fitted ([`Decision::admitted`]).
+    pub fn is_admitted(&self) -> bool {
+        matches!(self.0, Answer::Admitted { .. })
+    }
+
+    /// Whether the charge did not fit now but would later
+    /// ([`Decision::denied`]).
+    pub fn is_denied(&self) -> bool {
+        matches!(self.0, Answer::Denied { .. })
+    }
+
+    /// Whether the cost exceeds the policy's capacity
+    /// ([`Decision::never_fitting`]).
+    pub fn never_fits(&self) -> bool {
+        matches!(self.0, Answer::NeverFits { .. })
+    }
+
+    /// Whether this limit was evaluated at all (not
+    /// [`Decision::unevaluated`]).
+    pub fn is_evaluated(&self) -> bool {
+        !matches!(self.0, Answer::Unevaluated)
+    }
+
+    /// Units left (admitted) or available now (denied); 0 for never-fits
+    /// and unevaluated.
     pub fn remaining(&self) -> u64 {
-        match *self {
-            Decision::Admitted { remaining, .. } | Decision::Denied { remaining, .. } => remaining,
-            Decision::NeverFits { .. } | Decision::Unevaluated => 0,
+        match self.0 {
+            Answer::Admitted { remaining, .. } | Answer::Denied { remaining, .. } => remaining,
+            Answer::NeverFits { .. } | Answer::Unevaluated => 0,
         }
     }
 
-    /// Time until the budget is fully restored; zero for never-fits.
+    /// Time until the budget is fully restored; zero for never-fits and
+    /// unevaluated.
     pub fn reset(&self) -> Duration {
-        match *self {
-            Decision::Admitted { reset, .. } | Decision::Denied { reset, .. } => reset,
-            Decision::NeverFits { .. } | Decision::Unevaluated => Duration::ZERO,
+        match self.0 {
+            Answer::Admitted { reset, .. } | Answer::Denied { reset, .. } => reset,
+            Answer::NeverFits { .. } | Answer::Unevaluated => Duration::ZERO,
         }
     }
 
     /// The wait before this charge would fit, for denials only.
     pub fn retry_after(&self) -> Option<Duration> {
-        match *self {
-            Decision::Denied { retry_after, .. } => Some(retry_after),
+        match self.0 {
+            Answer::Denied { retry_after, .. } => Some(retry_after),
             _ => None,
         }
     }
@@ -200,7 +280,7 @@ impl Decision {
 /// `limits` holds one [`Decision`] per charge, in the order the charges were
 /// given, so a caller can describe every policy (e.g. in `RateLimit` headers).
 /// When the verdict is not [`Verdict::Admitted`] nothing was spent, and an
-/// [`Decision::Admitted`] entry describes that budget as it stands (units
+/// [admitted](Decision::admitted) entry describes that budget as it stands (units
 /// available and time to full without this charge).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
@@ -378,8 +458,8 @@ impl Outcome {
     }
 
     /// The answer every store gives a call in which some charge can never
-    /// fit ([`Charge::can_fit`]): those charges are [`Decision::NeverFits`],
-    /// the others [`Decision::Unevaluated`], and nothing is read or
+    /// fit ([`Charge::can_fit`]): those charges [never fit](Decision::never_fitting),
+    /// the others are [`Decision::unevaluated`], and nothing is read or
     /// written. `None` when every charge can fit.
     pub fn never_fits(charges: &[Charge]) -> Option<Self> {
         if charges.iter().all(Charge::can_fit) {
@@ -389,12 +469,9 @@ impl Outcome {
             .iter()
             .map(|c| {
                 if c.can_fit() {
-                    Decision::Unevaluated
+                    Decision::unevaluated()
                 } else {
-                    Decision::NeverFits {
-                        cost: c.cost(),
-                        capacity: c.policy().capacity(),
-                    }
+                    Decision::never_fitting(c.cost(), c.policy().capacity())
                 }
             })
             .collect();
@@ -416,13 +493,13 @@ impl Outcome {
         let mut wait: Option<Duration> = None;
         let mut unevaluated = false;
         for d in self.limits() {
-            match *d {
-                Decision::NeverFits { .. } => return Verdict::NeverFits,
-                Decision::Denied { retry_after, .. } => {
+            match d.0 {
+                Answer::NeverFits { .. } => return Verdict::NeverFits,
+                Answer::Denied { retry_after, .. } => {
                     wait = Some(wait.map_or(retry_after, |w| w.max(retry_after)));
                 }
-                Decision::Unevaluated => unevaluated = true,
-                Decision::Admitted { .. } => {}
+                Answer::Unevaluated => unevaluated = true,
+                Answer::Admitted { .. } => {}
             }
         }
         match wait {
@@ -443,11 +520,11 @@ impl Outcome {
     /// the refusing one with the longest wait, else the admitted one with the
     /// fewest units left. `None` for an empty outcome.
     pub fn most_restrictive(&self) -> Option<usize> {
-        let rank = |d: &Decision| match *d {
-            Decision::NeverFits { .. } => (2, Duration::MAX, 0),
-            Decision::Denied { retry_after, .. } => (1, retry_after, 0),
-            Decision::Admitted { remaining, .. } => (0, Duration::ZERO, u64::MAX - remaining),
-            Decision::Unevaluated => (0, Duration::ZERO, 0),
+        let rank = |d: &Decision| match d.0 {
+            Answer::NeverFits { .. } => (2, Duration::MAX, 0),
+            Answer::Denied { retry_after, .. } => (1, retry_after, 0),
+            Answer::Admitted { remaining, .. } => (0, Duration::ZERO, u64::MAX - remaining),
+            Answer::Unevaluated => (0, Duration::ZERO, 0),
         };
         let limits = self.limits();
         (0..limits.len()).max_by_key(|&i| rank(&limits[i]))
@@ -493,15 +570,8 @@ mod tests {
 
     #[test]
     fn verdict_takes_the_longest_wait_and_never_fits_wins() {
-        let denied = |s| Decision::Denied {
-            retry_after: Duration::from_secs(s),
-            remaining: 0,
-            reset: Duration::from_secs(s),
-        };
-        let ok = Decision::Admitted {
-            remaining: 1,
-            reset: Duration::ZERO,
-        };
+        let denied = |s| Decision::denied(Duration::from_secs(s), 0, Duration::from_secs(s));
+        let ok = Decision::admitted(1, Duration::ZERO);
         let o = Outcome::new(vec![ok, denied(2), denied(5), denied(1)]);
         assert_eq!(
             o.verdict(),
@@ -510,10 +580,7 @@ mod tests {
             }
         );
         assert_eq!(o.most_restrictive(), Some(2));
-        let never = Decision::NeverFits {
-            cost: 4,
-            capacity: 3,
-        };
+        let never = Decision::never_fitting(4, 3);
         assert_eq!(
             Outcome::new(vec![denied(9), never]).verdict(),
             Verdict::NeverFits

@@ -18,7 +18,7 @@ pub type StoreFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 /// none is. The returned [`Outcome`] has one decision per charge, in order.
 ///
 /// A charge whose cost exceeds its policy's capacity is answered
-/// [`crate::Decision::NeverFits`] without touching any state.
+/// [never-fitting](crate::Decision::never_fitting) decisions without touching any state.
 ///
 /// A budget's state is identified by the charge's key **and** its policy's
 /// name and unit (not its numbers: see [`Policy`]). The key alone does not

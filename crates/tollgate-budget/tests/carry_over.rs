@@ -181,7 +181,7 @@ proptest! {
             clock.set(now as u64);
             let got = store.charge_now(&[charge(&policies[j], key, cost)]).unwrap().limits()[0];
             if cost > plans[j].capacity {
-                prop_assert_eq!(got, Decision::NeverFits { cost, capacity: plans[j].capacity });
+                prop_assert_eq!(got, Decision::never_fitting(cost, plans[j].capacity));
                 continue;
             }
             let (expected, next) = charge_model(models[usize::from(key)], &plans, j, q(now as u64), cost);

@@ -120,7 +120,7 @@ proptest! {
             let t = Q::from_integer(now.into());
             let got = store.charge_now(&[charge(&policy, key, cost)]).unwrap().limits()[0];
             if cost > cap {
-                prop_assert_eq!(got, Decision::NeverFits { cost, capacity: cap });
+                prop_assert_eq!(got, Decision::never_fitting(cost, cap));
                 continue;
             }
             let oracle = oracles[usize::from(key)].get_or_insert_with(|| {
@@ -206,7 +206,7 @@ proptest! {
             let got = store.charge_now(&[charge(&policy, key, cost)]).unwrap().limits()[0];
             let slot = &mut model[usize::from(key)];
             if cost > limit {
-                prop_assert!(matches!(got, Decision::NeverFits { .. }), "expected never-fits, got {:?}", got);
+                prop_assert!(got.never_fits(), "expected never-fits, got {:?}", got);
                 continue;
             }
             let (start, count) = match *slot {
@@ -247,7 +247,7 @@ proptest! {
             let t = Q::from_integer(now.into());
             let got = store.charge_now(&[charge(&policy, 0, cost)]).unwrap().limits()[0];
             if cost > cap {
-                prop_assert!(matches!(got, Decision::NeverFits { .. }), "got {:?}", got);
+                prop_assert!(got.never_fits(), "got {:?}", got);
                 continue;
             }
             let o = oracle.get_or_insert_with(|| {

@@ -78,9 +78,6 @@ fn refusal_neither_counts_nor_extends_and_expiry_restarts_at_one() {
     let first = store.charge_now(&[charge()]).unwrap().limits()[0];
     assert_eq!(
         first,
-        Decision::Admitted {
-            remaining: LIMIT - 1,
-            reset: Duration::from_secs(60)
-        }
+        Decision::admitted(LIMIT - 1, Duration::from_secs(60))
     );
 }

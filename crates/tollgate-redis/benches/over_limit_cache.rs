@@ -16,11 +16,7 @@ use tollgate_budget::{Charge, Decision, Key, Policy, Rate};
 const BOUND: usize = 100_000;
 
 fn denied() -> Decision {
-    Decision::Denied {
-        retry_after: Duration::from_secs(3600),
-        remaining: 0,
-        reset: Duration::from_secs(3600),
-    }
+    Decision::denied(Duration::from_secs(3600), 0, Duration::from_secs(3600))
 }
 
 fn flood(c: &mut Criterion) {

@@ -128,14 +128,10 @@ impl OverLimitCache {
     /// before the request was sent, so the local deadlines are never later
     /// than the server's.
     pub(crate) fn remember(&self, key: &str, charge: &Charge, sent: Instant, refusal: Decision) {
-        let Decision::Denied {
-            retry_after,
-            remaining,
-            reset,
-        } = refusal
-        else {
+        let Some(retry_after) = refusal.retry_after() else {
             return;
         };
+        let (remaining, reset) = (refusal.remaining(), refusal.reset());
         self.keep(
             key,
             charge,
@@ -162,11 +158,12 @@ impl OverLimitCache {
         answered: Instant,
         admitted: Decision,
     ) {
-        let (Decision::Admitted { remaining, reset }, tollgate_budget::Algorithm::TokenBucket(b)) =
-            (admitted, charge.policy().algorithm())
+        let (true, tollgate_budget::Algorithm::TokenBucket(b)) =
+            (admitted.is_admitted(), charge.policy().algorithm())
         else {
             return;
         };
+        let (remaining, reset) = (admitted.remaining(), admitted.reset());
         if remaining >= charge.cost() {
             return;
         }
@@ -285,12 +282,12 @@ impl OverLimitCache {
                 }
             }
             self.hits.fetch_add(1, Ordering::Relaxed);
-            let mut decisions = vec![Decision::Unevaluated; charges.len()];
-            decisions[i] = Decision::Denied {
-                retry_after: Duration::from_nanos(until - now),
-                remaining: seen.remaining,
-                reset: Duration::from_nanos(seen.full_at.saturating_sub(now)),
-            };
+            let mut decisions = vec![Decision::unevaluated(); charges.len()];
+            decisions[i] = Decision::denied(
+                Duration::from_nanos(until - now),
+                seen.remaining,
+                Duration::from_nanos(seen.full_at.saturating_sub(now)),
+            );
             return Some(Outcome::new(decisions));
         }
         // Not refused: this request asks Redis, holding its probes.
@@ -317,11 +314,7 @@ mod tests {
     use tollgate_budget::{Key, Policy, Rate};
 
     fn denied(secs: u64) -> Decision {
-        Decision::Denied {
-            retry_after: Duration::from_secs(secs),
-            remaining: 0,
-            reset: Duration::from_secs(secs),
-        }
+        Decision::denied(Duration::from_secs(secs), 0, Duration::from_secs(secs))
     }
 
     fn charge(cost: u64) -> Charge {
@@ -372,10 +365,7 @@ mod tests {
         let keys = ["a".to_owned()];
         // Bucket of 10 at 1/s, empty after this admission: full in 10 s,
         // so one token in just under 1 s.
-        let empty = Decision::Admitted {
-            remaining: 0,
-            reset: Duration::from_secs(10),
-        };
+        let empty = Decision::admitted(0, Duration::from_secs(10));
         cache.remember_spent("a", &charge(1), sent, empty);
         let refused = cache
             .refuse_asking(&keys, &[charge(1)])
@@ -383,10 +373,7 @@ mod tests {
         let wait = refused.limits()[0].retry_after().unwrap();
         assert!(wait <= Duration::from_secs(1) && wait > Duration::from_millis(900));
         // Room left for another: nothing remembered.
-        let room = Decision::Admitted {
-            remaining: 3,
-            reset: Duration::from_secs(7),
-        };
+        let room = Decision::admitted(3, Duration::from_secs(7));
         cache.remember_spent("b", &charge(1), sent, room);
         assert!(
             cache
@@ -457,11 +444,7 @@ mod tests {
     }
 
     fn denied_ms(ms: u64) -> Decision {
-        Decision::Denied {
-            retry_after: Duration::from_millis(ms),
-            remaining: 0,
-            reset: Duration::from_secs(10),
-        }
+        Decision::denied(Duration::from_millis(ms), 0, Duration::from_secs(10))
     }
 
     /// Audit finding 11: at its bound the cache scanned the whole map per

@@ -89,8 +89,8 @@ impl RedisStore {
             // (Refundable charges are reserved: never this script.)
             return Ok(outcome);
         }
-        let mut decisions = vec![Decision::Unevaluated; charges.len()];
-        let mut before = vec![Decision::Unevaluated; charges.len()];
+        let mut decisions = vec![Decision::unevaluated(); charges.len()];
+        let mut before = vec![Decision::unevaluated(); charges.len()];
         let mut windows = vec![0; charges.len()];
         let mut admitted: Vec<(Prepared, Vec<i64>)> = Vec::new();
         let mut groups = groups.into_iter().zip(prepared);
@@ -238,8 +238,8 @@ impl RedisStore {
         }
         let keys = self.keys_of(charges);
         let deadline = self.deadline();
-        let mut decisions = vec![Decision::Unevaluated; charges.len()];
-        let mut before = vec![Decision::Unevaluated; charges.len()];
+        let mut decisions = vec![Decision::unevaluated(); charges.len()];
+        let mut before = vec![Decision::unevaluated(); charges.len()];
         for group in self.groups(&keys) {
             let prepared = Prepared::new(group.iter().map(|&i| (&keys[i], &charges[i])))?;
             let reply = self.invoke(&prepared, Mode::Check, deadline).await?;

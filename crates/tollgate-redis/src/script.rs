@@ -373,18 +373,11 @@ pub(crate) fn decision(values: &[i64], policy: &Policy) -> (Decision, Decision) 
     let remaining = n(1).min(policy.capacity());
     let reset = Duration::from_nanos(n(2));
     let charged = if values[0] == 1 || values[0] == 2 {
-        Decision::Admitted { remaining, reset }
+        Decision::admitted(remaining, reset)
     } else {
-        Decision::Denied {
-            retry_after: Duration::from_nanos(n(3)),
-            remaining,
-            reset,
-        }
+        Decision::denied(Duration::from_nanos(n(3)), remaining, reset)
     };
-    let before = Decision::Admitted {
-        remaining: n(6).min(policy.capacity()),
-        reset: Duration::from_nanos(n(7)),
-    };
+    let before = Decision::admitted(n(6).min(policy.capacity()), Duration::from_nanos(n(7)));
     (charged, before)
 }
 
@@ -403,15 +396,15 @@ pub(crate) fn one_bucket_decision(
     };
     match reply.len() {
         0 => Ok(None),
-        16 => Ok(Some(Decision::Admitted {
-            remaining: value(0).min(policy.capacity()),
-            reset: Duration::from_nanos(value(1)),
-        })),
-        24 => Ok(Some(Decision::Denied {
-            remaining: value(0).min(policy.capacity()),
-            reset: Duration::from_nanos(value(1)),
-            retry_after: Duration::from_nanos(value(2)),
-        })),
+        16 => Ok(Some(Decision::admitted(
+            value(0).min(policy.capacity()),
+            Duration::from_nanos(value(1)),
+        ))),
+        24 => Ok(Some(Decision::denied(
+            Duration::from_nanos(value(2)),
+            value(0).min(policy.capacity()),
+            Duration::from_nanos(value(1)),
+        ))),
         n => Err(StoreError::new(
             StoreErrorKind::Protocol,
             format!("the one-bucket script returned {n} bytes"),

@@ -155,7 +155,7 @@ async fn never_fits_touches_no_redis_state_and_needs_no_redis() {
         .await
         .unwrap();
     assert_eq!(outcome.verdict(), Verdict::NeverFits);
-    assert_eq!(outcome.limits()[0], Decision::Unevaluated);
+    assert_eq!(outcome.limits()[0], Decision::unevaluated());
     assert_eq!(server.query(&["DBSIZE"]).unwrap(), "0");
     server.kill();
     let outcome = s.charge(&[charge("bob", &p, 2048)]).await.unwrap();
@@ -246,21 +246,10 @@ async fn over_limit_cache_refuses_locally_and_never_admits_more() {
         cached.try_charge_now(&[charge("k3", &p, 6)]),
         Some(Ok(o)) if o.verdict() == Verdict::NeverFits
     ));
-    let (
-        Decision::Denied {
-            retry_after: a,
-            remaining: ra,
-            ..
-        },
-        Decision::Denied {
-            retry_after: b,
-            remaining: rb,
-            ..
-        },
-    ) = (from_redis, from_cache)
-    else {
+    let (Some(a), Some(b)) = (from_redis.retry_after(), from_cache.retry_after()) else {
         panic!("{from_redis:?} / {from_cache:?}");
     };
+    let (ra, rb) = (from_redis.remaining(), from_cache.remaining());
     assert!(b <= a && b > Duration::ZERO, "{a:?} then {b:?}");
     assert_eq!((ra, rb), (0, 0));
 }

@@ -408,7 +408,7 @@ mod settlement {
         assert_eq!(receipt.windows()[1], Receipt::NOTHING);
         refund_both(&memory, &redis, &call, receipt).await;
         let left = |o: &Outcome, i: usize| match o.limits()[i] {
-            tollgate_budget::Decision::Admitted { remaining, .. } => remaining,
+            d if d.is_admitted() => d.remaining(),
             d => panic!("{d:?}"),
         };
         let again = both(&memory, &redis, &call).await;

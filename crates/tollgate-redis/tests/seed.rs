@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::Barrier;
-use tollgate_budget::{Charge, Decision, Key, Policy, Store};
+use tollgate_budget::{Charge, Key, Policy, Store};
 use tollgate_redis::RedisStore;
 use tollgate_testkit::{RedisServer, decode_state};
 
@@ -101,7 +101,7 @@ async fn split_check_overspends_and_the_script_admits_exactly_five() {
     // A refusal neither spends more nor refreshes the window.
     tokio::time::sleep(Duration::from_millis(20)).await;
     let refused = store.charge(std::slice::from_ref(&charge)).await.unwrap();
-    assert!(matches!(refused.limits()[0], Decision::Denied { .. }));
+    assert!(refused.limits()[0].is_denied());
     let after: i64 = server.query(&["PTTL", &key]).unwrap().parse().unwrap();
     assert!(
         after > 0 && after <= ttl,

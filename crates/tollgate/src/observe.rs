@@ -76,7 +76,7 @@ use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use tollgate_budget::{Charge, Decision, Key, Outcome, StoreError, Verdict};
+use tollgate_budget::{Charge, Key, Outcome, StoreError, Verdict};
 use tracing::Level;
 
 /// Emits a tracing event at a level chosen at run time (the macros take a
@@ -214,7 +214,7 @@ pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome, verdict: Verdict, l
     for (charge, decision) in charges.iter().zip(outcome.limits()) {
         let name = charge.policy().name();
         match (verdict, decision) {
-            (Verdict::NeverFits, Decision::NeverFits { .. }) => {
+            (Verdict::NeverFits, d) if d.never_fits() => {
                 event_at!(
                     level,
                     policy = name,
@@ -225,7 +225,8 @@ pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome, verdict: Verdict, l
                 );
                 count("tollgate_never_fits_total", name, 1);
             }
-            (Verdict::Denied { .. }, Decision::Denied { retry_after, .. }) => {
+            (Verdict::Denied { .. }, d) if d.is_denied() => {
+                let retry_after = d.retry_after().unwrap_or_default();
                 event_at!(
                     level,
                     policy = name,
@@ -237,7 +238,7 @@ pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome, verdict: Verdict, l
                 );
                 count("tollgate_denied_cost_total", name, charge.cost());
             }
-            (Verdict::Admitted, Decision::Admitted { .. }) => {
+            (Verdict::Admitted, d) if d.is_admitted() => {
                 count("tollgate_admitted_cost_total", name, charge.cost());
             }
             // Limits of a refused call that did not refuse it spent nothing

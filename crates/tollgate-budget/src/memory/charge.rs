@@ -6,6 +6,7 @@ use parking_lot::MutexGuard;
 use super::MemoryStore;
 use super::shard::{Id, Shard};
 use crate::algorithm::{self, State, Step};
+use crate::decision::Answer;
 use crate::{Charge, Decision, Nanos, Outcome, Policy, Receipt, Reservation, Reserved, StoreError};
 
 /// Scratch of one call, inline for up to four charges.
@@ -348,7 +349,7 @@ impl MemoryStore {
                 // Numbers this store cannot tell apart any more: a charge
                 // would fail; nothing is known of the budget.
                 before.push(None);
-                decisions.push(Decision::Unevaluated);
+                decisions.push(Decision::unevaluated());
                 continue;
             };
             // A repeated key sees the earlier charge's effect, as in a charge.
@@ -382,7 +383,7 @@ impl MemoryStore {
     }
 
     /// The budgets of `charges` as they stand now, without charging or
-    /// writing anything: each decision is [`Decision::Admitted`] with the
+    /// writing anything: each decision is [admitted](Decision::admitted) with the
     /// units available and the time until the budget is full (the costs
     /// are not looked at). For status pages and tests; a decision made on
     /// it can be stale by the time it is acted on.
@@ -433,9 +434,9 @@ fn shape(
     }
     let mut release = now;
     for (i, decision) in refused.limits().iter().enumerate() {
-        match decision {
-            Decision::Admitted { .. } => {}
-            Decision::Denied { .. } => {
+        match decision.0 {
+            Answer::Admitted { .. } => {}
+            Answer::Denied { .. } => {
                 let c = &charges[i];
                 let fit = algorithm::earliest_fit(c.policy(), before[i], now, c.cost())?;
                 let wait = u128::from(fit - now);
@@ -486,9 +487,12 @@ fn unspent(charges: &[Charge], before: &[Option<State>], outcome: Outcome, now: 
             .limits()
             .iter()
             .zip(charges.iter().zip(before))
-            .map(|(d, (c, s))| match d {
-                Decision::Admitted { .. } => algorithm::describe(c.policy(), *s, now),
-                other => *other,
+            .map(|(d, (c, s))| {
+                if d.is_admitted() {
+                    algorithm::describe(c.policy(), *s, now)
+                } else {
+                    *d
+                }
             })
             .collect(),
     )

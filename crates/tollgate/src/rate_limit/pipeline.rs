@@ -619,7 +619,7 @@ impl Shadowed {
         matches!(outcome.verdict(), Verdict::Denied { .. })
             && outcome.limits()[enforced.min(charges.len())..]
                 .iter()
-                .any(|d| matches!(d, Decision::Denied { .. }))
+                .any(Decision::is_denied)
     }
 
     /// Moves the refusing dry-run limits of `outcome` out of `charges`;
@@ -630,7 +630,7 @@ impl Shadowed {
         }
         for i in (enforced..charges.len()).rev() {
             let decision = outcome.limits()[i];
-            if let Decision::Denied { retry_after, .. } = decision {
+            if let Some(retry_after) = decision.retry_after() {
                 let charge = charges.remove(i);
                 observe::dry_run_denied(charge.policy(), charge.cost(), Some(retry_after));
                 self.charges.push(charge);

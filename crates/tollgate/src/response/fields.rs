@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderName, HeaderValue};
-use tollgate_budget::{Charge, Decision, Outcome, Unit};
+use tollgate_budget::{Charge, Outcome, Unit};
 
 /// The `RateLimit-Policy` header name.
 pub(crate) static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
@@ -137,7 +137,7 @@ pub(crate) fn ratelimit_fields(
         fields.policy(p.name(), p.capacity(), Some(p.window()), p.unit());
         // A cost that can never fit, or a limit not evaluated, says nothing
         // about the budget's state.
-        if !matches!(decision, Decision::NeverFits { .. } | Decision::Unevaluated) {
+        if decision.is_evaluated() && !decision.never_fits() {
             fields.current(p.name(), decision.remaining(), Some(decision.reset()));
         }
     }

@@ -8,7 +8,7 @@ use bytes::Bytes;
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
 use http_body_util::Full;
-use tollgate_budget::{Charge, Decision, Outcome, Policy, Verdict};
+use tollgate_budget::{Charge, Outcome, Policy, Verdict};
 
 use super::custom::{RefusalInfo, Shape};
 use super::fields::{
@@ -170,9 +170,9 @@ impl Answer {
         let policy = charges.get(idx).map(|c| Limit::Policy(c.policy().clone()));
         let fields = ratelimit_fields(charges, outcome).map(Box::new);
         match (outcome.limits().get(idx), charges.get(idx)) {
-            (Some(Decision::NeverFits { cost, .. }), Some(charge)) => Self {
+            (Some(d), Some(charge)) if d.never_fits() => Self {
                 fields,
-                ..Self::never_fits(charge.policy(), *cost, StatusCode::BAD_REQUEST)
+                ..Self::never_fits(charge.policy(), charge.cost(), StatusCode::BAD_REQUEST)
             },
             _ => {
                 let wait = match verdict {
