@@ -13,6 +13,8 @@
 //!   [`MemoryStore`] as the embedded default;
 //! - [`LeaseStore`]: in-flight counts shared by a fleet, as leases that
 //!   expire by themselves;
+//! - [`AdaptiveLimit`]: a concurrency limit found from latency (gradient
+//!   over a re-probed minimum, back-off on failures), fed by the caller;
 //! - `conformance` (feature `conformance`): a trace table every store
 //!   must reproduce.
 //!
@@ -44,6 +46,7 @@
 //! [tollgate]: https://docs.rs/tollgate
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod adaptive;
 pub mod algorithm;
 mod clock;
 #[cfg(feature = "conformance")]
@@ -56,6 +59,10 @@ mod policy;
 mod state;
 mod store;
 
+pub use adaptive::{
+    AdaptiveConfig, AdaptiveConfigBuilder, AdaptiveLimit, Change, Failure, InvalidAdaptiveLimit,
+    Sample,
+};
 pub use clock::{Clock, ManualClock, Nanos, SystemClock};
 pub use decision::{
     Charge, Decision, InvalidCharge, Outcome, Receipt, Reservation, Reserved, Verdict,

@@ -1,0 +1,392 @@
+//! [`AdaptiveLimit`]: a concurrency limit that finds itself from latency.
+//!
+//! The controller lives here; its rules are documented on the type, where
+//! users read them. [`config`] holds its validated parameters.
+
+mod config;
+
+pub use config::{AdaptiveConfig, AdaptiveConfigBuilder, InvalidAdaptiveLimit};
+
+use crate::Nanos;
+
+/// What a finished request tells the controller.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Sample {
+    /// The request succeeded after this latency (measured until its
+    /// response body ended).
+    Ok(Nanos),
+    /// The request failed; whether that cuts the limit depends on the kind
+    /// ([`AdaptiveConfigBuilder::backoff_on`]).
+    Failed(Failure),
+}
+
+/// The kinds of failure the caller reports; which of them are overload
+/// signals is configured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Failure {
+    /// The request failed, e.g. with a status class the caller counts as
+    /// overload (backs off by default).
+    Error = 0,
+    /// The request ran out of time (backs off by default).
+    TimedOut = 1,
+    /// The client went away before the response ended (does not back off
+    /// by default: a client that leaves is not a sign of overload by
+    /// itself).
+    Cancelled = 2,
+}
+
+/// A move of the limit larger than the configured fraction
+/// ([`AdaptiveConfigBuilder::report_change`]) of the limit last reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Change {
+    /// The limit last reported (at first, the initial limit).
+    pub from: u32,
+    /// The limit now.
+    pub to: u32,
+}
+
+const FRAC_BITS: u32 = 32;
+const MAX_LATENCY: Nanos = 1 << 48;
+
+/// An adaptive concurrency limit: a gradient over a windowed minimum
+/// latency, re-probed, with multiplicative back-off on failures.
+///
+/// The controller is a pure function of the samples it is fed and the times
+/// they are fed at: it never reads a clock, draws no random numbers and
+/// holds no floating point, so one sequence of `(now, sample)` gives one
+/// sequence of limits, on every platform. The caller owns the time: it
+/// passes `now` (from any [`Clock`], or a test's explicit numbers) with
+/// every call; a `now` earlier than one already seen counts as that one.
+///
+/// # How the limit moves
+///
+/// - **Gradient, once per window.** Latencies of successful requests are
+///   averaged over a sampling window ([`window`]). When a window closes,
+///   `gradient = min_latency × tolerance / window_latency`, clamped to
+///   `[1/2, 2]`, and `new = limit × gradient + √limit` (the square root is
+///   a queue allowance: it lets the limit grow while latency is at its
+///   floor, and lets a few requests wait so the backend never idles). The
+///   limit follows it by the smoothing factor `s`:
+///   `limit = (1 − s) × limit + s × new`. At equilibrium on a saturated
+///   backend whose latency grows with concurrency beyond its capacity `C`
+///   (processor sharing), the limit sits at about `tolerance × C + √limit`,
+///   where latency is about `limit / C` times its floor.
+/// - **Minimum latency, re-probed.** `min_latency` is the smallest latency
+///   seen since the last probe. A probe ([`probe_interval`] after the last
+///   one ended, and once at the start) holds the limit at [`probe_limit`]
+///   for at least one window and until [`probe_samples`] requests that
+///   *started* during the probe have finished, and takes their smallest
+///   latency as the new minimum; then the limit returns to where it was.
+///   Without it, a minimum measured before the backend got slower would
+///   hold the limit down forever; with it, the limit recovers within one
+///   probe interval.
+/// - **Back-off on failure.** A failure of a kind that backs off
+///   ([`backoff_on`]) multiplies the limit by [`backoff`], at most once per
+///   window, and a window with a back-off does not raise the limit when it
+///   closes. Failures carry no latency.
+/// - **Bounds.** The limit is always within `min..=max`.
+///
+/// # Arithmetic
+///
+/// The limit is kept in 32.32 fixed point (a `u64`); fractions are the
+/// caller's exact `numerator / denominator`; every step is integer
+/// arithmetic in `u128` rounded down. Floating point would be as
+/// deterministic for one input sequence on one platform, but fixed point
+/// is the same everywhere and keeps this crate free of float arithmetic
+/// (its lint). Latencies are counted from 1 ns up to 2^48 ns (about 78
+/// hours): a latency outside that range counts as the nearest end.
+///
+/// ```
+/// use tollgate_budget::{AdaptiveConfig, AdaptiveLimit, Failure, Sample};
+///
+/// const MS: u64 = 1_000_000;
+/// let config = AdaptiveConfig::builder().bounds(1, 100).build()?;
+/// let mut limit = AdaptiveLimit::new(config, 0);
+///
+/// // It starts by measuring the minimum latency at a small limit.
+/// assert!(limit.is_probing());
+/// assert_eq!(limit.limit(), 3);
+/// for i in 1..=10 {
+///     limit.update(10 * i * MS, Sample::Ok(10 * MS));
+/// }
+/// assert!(!limit.is_probing());
+/// assert_eq!(limit.min_latency(), Some(10 * MS));
+/// assert_eq!(limit.limit(), 20);
+///
+/// // Latency at its floor: the limit grows, one window at a time.
+/// for i in 11..=40 {
+///     limit.update(10 * i * MS, Sample::Ok(10 * MS));
+/// }
+/// assert!(limit.limit() > 20);
+///
+/// // A failure cuts it by a tenth, and the move is reported.
+/// let before = limit.limit();
+/// let change = limit.update(400 * MS, Sample::Failed(Failure::Error));
+/// assert!(limit.limit() < before);
+/// assert!(change.is_some());
+/// # Ok::<(), tollgate_budget::InvalidAdaptiveLimit>(())
+/// ```
+///
+/// [`window`]: AdaptiveConfigBuilder::window
+/// [`probe_interval`]: AdaptiveConfigBuilder::probe_interval
+/// [`probe_limit`]: AdaptiveConfigBuilder::probe_limit
+/// [`probe_samples`]: AdaptiveConfigBuilder::probe_samples
+/// [`backoff_on`]: AdaptiveConfigBuilder::backoff_on
+/// [`backoff`]: AdaptiveConfigBuilder::backoff
+///
+/// [`Clock`]: crate::Clock
+#[derive(Debug, Clone)]
+pub struct AdaptiveLimit {
+    config: AdaptiveConfig,
+    /// The limit outside probes, in 32.32 fixed point; always within
+    /// `min..=max` (shifted).
+    limit: u64,
+    /// The smallest latency since the last probe ended; `None` until the
+    /// first probe ends.
+    min_latency: Option<Nanos>,
+    window: Window,
+    /// Set while the minimum latency is being measured.
+    probe: Option<Probe>,
+    /// When the next probe starts (meaningless while one runs).
+    next_probe: Nanos,
+    /// The limit last reported as a [`Change`] (or the initial one).
+    reported: u32,
+    /// The latest `now` seen: time never moves back.
+    now: Nanos,
+}
+
+/// The latencies of one sampling window.
+#[derive(Debug, Clone, Copy)]
+struct Window {
+    start: Nanos,
+    sum: u128,
+    count: u64,
+    /// A failure has cut the limit in this window.
+    backed_off: bool,
+}
+
+impl Window {
+    fn new(start: Nanos) -> Self {
+        Self {
+            start,
+            sum: 0,
+            count: 0,
+            backed_off: false,
+        }
+    }
+}
+
+/// A measurement of the minimum latency in progress.
+#[derive(Debug, Clone, Copy)]
+struct Probe {
+    started: Nanos,
+    /// The smallest latency of a request started at or after `started`.
+    min: Nanos,
+    samples: u32,
+}
+
+impl AdaptiveLimit {
+    /// A controller at the configured initial limit, starting (at `now`)
+    /// with a probe of the minimum latency.
+    pub fn new(config: AdaptiveConfig, now: Nanos) -> Self {
+        Self {
+            limit: u64::from(config.initial) << FRAC_BITS,
+            reported: config.initial,
+            config,
+            min_latency: None,
+            window: Window::new(now),
+            probe: Some(Probe::new(now)),
+            next_probe: now,
+            now,
+        }
+    }
+
+    /// The limit to enforce now: at most this many requests in flight.
+    /// During a probe it is the probe limit (in the bounds, and never above
+    /// [`steady_limit`](Self::steady_limit)).
+    pub fn limit(&self) -> u32 {
+        let steady = self.steady_limit();
+        match self.probe {
+            Some(_) => steady.min(
+                self.config
+                    .probe_limit
+                    .clamp(self.config.min, self.config.max),
+            ),
+            None => steady,
+        }
+    }
+
+    /// The limit outside probes (rounded down), which a probe returns to;
+    /// [`Change`]s report moves of this one.
+    pub fn steady_limit(&self) -> u32 {
+        // The fixed-point limit is at most `max << 32`, so this is exact.
+        u32::try_from(self.limit >> FRAC_BITS).unwrap_or(self.config.max)
+    }
+
+    /// Whether the minimum latency is being measured (the limit is held at
+    /// the probe limit).
+    pub fn is_probing(&self) -> bool {
+        self.probe.is_some()
+    }
+
+    /// The minimum latency the gradient compares with, once measured.
+    pub fn min_latency(&self) -> Option<Nanos> {
+        self.min_latency
+    }
+
+    /// The configuration this controller runs.
+    pub fn config(&self) -> &AdaptiveConfig {
+        &self.config
+    }
+
+    /// Feeds one finished request at `now`: closes the sampling window if
+    /// it has ended, starts or ends a probe when due, and applies the
+    /// sample. Returns the move if the limit has moved by more than the
+    /// report fraction since the last report.
+    pub fn update(&mut self, now: Nanos, sample: Sample) -> Option<Change> {
+        let now = self.advance(now);
+        match sample {
+            Sample::Ok(latency) => self.record_latency(now, latency),
+            Sample::Failed(failure) => {
+                if self.config.backs_off_on(failure) {
+                    self.back_off();
+                }
+            }
+        }
+        self.end_probe_if_done(now);
+        self.report()
+    }
+
+    /// Lets time pass without a sample: closes the window if it has ended
+    /// and starts a probe when due (so [`limit`](Self::limit) is current
+    /// for a caller that reads it on arrival).
+    pub fn tick(&mut self, now: Nanos) -> Option<Change> {
+        let now = self.advance(now);
+        self.end_probe_if_done(now);
+        self.report()
+    }
+
+    fn advance(&mut self, now: Nanos) -> Nanos {
+        let now = now.max(self.now);
+        self.now = now;
+        if now - self.window.start >= self.config.window {
+            self.close_window();
+            self.window = Window::new(now);
+        }
+        if self.probe.is_none() && now >= self.next_probe {
+            self.probe = Some(Probe::new(now));
+        }
+        now
+    }
+
+    fn record_latency(&mut self, now: Nanos, latency: Nanos) {
+        let latency = latency.clamp(1, MAX_LATENCY);
+        match &mut self.probe {
+            Some(probe) => {
+                // Only requests admitted under the probe limit measure the
+                // floor; older ones still carry the load from before.
+                if now.saturating_sub(latency) >= probe.started {
+                    probe.min = probe.min.min(latency);
+                    probe.samples += 1;
+                }
+            }
+            None => {
+                self.window.sum += u128::from(latency);
+                self.window.count += 1;
+                self.min_latency = Some(self.min_latency.map_or(latency, |m| m.min(latency)));
+            }
+        }
+    }
+
+    fn back_off(&mut self) {
+        if self.window.backed_off {
+            return;
+        }
+        self.window.backed_off = true;
+        let b = self.config.backoff;
+        let cut = u128::from(self.limit) * u128::from(b.num) / u128::from(b.den);
+        self.limit = self.clamp(cut);
+    }
+
+    fn end_probe_if_done(&mut self, now: Nanos) {
+        let Some(probe) = self.probe else { return };
+        if probe.samples >= self.config.probe_samples && now - probe.started >= self.config.window {
+            self.min_latency = Some(probe.min);
+            self.probe = None;
+            self.next_probe = now.saturating_add(self.config.probe_interval);
+            // The window's latencies, if any, are from before the probe.
+            self.window = Window::new(now);
+        }
+    }
+
+    fn close_window(&mut self) {
+        let w = self.window;
+        let (None, Some(min), true) = (self.probe, self.min_latency, w.count > 0) else {
+            return;
+        };
+        let mean = w.sum / u128::from(w.count);
+        let g = gradient(
+            min,
+            mean,
+            self.config.tolerance.num,
+            self.config.tolerance.den,
+        );
+        let limit = u128::from(self.limit);
+        let target = ((limit * g) >> FRAC_BITS) + (limit << FRAC_BITS).isqrt();
+        let s = self.config.smoothing;
+        let smoothed =
+            (limit * u128::from(s.den - s.num) + target * u128::from(s.num)) / u128::from(s.den);
+        let smoothed = if w.backed_off {
+            smoothed.min(limit)
+        } else {
+            smoothed
+        };
+        self.limit = self.clamp(smoothed);
+    }
+
+    fn clamp(&self, limit: u128) -> u64 {
+        let min = u64::from(self.config.min) << FRAC_BITS;
+        let max = u64::from(self.config.max) << FRAC_BITS;
+        u64::try_from(limit).map_or(max, |l| l.clamp(min, max))
+    }
+
+    fn report(&mut self) -> Option<Change> {
+        let to = self.steady_limit();
+        let from = self.reported;
+        let moved = u64::from(from.abs_diff(to));
+        let r = self.config.report;
+        if to != from && moved * u64::from(r.den) > u64::from(r.num) * u64::from(from) {
+            self.reported = to;
+            return Some(Change { from, to });
+        }
+        None
+    }
+}
+
+impl Probe {
+    fn new(started: Nanos) -> Self {
+        Self {
+            started,
+            min: MAX_LATENCY,
+            samples: 0,
+        }
+    }
+}
+
+/// `min × num / (mean × den)` clamped to `[1/2, 2]`, in 32.32 fixed point.
+/// `min` is at most 2^48 and `num` below 2^32, so the shifted numerator fits
+/// in 112 bits.
+fn gradient(min: Nanos, mean: u128, num: u32, den: u32) -> u128 {
+    let num = u128::from(min) * u128::from(num);
+    let den = mean * u128::from(den);
+    if num >= 2 * den {
+        2 << FRAC_BITS
+    } else if 2 * num <= den {
+        1 << (FRAC_BITS - 1)
+    } else {
+        (num << FRAC_BITS) / den
+    }
+}
+
+#[cfg(test)]
+mod tests;

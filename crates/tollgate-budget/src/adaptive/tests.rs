@@ -1,0 +1,265 @@
+use std::time::Duration;
+
+use super::*;
+
+const MS: Nanos = 1_000_000;
+
+fn config() -> AdaptiveConfigBuilder {
+    AdaptiveConfig::builder()
+}
+
+/// A controller whose first probe has ended at 100 ms, having measured
+/// `floor` (10 samples, one every 10 ms).
+fn probed(config: AdaptiveConfig, floor: Nanos) -> AdaptiveLimit {
+    let mut limit = AdaptiveLimit::new(config, 0);
+    for i in 1..=10 {
+        limit.update(i * 10 * MS, Sample::Ok(floor.min(i * 10 * MS)));
+    }
+    assert!(!limit.is_probing());
+    limit
+}
+
+/// Feeds one window (100 ms from `start`, one sample every 10 ms) of
+/// `latency`; the window closes at the next call.
+fn window_of(limit: &mut AdaptiveLimit, start: Nanos, latency: Nanos) {
+    for i in 0..10 {
+        limit.update(start + i * 10 * MS, Sample::Ok(latency));
+    }
+}
+
+fn fixed(limit: &AdaptiveLimit) -> u64 {
+    limit.limit
+}
+
+#[test]
+fn the_first_probe_holds_the_limit_low_until_it_has_measured() {
+    let mut limit = AdaptiveLimit::new(config().initial(50).build().unwrap(), 100 * MS);
+    assert!(limit.is_probing());
+    assert_eq!(limit.limit(), 3);
+    assert_eq!(limit.steady_limit(), 50);
+    // A request started before the probe does not measure the floor.
+    limit.update(105 * MS, Sample::Ok(6 * MS));
+    for i in 1..=9 {
+        limit.update(100 * MS + 10 * i * MS, Sample::Ok(8 * MS));
+    }
+    // Nine samples in 90 ms: neither enough samples nor a whole window.
+    assert!(limit.is_probing());
+    limit.update(195 * MS, Sample::Ok(9 * MS));
+    // Ten samples, but not yet a window.
+    assert!(limit.is_probing());
+    assert_eq!(limit.tick(200 * MS), None);
+    assert!(!limit.is_probing());
+    assert_eq!(limit.min_latency(), Some(8 * MS));
+    assert_eq!(limit.limit(), 50);
+}
+
+#[test]
+fn a_probe_never_raises_the_limit_and_stays_in_the_bounds() {
+    let below = AdaptiveLimit::new(config().initial(2).build().unwrap(), 0);
+    assert_eq!(below.limit(), 2);
+    let bounded = AdaptiveLimit::new(config().bounds(5, 10).build().unwrap(), 0);
+    assert_eq!(bounded.limit(), 5);
+    let zero = AdaptiveLimit::new(config().probe_limit(0).build().unwrap(), 0);
+    assert_eq!(zero.limit(), 1);
+}
+
+#[test]
+fn latency_at_its_floor_raises_the_limit_by_the_smoothed_gradient() {
+    let mut limit = probed(config().build().unwrap(), 10 * MS);
+    window_of(&mut limit, 100 * MS, 10 * MS);
+    limit.tick(200 * MS);
+    // gradient 5/4: new = 20 × 5/4 + √20; limit = 4/5 × 20 + 1/5 × new.
+    let sqrt20 = (20u128 << 64).isqrt();
+    let new = (25u128 << 32) + sqrt20;
+    let expected = ((20u128 << 32) * 4 + new) / 5;
+    assert_eq!(u128::from(fixed(&limit)), expected);
+    assert_eq!(limit.limit(), 21);
+}
+
+#[test]
+fn latency_far_above_the_floor_halves_the_target() {
+    let mut limit = probed(config().initial(400).build().unwrap(), 10 * MS);
+    window_of(&mut limit, 100 * MS, 100 * MS);
+    limit.tick(200 * MS);
+    // gradient clamped to 1/2: new = 200 + 20; limit = 320 + 44.
+    assert_eq!(fixed(&limit), 364 << 32);
+}
+
+#[test]
+fn a_window_without_latencies_leaves_the_limit() {
+    let mut limit = probed(config().build().unwrap(), 10 * MS);
+    let before = fixed(&limit);
+    limit.tick(250 * MS);
+    limit.tick(900 * MS);
+    assert_eq!(fixed(&limit), before);
+}
+
+#[test]
+fn a_failure_cuts_the_limit_once_per_window() {
+    let mut limit = probed(config().initial(100).build().unwrap(), 10 * MS);
+    limit.update(110 * MS, Sample::Failed(Failure::Error));
+    assert_eq!(fixed(&limit), 90 << 32);
+    limit.update(120 * MS, Sample::Failed(Failure::TimedOut));
+    assert_eq!(fixed(&limit), 90 << 32);
+    // The next window may cut again.
+    limit.update(200 * MS, Sample::Failed(Failure::TimedOut));
+    assert_eq!(fixed(&limit), 81 << 32);
+}
+
+#[test]
+fn a_window_with_a_failure_does_not_raise_the_limit() {
+    let mut limit = probed(config().initial(100).build().unwrap(), 10 * MS);
+    window_of(&mut limit, 100 * MS, 10 * MS);
+    limit.update(195 * MS, Sample::Failed(Failure::Error));
+    limit.tick(200 * MS);
+    assert_eq!(fixed(&limit), 90 << 32);
+}
+
+#[test]
+fn cancellations_back_off_only_when_configured() {
+    let mut limit = probed(config().initial(100).build().unwrap(), 10 * MS);
+    limit.update(110 * MS, Sample::Failed(Failure::Cancelled));
+    assert_eq!(limit.limit(), 100);
+    let cfg = config()
+        .initial(100)
+        .backoff_on(Failure::Cancelled, true)
+        .backoff_on(Failure::Error, false)
+        .build()
+        .unwrap();
+    let mut limit = probed(cfg, 10 * MS);
+    limit.update(110 * MS, Sample::Failed(Failure::Error));
+    assert_eq!(limit.limit(), 100);
+    limit.update(120 * MS, Sample::Failed(Failure::Cancelled));
+    assert_eq!(limit.limit(), 90);
+}
+
+#[test]
+fn back_off_stops_at_min() {
+    let mut limit = probed(config().bounds(4, 10).initial(4).build().unwrap(), 10 * MS);
+    limit.update(110 * MS, Sample::Failed(Failure::Error));
+    assert_eq!(fixed(&limit), 4 << 32);
+}
+
+#[test]
+fn growth_stops_at_max() {
+    let mut limit = probed(config().bounds(1, 22).build().unwrap(), 10 * MS);
+    for w in 1..20 {
+        window_of(&mut limit, w * 100 * MS, 10 * MS);
+    }
+    assert_eq!(fixed(&limit), 22 << 32);
+}
+
+#[test]
+fn probes_repeat_and_remeasure_the_floor() {
+    let cfg = config()
+        .probe_interval(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let mut limit = probed(cfg, 10 * MS);
+    assert_eq!(limit.min_latency(), Some(10 * MS));
+    // The floor is lowered by a faster sample at once.
+    limit.update(150 * MS, Sample::Ok(7 * MS));
+    assert_eq!(limit.min_latency(), Some(7 * MS));
+    // A second after the first probe ended, the next one starts.
+    limit.tick(1_099 * MS);
+    assert!(!limit.is_probing());
+    limit.tick(1_100 * MS);
+    assert!(limit.is_probing());
+    assert_eq!(limit.limit(), 3);
+    // It measures the backend as it is now: slower (the first two
+    // requests finishing started before the probe).
+    for i in 1..=12 {
+        assert!(limit.is_probing());
+        limit.update(1_100 * MS + i * 10 * MS, Sample::Ok(30 * MS));
+    }
+    assert!(!limit.is_probing());
+    assert_eq!(limit.min_latency(), Some(30 * MS));
+}
+
+#[test]
+fn a_clock_that_steps_back_counts_as_the_latest_reading() {
+    let mut limit = probed(config().build().unwrap(), 10 * MS);
+    let mut copy = limit.clone();
+    limit.update(150 * MS, Sample::Ok(10 * MS));
+    limit.update(20 * MS, Sample::Ok(10 * MS));
+    copy.update(150 * MS, Sample::Ok(10 * MS));
+    copy.update(150 * MS, Sample::Ok(10 * MS));
+    assert_eq!(fixed(&limit), fixed(&copy));
+    // And a probe started after a step back ignores nothing wrongly.
+    let mut fresh = AdaptiveLimit::new(config().build().unwrap(), 1_000 * MS);
+    fresh.update(0, Sample::Ok(5 * MS));
+    assert!(fresh.is_probing());
+}
+
+#[test]
+fn extreme_latencies_do_not_overflow() {
+    let mut limit = probed(
+        config()
+            .bounds(1, u32::MAX)
+            .initial(u32::MAX)
+            .build()
+            .unwrap(),
+        1,
+    );
+    window_of(&mut limit, 100 * MS, Nanos::MAX);
+    limit.tick(200 * MS);
+    assert!(limit.limit() < u32::MAX);
+    let mut limit = probed(
+        config()
+            .bounds(1, u32::MAX)
+            .initial(u32::MAX)
+            .build()
+            .unwrap(),
+        Nanos::MAX,
+    );
+    window_of(&mut limit, 100 * MS, 0);
+    limit.tick(200 * MS);
+    assert_eq!(limit.limit(), u32::MAX);
+}
+
+#[test]
+fn moves_are_reported_against_the_last_report() {
+    let mut limit = probed(config().initial(100).build().unwrap(), 10 * MS);
+    // 100 → 90 is 10%: not more than the fraction.
+    assert_eq!(limit.update(110 * MS, Sample::Failed(Failure::Error)), None);
+    // 100 → 81 is 19%: reported, from the last report.
+    assert_eq!(
+        limit.update(200 * MS, Sample::Failed(Failure::Error)),
+        Some(Change { from: 100, to: 81 })
+    );
+    // 81 → 72 is 11%.
+    assert_eq!(
+        limit.update(300 * MS, Sample::Failed(Failure::Error)),
+        Some(Change { from: 81, to: 72 })
+    );
+    // 72 → 72 (a window's growth is under a unit): nothing.
+    window_of(&mut limit, 400 * MS, 10 * MS);
+    assert_eq!(limit.tick(500 * MS), None);
+}
+
+#[test]
+fn a_zero_report_fraction_reports_every_move() {
+    let cfg = config().initial(100).report_change(0, 1).build().unwrap();
+    let mut limit = probed(cfg, 10 * MS);
+    assert_eq!(
+        limit.update(110 * MS, Sample::Failed(Failure::Error)),
+        Some(Change { from: 100, to: 90 })
+    );
+}
+
+#[test]
+fn probe_pinning_is_not_a_reported_move() {
+    let mut limit = AdaptiveLimit::new(config().initial(100).build().unwrap(), 0);
+    assert_eq!(limit.limit(), 3);
+    assert_eq!(limit.tick(50 * MS), None);
+}
+
+#[test]
+fn the_gradient_is_clamped_and_exact() {
+    assert_eq!(gradient(10, 10, 1, 1), 1 << 32);
+    assert_eq!(gradient(10, 10, 5, 4), 5 << 30);
+    assert_eq!(gradient(10, 1, 1, 1), 2 << 32);
+    assert_eq!(gradient(1, 10, 1, 1), 1 << 31);
+    assert_eq!(gradient(3, 4, 1, 1), 3 << 30);
+    assert_eq!(gradient(MAX_LATENCY, 1 << 48, u32::MAX, u32::MAX), 1 << 32);
+}
