@@ -67,16 +67,23 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///   a queue allowance: it lets the limit grow while latency is at its
 ///   floor, and lets a few requests wait so the backend never idles). The
 ///   limit follows it by the smoothing factor `s`:
-///   `limit = (1 − s) × limit + s × new`. At equilibrium on a saturated
+///   `limit = (1 − s) × limit + s × new`. A window in which fewer than
+///   half the limit were ever in flight does not raise the limit (the
+///   backend was not asked for more, so its latency says nothing about
+///   more). At equilibrium on a saturated
 ///   backend whose latency grows with concurrency beyond its capacity `C`
 ///   (processor sharing), the limit sits at about `tolerance × C + √limit`,
 ///   where latency is about `limit / C` times its floor.
 /// - **Minimum latency, re-probed.** `min_latency` is the smallest latency
 ///   seen since the last probe. A probe ([`probe_interval`] after the last
 ///   one ended, and once at the start) holds the limit at [`probe_limit`]
-///   for at least one window and until [`probe_samples`] requests that
-///   *started* during the probe have finished, and takes their smallest
-///   latency as the new minimum; then the limit returns to where it was.
+///   for at least one window and until [`probe_samples`] requests have
+///   finished that *started* after the requests in flight had drained to
+///   the probe limit, and takes their smallest latency as the new minimum;
+///   then the limit returns to where it was. (A request admitted while
+///   older ones still crowd the backend would measure the crowd, not the
+///   floor; and a request admitted during the probe says nothing about
+///   the latency at the steady limit, so windows leave it out.)
 ///   Without it, a minimum measured before the backend got slower would
 ///   hold the limit down forever; with it, the limit recovers within one
 ///   probe interval.
@@ -106,8 +113,9 @@ const MAX_LATENCY: Nanos = 1 << 48;
 /// // It starts by measuring the minimum latency at a small limit.
 /// assert!(limit.is_probing());
 /// assert_eq!(limit.limit(), 3);
+/// limit.tick(0, 0);
 /// for i in 1..=10 {
-///     limit.update(10 * i * MS, Sample::Ok(10 * MS));
+///     limit.update(10 * i * MS, 2, Sample::Ok(10 * MS));
 /// }
 /// assert!(!limit.is_probing());
 /// assert_eq!(limit.min_latency(), Some(10 * MS));
@@ -115,13 +123,13 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///
 /// // Latency at its floor: the limit grows, one window at a time.
 /// for i in 11..=40 {
-///     limit.update(10 * i * MS, Sample::Ok(10 * MS));
+///     limit.update(10 * i * MS, 19, Sample::Ok(10 * MS));
 /// }
 /// assert!(limit.limit() > 20);
 ///
 /// // A failure cuts it by a tenth, and the move is reported.
 /// let before = limit.limit();
-/// let change = limit.update(400 * MS, Sample::Failed(Failure::Error));
+/// let change = limit.update(400 * MS, 20, Sample::Failed(Failure::Error));
 /// assert!(limit.limit() < before);
 /// assert!(change.is_some());
 /// # Ok::<(), tollgate_budget::InvalidAdaptiveLimit>(())
@@ -149,6 +157,9 @@ pub struct AdaptiveLimit {
     probe: Option<Probe>,
     /// When the next probe starts (meaningless while one runs).
     next_probe: Nanos,
+    /// When the last probe ended: a request started before then ran under
+    /// the probe limit, so its latency says nothing about the steady one.
+    probe_ended: Nanos,
     /// The limit last reported as a [`Change`] (or the initial one).
     reported: u32,
     /// The latest `now` seen: time never moves back.
@@ -161,6 +172,8 @@ struct Window {
     start: Nanos,
     sum: u128,
     count: u64,
+    /// The most requests in flight the caller reported in this window.
+    busiest: u32,
     /// A failure has cut the limit in this window.
     backed_off: bool,
 }
@@ -171,6 +184,7 @@ impl Window {
             start,
             sum: 0,
             count: 0,
+            busiest: 0,
             backed_off: false,
         }
     }
@@ -180,7 +194,10 @@ impl Window {
 #[derive(Debug, Clone, Copy)]
 struct Probe {
     started: Nanos,
-    /// The smallest latency of a request started at or after `started`.
+    /// When the requests in flight were first reported at or below the
+    /// probe limit.
+    drained: Option<Nanos>,
+    /// The smallest latency of a request started at or after `drained`.
     min: Nanos,
     samples: u32,
 }
@@ -197,6 +214,7 @@ impl AdaptiveLimit {
             window: Window::new(now),
             probe: Some(Probe::new(now)),
             next_probe: now,
+            probe_ended: now,
             now,
         }
     }
@@ -205,15 +223,15 @@ impl AdaptiveLimit {
     /// During a probe it is the probe limit (in the bounds, and never above
     /// [`steady_limit`](Self::steady_limit)).
     pub fn limit(&self) -> u32 {
-        let steady = self.steady_limit();
         match self.probe {
-            Some(_) => steady.min(
-                self.config
-                    .probe_limit
-                    .clamp(self.config.min, self.config.max),
-            ),
-            None => steady,
+            Some(_) => self.probe_limit(),
+            None => self.steady_limit(),
         }
+    }
+
+    fn probe_limit(&self) -> u32 {
+        let c = &self.config;
+        self.steady_limit().min(c.probe_limit.clamp(c.min, c.max))
     }
 
     /// The limit outside probes (rounded down), which a probe returns to;
@@ -239,12 +257,16 @@ impl AdaptiveLimit {
         &self.config
     }
 
-    /// Feeds one finished request at `now`: closes the sampling window if
-    /// it has ended, starts or ends a probe when due, and applies the
-    /// sample. Returns the move if the limit has moved by more than the
+    /// Feeds one finished request at `now`, with `in_flight` requests still
+    /// in flight (not counting the finished one): closes the sampling
+    /// window if it has ended, starts or ends a probe when due, and applies
+    /// the sample. Returns the move if the limit has moved by more than the
     /// report fraction since the last report.
-    pub fn update(&mut self, now: Nanos, sample: Sample) -> Option<Change> {
+    pub fn update(&mut self, now: Nanos, in_flight: u32, sample: Sample) -> Option<Change> {
         let now = self.advance(now);
+        // The finished request was in flight until now.
+        self.window.busiest = self.window.busiest.max(in_flight.saturating_add(1));
+        self.note_drained(now, in_flight);
         match sample {
             Sample::Ok(latency) => self.record_latency(now, latency),
             Sample::Failed(failure) => {
@@ -257,13 +279,26 @@ impl AdaptiveLimit {
         self.report()
     }
 
-    /// Lets time pass without a sample: closes the window if it has ended
-    /// and starts a probe when due (so [`limit`](Self::limit) is current
-    /// for a caller that reads it on arrival).
-    pub fn tick(&mut self, now: Nanos) -> Option<Change> {
+    /// Lets time pass without a sample, with `in_flight` requests in
+    /// flight: closes the window if it has ended and starts a probe when
+    /// due (so [`limit`](Self::limit) is current for a caller that reads it
+    /// on arrival), and lets a probe see the requests drain.
+    pub fn tick(&mut self, now: Nanos, in_flight: u32) -> Option<Change> {
         let now = self.advance(now);
+        self.window.busiest = self.window.busiest.max(in_flight);
+        self.note_drained(now, in_flight);
         self.end_probe_if_done(now);
         self.report()
+    }
+
+    fn note_drained(&mut self, now: Nanos, in_flight: u32) {
+        let limit = self.probe_limit();
+        if let Some(probe) = &mut self.probe
+            && probe.drained.is_none()
+            && in_flight <= limit
+        {
+            probe.drained = Some(now);
+        }
     }
 
     fn advance(&mut self, now: Nanos) -> Nanos {
@@ -283,17 +318,22 @@ impl AdaptiveLimit {
         let latency = latency.clamp(1, MAX_LATENCY);
         match &mut self.probe {
             Some(probe) => {
-                // Only requests admitted under the probe limit measure the
-                // floor; older ones still carry the load from before.
-                if now.saturating_sub(latency) >= probe.started {
+                // Only requests admitted once the backend had drained to
+                // the probe limit measure the floor.
+                if probe
+                    .drained
+                    .is_some_and(|drained| now.saturating_sub(latency) >= drained)
+                {
                     probe.min = probe.min.min(latency);
                     probe.samples += 1;
                 }
             }
             None => {
-                self.window.sum += u128::from(latency);
-                self.window.count += 1;
                 self.min_latency = Some(self.min_latency.map_or(latency, |m| m.min(latency)));
+                if now.saturating_sub(latency) >= self.probe_ended {
+                    self.window.sum += u128::from(latency);
+                    self.window.count += 1;
+                }
             }
         }
     }
@@ -314,6 +354,7 @@ impl AdaptiveLimit {
             self.min_latency = Some(probe.min);
             self.probe = None;
             self.next_probe = now.saturating_add(self.config.probe_interval);
+            self.probe_ended = now;
             // The window's latencies, if any, are from before the probe.
             self.window = Window::new(now);
         }
@@ -336,7 +377,8 @@ impl AdaptiveLimit {
         let s = self.config.smoothing;
         let smoothed =
             (limit * u128::from(s.den - s.num) + target * u128::from(s.num)) / u128::from(s.den);
-        let smoothed = if w.backed_off {
+        let idle = u64::from(w.busiest) * 2 < self.limit >> FRAC_BITS;
+        let smoothed = if w.backed_off || idle {
             smoothed.min(limit)
         } else {
             smoothed
@@ -367,6 +409,7 @@ impl Probe {
     fn new(started: Nanos) -> Self {
         Self {
             started,
+            drained: None,
             min: MAX_LATENCY,
             samples: 0,
         }

@@ -3,6 +3,8 @@ use std::time::Duration;
 use super::*;
 
 const MS: Nanos = 1_000_000;
+/// Requests in flight, for tests where the backend is always busy.
+const BUSY: u32 = 1_000;
 
 fn config() -> AdaptiveConfigBuilder {
     AdaptiveConfig::builder()
@@ -12,8 +14,9 @@ fn config() -> AdaptiveConfigBuilder {
 /// `floor` (10 samples, one every 10 ms).
 fn probed(config: AdaptiveConfig, floor: Nanos) -> AdaptiveLimit {
     let mut limit = AdaptiveLimit::new(config, 0);
+    limit.tick(0, 0);
     for i in 1..=10 {
-        limit.update(i * 10 * MS, Sample::Ok(floor.min(i * 10 * MS)));
+        limit.update(i * 10 * MS, 0, Sample::Ok(floor.min(i * 10 * MS)));
     }
     assert!(!limit.is_probing());
     limit
@@ -23,7 +26,7 @@ fn probed(config: AdaptiveConfig, floor: Nanos) -> AdaptiveLimit {
 /// `latency`; the window closes at the next call.
 fn window_of(limit: &mut AdaptiveLimit, start: Nanos, latency: Nanos) {
     for i in 0..10 {
-        limit.update(start + i * 10 * MS, Sample::Ok(latency));
+        limit.update(start + i * 10 * MS, BUSY, Sample::Ok(latency));
     }
 }
 
@@ -32,25 +35,37 @@ fn fixed(limit: &AdaptiveLimit) -> u64 {
 }
 
 #[test]
-fn the_first_probe_holds_the_limit_low_until_it_has_measured() {
+fn the_first_probe_measures_once_the_backend_has_drained() {
     let mut limit = AdaptiveLimit::new(config().initial(50).build().unwrap(), 100 * MS);
     assert!(limit.is_probing());
     assert_eq!(limit.limit(), 3);
     assert_eq!(limit.steady_limit(), 50);
-    // A request started before the probe does not measure the floor.
-    limit.update(105 * MS, Sample::Ok(6 * MS));
+    // Requests still crowding the backend do not measure the floor, nor
+    // do those admitted before it drained to the probe limit.
+    limit.update(104 * MS, 4, Sample::Ok(MS));
+    limit.update(105 * MS, 3, Sample::Ok(2 * MS));
     for i in 1..=9 {
-        limit.update(100 * MS + 10 * i * MS, Sample::Ok(8 * MS));
+        limit.update(100 * MS + 10 * i * MS, 2, Sample::Ok(4 * MS));
     }
     // Nine samples in 90 ms: neither enough samples nor a whole window.
     assert!(limit.is_probing());
-    limit.update(195 * MS, Sample::Ok(9 * MS));
+    limit.update(195 * MS, 2, Sample::Ok(9 * MS));
     // Ten samples, but not yet a window.
     assert!(limit.is_probing());
-    assert_eq!(limit.tick(200 * MS), None);
+    assert_eq!(limit.tick(200 * MS, 2), None);
     assert!(!limit.is_probing());
-    assert_eq!(limit.min_latency(), Some(8 * MS));
+    assert_eq!(limit.min_latency(), Some(4 * MS));
     assert_eq!(limit.limit(), 50);
+}
+
+#[test]
+fn a_probe_waits_for_the_backend_to_drain() {
+    let mut limit = AdaptiveLimit::new(config().build().unwrap(), 0);
+    for i in 1..=100 {
+        limit.update(i * 10 * MS, 4, Sample::Ok(5 * MS));
+    }
+    assert!(limit.is_probing());
+    assert_eq!(limit.min_latency(), None);
 }
 
 #[test]
@@ -67,7 +82,7 @@ fn a_probe_never_raises_the_limit_and_stays_in_the_bounds() {
 fn latency_at_its_floor_raises_the_limit_by_the_smoothed_gradient() {
     let mut limit = probed(config().build().unwrap(), 10 * MS);
     window_of(&mut limit, 100 * MS, 10 * MS);
-    limit.tick(200 * MS);
+    limit.tick(200 * MS, BUSY);
     // gradient 5/4: new = 20 × 5/4 + √20; limit = 4/5 × 20 + 1/5 × new.
     let sqrt20 = (20u128 << 64).isqrt();
     let new = (25u128 << 32) + sqrt20;
@@ -79,8 +94,9 @@ fn latency_at_its_floor_raises_the_limit_by_the_smoothed_gradient() {
 #[test]
 fn latency_far_above_the_floor_halves_the_target() {
     let mut limit = probed(config().initial(400).build().unwrap(), 10 * MS);
-    window_of(&mut limit, 100 * MS, 100 * MS);
-    limit.tick(200 * MS);
+    // (Requests started during the probe are left out of the window.)
+    window_of(&mut limit, 200 * MS, 100 * MS);
+    limit.tick(300 * MS, BUSY);
     // gradient clamped to 1/2: new = 200 + 20; limit = 320 + 44.
     assert_eq!(fixed(&limit), 364 << 32);
 }
@@ -89,36 +105,55 @@ fn latency_far_above_the_floor_halves_the_target() {
 fn a_window_without_latencies_leaves_the_limit() {
     let mut limit = probed(config().build().unwrap(), 10 * MS);
     let before = fixed(&limit);
-    limit.tick(250 * MS);
-    limit.tick(900 * MS);
+    limit.tick(250 * MS, BUSY);
+    limit.tick(900 * MS, BUSY);
     assert_eq!(fixed(&limit), before);
 }
 
 #[test]
 fn a_failure_cuts_the_limit_once_per_window() {
     let mut limit = probed(config().initial(100).build().unwrap(), 10 * MS);
-    limit.update(110 * MS, Sample::Failed(Failure::Error));
+    limit.update(110 * MS, BUSY, Sample::Failed(Failure::Error));
     assert_eq!(fixed(&limit), 90 << 32);
-    limit.update(120 * MS, Sample::Failed(Failure::TimedOut));
+    limit.update(120 * MS, BUSY, Sample::Failed(Failure::TimedOut));
     assert_eq!(fixed(&limit), 90 << 32);
     // The next window may cut again.
-    limit.update(200 * MS, Sample::Failed(Failure::TimedOut));
+    limit.update(200 * MS, BUSY, Sample::Failed(Failure::TimedOut));
     assert_eq!(fixed(&limit), 81 << 32);
+}
+
+#[test]
+fn a_window_that_never_used_half_the_limit_does_not_raise_it() {
+    let mut limit = probed(config().initial(100).build().unwrap(), 10 * MS);
+    for i in 0..10 {
+        limit.update(100 * MS + i * 10 * MS, 48, Sample::Ok(10 * MS));
+    }
+    limit.tick(200 * MS, 49);
+    assert_eq!(fixed(&limit), 100 << 32);
+    // Half the limit in flight is busy enough.
+    limit.update(210 * MS, 49, Sample::Ok(10 * MS));
+    limit.tick(300 * MS, 0);
+    assert!(limit.limit() > 100);
+    // An idle window may still lower it.
+    limit.update(310 * MS, 0, Sample::Ok(100 * MS));
+    let before = limit.limit();
+    limit.tick(400 * MS, 0);
+    assert!(limit.limit() < before);
 }
 
 #[test]
 fn a_window_with_a_failure_does_not_raise_the_limit() {
     let mut limit = probed(config().initial(100).build().unwrap(), 10 * MS);
     window_of(&mut limit, 100 * MS, 10 * MS);
-    limit.update(195 * MS, Sample::Failed(Failure::Error));
-    limit.tick(200 * MS);
+    limit.update(195 * MS, BUSY, Sample::Failed(Failure::Error));
+    limit.tick(200 * MS, BUSY);
     assert_eq!(fixed(&limit), 90 << 32);
 }
 
 #[test]
 fn cancellations_back_off_only_when_configured() {
     let mut limit = probed(config().initial(100).build().unwrap(), 10 * MS);
-    limit.update(110 * MS, Sample::Failed(Failure::Cancelled));
+    limit.update(110 * MS, BUSY, Sample::Failed(Failure::Cancelled));
     assert_eq!(limit.limit(), 100);
     let cfg = config()
         .initial(100)
@@ -127,16 +162,16 @@ fn cancellations_back_off_only_when_configured() {
         .build()
         .unwrap();
     let mut limit = probed(cfg, 10 * MS);
-    limit.update(110 * MS, Sample::Failed(Failure::Error));
+    limit.update(110 * MS, BUSY, Sample::Failed(Failure::Error));
     assert_eq!(limit.limit(), 100);
-    limit.update(120 * MS, Sample::Failed(Failure::Cancelled));
+    limit.update(120 * MS, BUSY, Sample::Failed(Failure::Cancelled));
     assert_eq!(limit.limit(), 90);
 }
 
 #[test]
 fn back_off_stops_at_min() {
     let mut limit = probed(config().bounds(4, 10).initial(4).build().unwrap(), 10 * MS);
-    limit.update(110 * MS, Sample::Failed(Failure::Error));
+    limit.update(110 * MS, BUSY, Sample::Failed(Failure::Error));
     assert_eq!(fixed(&limit), 4 << 32);
 }
 
@@ -158,19 +193,20 @@ fn probes_repeat_and_remeasure_the_floor() {
     let mut limit = probed(cfg, 10 * MS);
     assert_eq!(limit.min_latency(), Some(10 * MS));
     // The floor is lowered by a faster sample at once.
-    limit.update(150 * MS, Sample::Ok(7 * MS));
+    limit.update(150 * MS, BUSY, Sample::Ok(7 * MS));
     assert_eq!(limit.min_latency(), Some(7 * MS));
     // A second after the first probe ended, the next one starts.
-    limit.tick(1_099 * MS);
+    limit.tick(1_099 * MS, BUSY);
     assert!(!limit.is_probing());
-    limit.tick(1_100 * MS);
+    limit.tick(1_100 * MS, BUSY);
     assert!(limit.is_probing());
     assert_eq!(limit.limit(), 3);
+    limit.tick(1_105 * MS, 3);
     // It measures the backend as it is now: slower (the first two
-    // requests finishing started before the probe).
+    // requests finishing started before it had drained).
     for i in 1..=12 {
         assert!(limit.is_probing());
-        limit.update(1_100 * MS + i * 10 * MS, Sample::Ok(30 * MS));
+        limit.update(1_105 * MS + i * 10 * MS, 2, Sample::Ok(30 * MS));
     }
     assert!(!limit.is_probing());
     assert_eq!(limit.min_latency(), Some(30 * MS));
@@ -180,61 +216,66 @@ fn probes_repeat_and_remeasure_the_floor() {
 fn a_clock_that_steps_back_counts_as_the_latest_reading() {
     let mut limit = probed(config().build().unwrap(), 10 * MS);
     let mut copy = limit.clone();
-    limit.update(150 * MS, Sample::Ok(10 * MS));
-    limit.update(20 * MS, Sample::Ok(10 * MS));
-    copy.update(150 * MS, Sample::Ok(10 * MS));
-    copy.update(150 * MS, Sample::Ok(10 * MS));
+    limit.update(150 * MS, BUSY, Sample::Ok(10 * MS));
+    limit.update(20 * MS, BUSY, Sample::Ok(10 * MS));
+    copy.update(150 * MS, BUSY, Sample::Ok(10 * MS));
+    copy.update(150 * MS, BUSY, Sample::Ok(10 * MS));
     assert_eq!(fixed(&limit), fixed(&copy));
-    // And a probe started after a step back ignores nothing wrongly.
+    // A sample from before the probe drained, with the clock stepped back,
+    // does not count.
     let mut fresh = AdaptiveLimit::new(config().build().unwrap(), 1_000 * MS);
-    fresh.update(0, Sample::Ok(5 * MS));
-    assert!(fresh.is_probing());
+    fresh.tick(1_000 * MS, 0);
+    fresh.update(0, 0, Sample::Ok(5 * MS));
+    assert_eq!(fresh.probe.map(|p| p.samples), Some(0));
 }
 
 #[test]
 fn extreme_latencies_do_not_overflow() {
-    let mut limit = probed(
-        config()
+    let t0: Nanos = 1 << 62;
+    let later = t0 + (1 << 49);
+    let run = |floor: Nanos, latency: Nanos| {
+        let cfg = config()
             .bounds(1, u32::MAX)
             .initial(u32::MAX)
+            .probe_interval(Duration::from_nanos(1 << 62))
             .build()
-            .unwrap(),
-        1,
-    );
-    window_of(&mut limit, 100 * MS, Nanos::MAX);
-    limit.tick(200 * MS);
-    assert!(limit.limit() < u32::MAX);
-    let mut limit = probed(
-        config()
-            .bounds(1, u32::MAX)
-            .initial(u32::MAX)
-            .build()
-            .unwrap(),
-        Nanos::MAX,
-    );
-    window_of(&mut limit, 100 * MS, 0);
-    limit.tick(200 * MS);
-    assert_eq!(limit.limit(), u32::MAX);
+            .unwrap();
+        let mut limit = AdaptiveLimit::new(cfg, t0);
+        limit.tick(t0, 0);
+        for i in 1..=10 {
+            limit.update(t0 + i * 10 * MS, 0, Sample::Ok(floor));
+        }
+        window_of(&mut limit, later, latency);
+        limit.tick(later + 100 * MS, BUSY);
+        limit.limit()
+    };
+    // Latencies count up to 2^48 ns: the gradient is at its floor, 1/2,
+    // and the limit 4/5 × max + 1/5 × (max / 2 + √max), rounded down.
+    assert_eq!(run(1, Nanos::MAX), 3_865_483_672);
+    assert_eq!(run(Nanos::MAX, 0), u32::MAX);
 }
 
 #[test]
 fn moves_are_reported_against_the_last_report() {
     let mut limit = probed(config().initial(100).build().unwrap(), 10 * MS);
     // 100 → 90 is 10%: not more than the fraction.
-    assert_eq!(limit.update(110 * MS, Sample::Failed(Failure::Error)), None);
+    assert_eq!(
+        limit.update(110 * MS, BUSY, Sample::Failed(Failure::Error)),
+        None
+    );
     // 100 → 81 is 19%: reported, from the last report.
     assert_eq!(
-        limit.update(200 * MS, Sample::Failed(Failure::Error)),
+        limit.update(200 * MS, BUSY, Sample::Failed(Failure::Error)),
         Some(Change { from: 100, to: 81 })
     );
     // 81 → 72 is 11%.
     assert_eq!(
-        limit.update(300 * MS, Sample::Failed(Failure::Error)),
+        limit.update(300 * MS, BUSY, Sample::Failed(Failure::Error)),
         Some(Change { from: 81, to: 72 })
     );
     // 72 → 72 (a window's growth is under a unit): nothing.
     window_of(&mut limit, 400 * MS, 10 * MS);
-    assert_eq!(limit.tick(500 * MS), None);
+    assert_eq!(limit.tick(500 * MS, BUSY), None);
 }
 
 #[test]
@@ -242,7 +283,7 @@ fn a_zero_report_fraction_reports_every_move() {
     let cfg = config().initial(100).report_change(0, 1).build().unwrap();
     let mut limit = probed(cfg, 10 * MS);
     assert_eq!(
-        limit.update(110 * MS, Sample::Failed(Failure::Error)),
+        limit.update(110 * MS, BUSY, Sample::Failed(Failure::Error)),
         Some(Change { from: 100, to: 90 })
     );
 }
@@ -251,7 +292,7 @@ fn a_zero_report_fraction_reports_every_move() {
 fn probe_pinning_is_not_a_reported_move() {
     let mut limit = AdaptiveLimit::new(config().initial(100).build().unwrap(), 0);
     assert_eq!(limit.limit(), 3);
-    assert_eq!(limit.tick(50 * MS), None);
+    assert_eq!(limit.tick(50 * MS, BUSY), None);
 }
 
 #[test]
