@@ -15,6 +15,7 @@
 //!   expire by themselves;
 //! - [`AdaptiveLimit`]: a concurrency limit found from latency (gradient
 //!   over a re-probed minimum, back-off on failures), fed by the caller;
+//! - [`fair_shares`]: weighted max-min fair shares of a saturated limit;
 //! - `conformance` (feature `conformance`): a trace table every store
 //!   must reproduce.
 //!
@@ -52,6 +53,7 @@ mod clock;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 mod decision;
+mod fair;
 mod key;
 mod lease;
 mod memory;
@@ -67,6 +69,7 @@ pub use clock::{Clock, ManualClock, Nanos, SystemClock};
 pub use decision::{
     Charge, Decision, InvalidCharge, Outcome, Receipt, Reservation, Reserved, Verdict,
 };
+pub use fair::{Claim, fair_shares};
 pub use key::{InvalidKey, Key};
 pub use lease::{Acquired, Lease, LeaseRequest, LeaseStore, Renewed};
 pub use memory::{MemoryStore, MemoryStoreBuilder, MemoryStoreStats, OnKeyCap};
