@@ -16,6 +16,8 @@
 //! - [`AdaptiveLimit`]: a concurrency limit found from latency (gradient
 //!   over a re-probed minimum, back-off on failures), fed by the caller;
 //! - [`fair_shares`]: weighted max-min fair shares of a saturated limit;
+//! - [`Priority`]: request classes, with [`next_to_admit`] and
+//!   [`displaced_by`] deciding who goes first when a limit is full;
 //! - `conformance` (feature `conformance`): a trace table every store
 //!   must reproduce.
 //!
@@ -58,6 +60,7 @@ mod key;
 mod lease;
 mod memory;
 mod policy;
+mod priority;
 mod state;
 mod store;
 
@@ -77,4 +80,5 @@ pub use policy::{
     Algorithm, Initial, InvalidName, InvalidPolicy, Policy, Rate, TokenBucket, Unit, Window,
     check_name,
 };
+pub use priority::{Priority, displaced_by, next_to_admit};
 pub use store::{DynStore, Store, StoreError, StoreErrorKind, StoreFuture};
