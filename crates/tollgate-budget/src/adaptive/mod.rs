@@ -1,7 +1,7 @@
 //! [`AdaptiveLimit`]: a concurrency limit that finds itself from latency.
 //!
-//! The controller lives here; its rules are documented on the type, where
-//! users read them. [`config`] holds its validated parameters.
+//! The controller lives here, its rules documented on the type, where
+//! users read them; `config` holds its validated parameters.
 
 mod config;
 
@@ -51,12 +51,23 @@ const MAX_LATENCY: Nanos = 1 << 48;
 /// An adaptive concurrency limit: a gradient over a windowed minimum
 /// latency, re-probed, with multiplicative back-off on failures.
 ///
-/// The controller is a pure function of the samples it is fed and the times
-/// they are fed at: it never reads a clock, draws no random numbers and
-/// holds no floating point, so one sequence of `(now, sample)` gives one
-/// sequence of limits, on every platform. The caller owns the time: it
-/// passes `now` (from any [`Clock`], or a test's explicit numbers) with
-/// every call; a `now` earlier than one already seen counts as that one.
+/// The controller is a pure function of what it is fed: it never reads a
+/// clock, draws no random numbers and holds no floating point, so one
+/// sequence of calls gives one sequence of limits, on every platform.
+///
+/// # Feeding it
+///
+/// - [`update`](Self::update) for every request that ends: the time, how
+///   many requests are still in flight, and a [`Sample`] (its latency, or
+///   the kind of failure);
+/// - [`tick`](Self::tick) when time passes without one (e.g. on arrival),
+///   so a probe starts on time and sees the requests in flight drain;
+/// - [`limit`](Self::limit) is the number to enforce.
+///
+/// The caller owns the time: `now` comes from any [`Clock`], or a test's
+/// explicit numbers; a `now` earlier than one already seen counts as that
+/// one. Controllers started together probe together (there is no random
+/// jitter): a fleet that should not should start them at different times.
 ///
 /// # How the limit moves
 ///
@@ -70,10 +81,11 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///   `limit = (1 − s) × limit + s × new`. A window in which fewer than
 ///   half the limit were ever in flight does not raise the limit (the
 ///   backend was not asked for more, so its latency says nothing about
-///   more). At equilibrium on a saturated
-///   backend whose latency grows with concurrency beyond its capacity `C`
-///   (processor sharing), the limit sits at about `tolerance × C + √limit`,
-///   where latency is about `limit / C` times its floor.
+///   more). At equilibrium on a saturated backend whose latency grows
+///   with concurrency beyond its capacity `C` (processor sharing), the
+///   limit sits at about `tolerance × C + √limit` (with the defaults,
+///   25 for `C` = 16, 84 to 89 for `C` = 64), where latency is about
+///   `limit / C` times its floor.
 /// - **Minimum latency, re-probed.** `min_latency` is the smallest latency
 ///   seen since the last probe. A probe ([`probe_interval`] after the last
 ///   one ended, and once at the start) holds the limit at [`probe_limit`]
@@ -83,10 +95,10 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///   then the limit returns to where it was. (A request admitted while
 ///   older ones still crowd the backend would measure the crowd, not the
 ///   floor; and a request admitted during the probe says nothing about
-///   the latency at the steady limit, so windows leave it out.)
-///   Without it, a minimum measured before the backend got slower would
-///   hold the limit down forever; with it, the limit recovers within one
-///   probe interval.
+///   the latency at the steady limit, so windows leave it out.) Without
+///   probes, a minimum measured before the backend got slower would hold
+///   the limit down for as long as the slowdown lasts; with them, the
+///   limit recovers within one probe interval.
 /// - **Back-off on failure.** A failure of a kind that backs off
 ///   ([`backoff_on`]) multiplies the limit by [`backoff`], at most once per
 ///   window, and a window with a back-off does not raise the limit when it
