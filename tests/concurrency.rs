@@ -709,3 +709,92 @@ fn a_limit_without_a_bound_is_refused() {
             .is_ok()
     );
 }
+
+/// An adaptive global limit over real sockets: the layer enforces the
+/// controller's limit (bounds 2..=2: it can only say 2), the handler's
+/// answers and their bodies are what it measures, and a server error it
+/// counts cuts the limit it then enforces.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_adaptive_limit_is_enforced_and_fed_over_real_sockets() {
+    use tollgate::concurrency::AdaptiveConfig;
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let held = {
+        let gate = gate.clone();
+        move || {
+            let gate = gate.clone();
+            async move {
+                gate.acquire().await.unwrap().forget();
+                "done"
+            }
+        }
+    };
+    let config = AdaptiveConfig::builder().bounds(2, 2).build().unwrap();
+    let layer = ConcurrencyLimitLayer::builder("adaptive")
+        .adaptive(config)
+        .build()
+        .unwrap();
+    let app = Router::new().route("/held", get(held)).layer(layer.clone());
+    let a = serve(app).await;
+    let first: Vec<_> = (0..2)
+        .map(|i| {
+            tokio::spawn(async move {
+                send(
+                    a,
+                    ip(&format!("127.0.31.{}", i + 1)),
+                    "GET",
+                    "/held",
+                    &[],
+                    b"",
+                )
+                .await
+            })
+        })
+        .collect();
+    wait_until(|| layer.stats().in_flight == 2).await;
+    let third = send(a, ip("127.0.31.3"), "GET", "/held", &[], b"").await;
+    assert_eq!(third.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(layer.stats().global_limit, Some(2));
+    gate.add_permits(2);
+    for call in first {
+        assert_eq!(call.await.unwrap().status, StatusCode::OK);
+    }
+    wait_until(|| layer.stats().in_flight == 0).await;
+
+    // Server errors counted as failures cut the limit, window after window.
+    let config = AdaptiveConfig::builder()
+        .bounds(1, 10)
+        .initial(10)
+        .window(Duration::from_millis(20))
+        .probe_interval(Duration::from_secs(3600))
+        .probe_limit(10)
+        .probe_samples(1)
+        .build()
+        .unwrap();
+    let layer = ConcurrencyLimitLayer::builder("adaptive")
+        .adaptive(config)
+        .build()
+        .unwrap();
+    let app = Router::new()
+        .route("/ok", get(|| async { "ok" }))
+        .route("/fail", get(|| async { StatusCode::INTERNAL_SERVER_ERROR }))
+        .layer(layer.clone());
+    let a = serve(app).await;
+    // One success ends the first probe.
+    assert_eq!(
+        send(a, ip("127.0.31.4"), "GET", "/ok", &[], b"")
+            .await
+            .status,
+        StatusCode::OK
+    );
+    let before = layer.stats().global_limit.unwrap();
+    for _ in 0..40 {
+        let reply = send(a, ip("127.0.31.5"), "GET", "/fail", &[], b"").await;
+        assert_eq!(reply.status, StatusCode::INTERNAL_SERVER_ERROR);
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let after = layer.stats().global_limit.unwrap();
+    assert!(
+        after < before,
+        "40 server errors over 40 windows: {before} -> {after}"
+    );
+}

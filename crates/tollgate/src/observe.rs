@@ -53,6 +53,7 @@
 //! | Metric | Type, unit | Labels | Moves when |
 //! |---|---|---|---|
 //! | `tollgate_in_flight` | gauge, requests | `layer` | set whenever this process's counts of the layer change (a slot taken, given back or handed to a waiter; a waiter in or out of line): the requests in flight here, holding a shared limit's lease or not, dry-run ones let through above the limit included |
+//! | `tollgate_concurrency_limit` | gauge, requests | `layer` | set with `tollgate_in_flight`, for an [adaptive](crate::concurrency::ConcurrencyLimitBuilder::adaptive) limit only: the global limit this process enforces now (the probe limit while it measures the minimum latency); its moves larger than the configured fraction are also logged at INFO, "adaptive concurrency limit moved" with `from` and `to` |
 //! | `tollgate_waiting` | gauge, requests | `layer` | set with `tollgate_in_flight`: this process's requests waiting in the layer's own line (not those waiting their turn for a shared limit's lease, which `ConcurrencyStats::waiting` counts and this gauge does not) |
 //! | `tollgate_concurrency_refused_total` | counter, requests | `layer`, `scope` | the layer refused a request |
 //! | `tollgate_dry_run_refused_total` | counter, requests | `layer`, `scope` | a dry-run layer would have refused a request and let it through instead |

@@ -427,3 +427,20 @@ async fn global_refusal_holds_up_behind_even_when_a_slot_frees_mid_ask() {
         "the later waiter overtook at offsets {overtaken:?} ms"
     );
 }
+
+/// An adaptive limit is this process's own: shared through leases, a
+/// fleet keeps a fixed global bound, and the build says so.
+#[test]
+fn an_adaptive_limit_cannot_be_shared() {
+    let store: Arc<dyn LeaseStore> = Arc::new(MemoryLeases::default());
+    let err = ConcurrencyLimitLayer::builder("line")
+        .shared(store)
+        .adaptive(tollgate::concurrency::AdaptiveConfig::default())
+        .build()
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("a shared (fleet-wide) limit keeps a fixed"),
+        "{err}"
+    );
+}

@@ -2,12 +2,14 @@
 //! the body ends, is dropped, or makes no progress for too long.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{Context, Poll};
 
 use bytes::Bytes;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
+use super::limiter::Ending;
 use super::stall::Guard;
 
 /// The error type of a [`PermitBody`]: the inner body's error, or
@@ -39,6 +41,8 @@ pin_project! {
         ended: bool,
         // What is left of a large data frame, passed on first.
         rest: Bytes,
+        // For an adaptive limit: marked when the body ends or fails.
+        ending: Option<Arc<Ending>>,
     }
 }
 
@@ -46,12 +50,13 @@ impl<B> PermitBody<B> {
     /// The largest data frame passed on at once: 16 KiB.
     pub const CHUNK: usize = 16 * 1024;
 
-    pub(crate) fn new(inner: B, guard: Option<Guard>) -> Self {
+    pub(crate) fn new(inner: B, guard: Option<Guard>, ending: Option<Arc<Ending>>) -> Self {
         Self {
             inner,
             guard,
             ended: false,
             rest: Bytes::new(),
+            ending,
         }
     }
 }
@@ -113,10 +118,16 @@ where
                     first
                 }),
                 Poll::Ready(Some(Err(error))) => {
+                    if let Some(ending) = this.ending {
+                        ending.failed(tollgate_budget::Failure::Error);
+                    }
                     release(this.guard);
                     return Poll::Ready(Some(Err(error.into())));
                 }
                 Poll::Ready(None) => {
+                    if let Some(ending) = this.ending {
+                        ending.ok();
+                    }
                     release(this.guard);
                     return Poll::Ready(None);
                 }
@@ -137,7 +148,14 @@ where
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended || (self.rest.is_empty() && self.inner.is_end_stream())
+        let end = self.ended || (self.rest.is_empty() && self.inner.is_end_stream());
+        // A server stops polling a body that says it is over (its last
+        // frame sent, e.g. the length it announced, or empty from the
+        // start: a `204`): it ended well, unless marked otherwise first.
+        if end && let Some(ending) = &self.ending {
+            ending.ok();
+        }
+        end
     }
 
     fn size_hint(&self) -> SizeHint {

@@ -10,6 +10,7 @@ use bytes::Bytes;
 use http::{Request, Response};
 use http_body_util::Full as FullBody;
 use pin_project_lite::pin_project;
+use tollgate_budget::Failure;
 use tower_service::Service;
 
 use super::PermitBody;
@@ -197,10 +198,22 @@ where
                     permit,
                     stalls,
                 } => {
-                    let response = ready!(future.poll(cx))?;
+                    let ending = permit.as_ref().and_then(|p| p.ending()).cloned();
+                    let response = match ready!(future.poll(cx)) {
+                        Ok(response) => response,
+                        Err(error) => {
+                            if let Some(ending) = &ending {
+                                ending.failed(Failure::Error);
+                            }
+                            return Poll::Ready(Err(error));
+                        }
+                    };
+                    if let Some(permit) = permit.as_ref() {
+                        permit.answered(response.status());
+                    }
                     let guard = permit.take().map(|permit| stalls.guard(permit));
                     return Poll::Ready(Ok(
-                        response.map(|b| ResponseBody::inner(PermitBody::new(b, guard)))
+                        response.map(|b| ResponseBody::inner(PermitBody::new(b, guard, ending)))
                     ));
                 }
                 StateProj::Refused { response } => {

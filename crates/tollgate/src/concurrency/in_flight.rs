@@ -8,6 +8,7 @@ use std::sync::Arc;
 use http::{Method, Request, header};
 
 use super::leases::Slot;
+use super::limiter::Ending;
 
 /// A request's slot in a [`ConcurrencyLimitLayer`](crate::ConcurrencyLimitLayer),
 /// for connections that outlive their response.
@@ -66,6 +67,25 @@ pub(crate) enum InFlightHold {
     Own { _slot: Slot },
     /// With the [`InFlight`] handed to the handler.
     Shared { _slot: Arc<Slot> },
+}
+
+impl InFlightHold {
+    /// Where to mark how the request ended, for an adaptive limit.
+    pub(crate) fn ending(&self) -> Option<&Arc<Ending>> {
+        match self {
+            InFlightHold::Own { _slot } => _slot.ending(),
+            InFlightHold::Shared { _slot } => _slot.ending(),
+        }
+    }
+
+    /// The response head arrived with `status`: for an adaptive limit, a
+    /// status counted as a failure marks the request failed.
+    pub(crate) fn answered(&self, status: http::StatusCode) {
+        match self {
+            InFlightHold::Own { _slot } => _slot.answered(status),
+            InFlightHold::Shared { _slot } => _slot.answered(status),
+        }
+    }
 }
 
 /// The permit of `req`, shared with the handler through an [`InFlight`] in

@@ -6,19 +6,19 @@ use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_budget::{InvalidName, LeaseStore, check_name};
+use tollgate_budget::{AdaptiveConfig, InvalidName, LeaseStore, check_name};
 use tower_layer::Layer;
 
 use super::ConcurrencyLimit;
 use super::config::{Config, LeaseOptions};
 use super::leases::{Leases, MAX_LEASE, MIN_LEASE, OnLeaseError, Sharing};
-use super::limiter::{ConcurrencyStats, Limiter, Limits};
+use super::limiter::{ConcurrencyStats, FailureWhen, Limiter, Limits};
 use super::stall::{DEFAULT_BODY_IDLE_TIMEOUT, Stalls};
 use crate::ClientIpResolver;
 use crate::identity::{KeyPart, MissingPrincipal};
 use crate::rate_limit::Exemption;
 use crate::response::{RefusalBody, RefusalInfo, Shape};
-use http::HeaderValue;
+use http::{HeaderValue, StatusCode};
 
 /// A shared limit's lease must last at least this many times its lease
 /// store's timeout ([`LeaseStore::timeout`]): renewals go every third of
@@ -65,6 +65,13 @@ enum LimitProblem {
     Lease(InvalidLease),
     #[error("no bound: give it a global limit, a per-key limit or both")]
     NoBound,
+    #[error("both a fixed global limit and an adaptive one: give it one of them")]
+    TwoGlobalLimits,
+    #[error(
+        "an adaptive limit is this process's own: a shared (fleet-wide) limit keeps a fixed \
+         global bound"
+    )]
+    AdaptiveShared,
 }
 
 impl InvalidLimit {
@@ -78,7 +85,10 @@ impl InvalidLimit {
     pub fn lease(&self) -> Option<(Duration, Duration)> {
         match &self.problem {
             LimitProblem::Lease(e) => Some((e.ttl, e.timeout)),
-            LimitProblem::Name(_) | LimitProblem::NoBound => None,
+            LimitProblem::Name(_)
+            | LimitProblem::NoBound
+            | LimitProblem::TwoGlobalLimits
+            | LimitProblem::AdaptiveShared => None,
         }
     }
 }
@@ -152,6 +162,8 @@ impl ConcurrencyLimitLayer {
                 waiting: None,
                 log_level: tracing::Level::DEBUG,
                 dry_run: false,
+                adaptive: None,
+                failure_when: None,
             },
             lease_store: None,
             lease: LeaseOptions::default(),
@@ -227,8 +239,10 @@ impl ConcurrencyLimitBuilder {
     /// # Errors
     ///
     /// [`InvalidLimit`] when the name is not a valid limit name, the limit
-    /// has no bound (neither [`global`](Self::global) nor
-    /// [`per_key`](Self::per_key): it would limit nothing), or the
+    /// has no bound (none of [`global`](Self::global),
+    /// [`adaptive`](Self::adaptive) and [`per_key`](Self::per_key): it
+    /// would limit nothing), it has both a fixed and an adaptive global
+    /// limit, an adaptive limit is [shared](Self::shared), or the
     /// lease ([`lease_ttl`](Self::lease_ttl), 10 s by default) is shorter
     /// than [`MIN_LEASE_PER_STORE_TIMEOUT`] times the store's
     /// [timeout](LeaseStore::timeout).
@@ -238,8 +252,15 @@ impl ConcurrencyLimitBuilder {
             problem,
         };
         check_name(&self.limits.name).map_err(|e| invalid(LimitProblem::Name(e)))?;
-        if self.limits.global_max.is_none() && self.limits.per_key_max.is_none() {
+        let adaptive = self.limits.adaptive.is_some();
+        if self.limits.global_max.is_none() && self.limits.per_key_max.is_none() && !adaptive {
             return Err(invalid(LimitProblem::NoBound));
+        }
+        if adaptive && self.limits.global_max.is_some() {
+            return Err(invalid(LimitProblem::TwoGlobalLimits));
+        }
+        if adaptive && self.lease_store.is_some() {
+            return Err(invalid(LimitProblem::AdaptiveShared));
         }
         if let Some(store) = &self.lease_store {
             check_lease(self.lease.ttl, &**store).map_err(|e| invalid(LimitProblem::Lease(e)))?;
@@ -342,6 +363,58 @@ impl ConcurrencyLimitBuilder {
     /// At most `max` requests in flight through this layer in all (503 beyond).
     pub fn global(self, max: NonZeroUsize) -> Self {
         self.edit(|b| b.limits.global_max = Some(max.get()))
+    }
+
+    /// A global limit found from latency instead of a fixed
+    /// [`global`](Self::global) one: at most the controller's current
+    /// limit in flight through this layer (503 beyond, or a place in the
+    /// [line](Self::wait)). Each request's latency, from admission until
+    /// its response body ends, is fed to an [`AdaptiveLimit`](crate::concurrency::AdaptiveLimit) running
+    /// `config`; a request that fails (an error from the service, a status
+    /// counted by [`adaptive_failure_when`](Self::adaptive_failure_when),
+    /// a body ended for stalling, which is a time-out) is fed as a
+    /// failure, and one cancelled (its body or future dropped before the
+    /// end) as a cancellation. The limit is
+    /// [`ConcurrencyStats::global_limit`] and the gauge
+    /// `tollgate_concurrency_limit{layer}`; moves larger than the
+    /// configured fraction are logged at INFO.
+    ///
+    /// The limit is this process's own: [`build`](Self::build) refuses it
+    /// together with [`global`](Self::global) or [`shared`](Self::shared)
+    /// (a fleet's leases keep a fixed global bound). It works with
+    /// [`per_key`](Self::per_key), [`wait`](Self::wait) (a grown limit
+    /// hands its new slots to waiters in order), exemptions (exempt
+    /// requests are neither counted nor sampled) and
+    /// [`dry_run`](Self::dry_run) (the limit still moves; requests above it
+    /// go through and are logged).
+    ///
+    /// ```
+    /// use tollgate::ConcurrencyLimitLayer;
+    /// use tollgate::concurrency::AdaptiveConfig;
+    ///
+    /// let config = AdaptiveConfig::builder().bounds(4, 256).build()?;
+    /// let layer = ConcurrencyLimitLayer::builder("database")
+    ///     .adaptive(config)
+    ///     .build()?;
+    /// // It starts by measuring the minimum latency, at the probe limit
+    /// // (3, raised to the lower bound).
+    /// assert_eq!(layer.stats().global_limit, Some(4));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn adaptive(self, config: AdaptiveConfig) -> Self {
+        self.edit(|b| b.limits.adaptive = Some(config))
+    }
+
+    /// Which response statuses an [adaptive](Self::adaptive) limit counts
+    /// as failures (default: every `5xx`); `408` and `504` count as
+    /// time-outs, the others as errors ([`Failure`](crate::concurrency::Failure); which kinds cut the
+    /// limit is the [`AdaptiveConfig`](crate::concurrency::AdaptiveConfig)'s). No effect without an adaptive
+    /// limit.
+    pub fn adaptive_failure_when(
+        self,
+        failed: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
+    ) -> Self {
+        self.edit(|b| b.limits.failure_when = Some(FailureWhen(Arc::new(failed))))
     }
 
     /// At most `max` requests in flight per key built from `parts` (429

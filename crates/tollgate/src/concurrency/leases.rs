@@ -20,7 +20,7 @@ use tollgate_budget::{
     Acquired, Lease, LeaseRequest, LeaseStore, Renewed, StoreError, StoreErrorKind,
 };
 
-use super::limiter::{Limiter, Permit, Saturated};
+use super::limiter::{Ending, Limiter, Permit, Saturated};
 use super::release::{Owner, Releases, give_back};
 use crate::observe::Throttle;
 
@@ -252,6 +252,22 @@ pub(crate) enum Slot {
 impl Slot {
     pub(crate) fn local(permit: Permit) -> Self {
         Slot::Local { _permit: permit }
+    }
+
+    /// Where to mark how the request ended, for an adaptive limit (only
+    /// this process's own slots have one).
+    pub(crate) fn ending(&self) -> Option<&Arc<Ending>> {
+        match self {
+            Slot::Local { _permit } => _permit.ending(),
+            Slot::Leases { .. } | Slot::Unchecked => None,
+        }
+    }
+
+    /// See [`Permit::answered`].
+    pub(crate) fn answered(&self, status: http::StatusCode) {
+        if let Slot::Local { _permit } = self {
+            _permit.answered(status);
+        }
     }
 }
 

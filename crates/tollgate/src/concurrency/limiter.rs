@@ -1,13 +1,16 @@
 //! In-flight accounting: a global count and per-key counts under one lock,
 //! permits that give back on drop, and bounded first-come-first-served
-//! waiting in which a freed slot is handed to one waiter.
+//! waiting in which a freed slot is handed to one waiter. An adaptive
+//! global limit is fed, under the same lock, by every permit given back.
 
 use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
+use http::StatusCode;
 use tokio::sync::oneshot;
+use tollgate_budget::{AdaptiveConfig, AdaptiveLimit, Change, Failure, Nanos, Sample};
 
 /// Which limit refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -27,6 +30,8 @@ struct SlotCounts {
     /// Requests waiting for a permit, first come first served.
     queue: VecDeque<Waiter>,
     next_waiter: u64,
+    /// The global limit found from latency, when it is adaptive.
+    adaptive: Option<AdaptiveLimit>,
 }
 
 /// A request waiting in the queue; a freed slot is handed to it directly.
@@ -43,14 +48,22 @@ impl SlotCounts {
         {
             return Err(Saturated::PerKey);
         }
-        if limiter
-            .limits
-            .global_max
+        if self
+            .global_max(limiter)
             .is_some_and(|max| self.global >= max)
         {
             return Err(Saturated::Global);
         }
         Ok(())
+    }
+
+    /// The global limit now: the adaptive one's current value, or the
+    /// fixed one.
+    fn global_max(&self, limiter: &Limiter) -> Option<usize> {
+        match &self.adaptive {
+            Some(adaptive) => Some(adaptive.limit() as usize),
+            None => limiter.limits.global_max,
+        }
     }
 
     fn take(&mut self, key: Option<&str>) {
@@ -101,6 +114,10 @@ pub struct ConcurrencyStats {
     /// Response bodies ended because they made no progress for the layer's
     /// [`body_idle_timeout`](crate::concurrency::ConcurrencyLimitBuilder::body_idle_timeout).
     pub bodies_stalled: u64,
+    /// The global limit now: the fixed one, the current value of an
+    /// [adaptive](crate::concurrency::ConcurrencyLimitBuilder::adaptive)
+    /// one, or `None` for a layer with only a per-key limit.
+    pub global_limit: Option<usize>,
 }
 
 /// What a limiter bounds.
@@ -116,6 +133,21 @@ pub(crate) struct Limits {
     /// Refuse nothing for a full limit: log and count what would have
     /// been refused, and let it through (counted) at once.
     pub(crate) dry_run: bool,
+    /// A global limit found from latency instead of `global_max`.
+    pub(crate) adaptive: Option<AdaptiveConfig>,
+    /// Which response statuses an adaptive limit counts as failures
+    /// (`None`: every `5xx`).
+    pub(crate) failure_when: Option<FailureWhen>,
+}
+
+/// Which response statuses count as failures for an adaptive limit.
+#[derive(Clone)]
+pub(crate) struct FailureWhen(pub(crate) Arc<dyn Fn(StatusCode) -> bool + Send + Sync>);
+
+impl std::fmt::Debug for FailureWhen {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FailureWhen(..)")
+    }
 }
 
 impl Limits {
@@ -123,6 +155,22 @@ impl Limits {
     /// lets the request through at once).
     pub(crate) fn waits(&self) -> Option<(usize, Duration)> {
         self.waiting.filter(|_| !self.dry_run)
+    }
+
+    /// What a response with `status` tells an adaptive limit: a failure
+    /// (`408` and `504` are time-outs), or nothing more than its latency.
+    fn failure(&self, status: StatusCode) -> Option<Failure> {
+        let failed = match &self.failure_when {
+            Some(when) => (when.0)(status),
+            None => status.is_server_error(),
+        };
+        failed.then_some(
+            if status == StatusCode::GATEWAY_TIMEOUT || status == StatusCode::REQUEST_TIMEOUT {
+                Failure::TimedOut
+            } else {
+                Failure::Error
+            },
+        )
     }
 }
 
@@ -136,38 +184,126 @@ pub(crate) struct Limiter {
     peak_waiters: AtomicUsize,
     refused_per_key: AtomicU64,
     refused_global: AtomicU64,
+    /// Where an adaptive limit's time starts (tokio's clock, so a test
+    /// with paused time drives it).
+    epoch: tokio::time::Instant,
 }
 
 /// Held while a request is in flight; gives its slots back on drop.
 pub(crate) struct Permit {
     limiter: Arc<Limiter>,
     key: Option<Box<str>>,
+    /// For an adaptive limit: when the request was admitted, and how it
+    /// ended (marked by the response and its body).
+    sampled: Option<(Nanos, Arc<Ending>)>,
+}
+
+/// How a request held by a [`Permit`] ended, for an adaptive limit: the
+/// first mark stands (a `5xx` head marks a failure before its body ends).
+/// Unmarked when the permit is given back: the request was cancelled
+/// (its future or body dropped before the end).
+#[derive(Debug, Default)]
+pub(crate) struct Ending(AtomicU8);
+
+impl Ending {
+    const UNMARKED: u8 = 0;
+    const OK: u8 = 1;
+    const ERROR: u8 = 2;
+    const TIMED_OUT: u8 = 3;
+
+    /// The request succeeded (its body ended), unless already marked.
+    pub(crate) fn ok(&self) {
+        self.mark(Self::OK);
+    }
+
+    /// The request failed (an error, or a status counted as one), unless
+    /// already marked.
+    pub(crate) fn failed(&self, failure: Failure) {
+        self.mark(match failure {
+            Failure::TimedOut => Self::TIMED_OUT,
+            Failure::Cancelled => Self::UNMARKED,
+            _ => Self::ERROR,
+        });
+    }
+
+    fn mark(&self, how: u8) {
+        let _ = self
+            .0
+            .compare_exchange(Self::UNMARKED, how, Ordering::Relaxed, Ordering::Relaxed);
+    }
+
+    fn sample(&self, latency: Nanos) -> Sample {
+        match self.0.load(Ordering::Relaxed) {
+            Self::OK => Sample::Ok(latency),
+            Self::ERROR => Sample::Failed(Failure::Error),
+            Self::TIMED_OUT => Sample::Failed(Failure::TimedOut),
+            _ => Sample::Failed(Failure::Cancelled),
+        }
+    }
+}
+
+impl Permit {
+    /// Where to mark how the request ended, for an adaptive limit.
+    pub(crate) fn ending(&self) -> Option<&Arc<Ending>> {
+        self.sampled.as_ref().map(|(_, ending)| ending)
+    }
+
+    /// The response head arrived with `status`: for an adaptive limit, a
+    /// status counted as a failure marks the request failed.
+    pub(crate) fn answered(&self, status: StatusCode) {
+        if let (Some((_, ending)), Some(failure)) =
+            (&self.sampled, self.limiter.limits.failure(status))
+        {
+            ending.failed(failure);
+        }
+    }
 }
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        let handed = {
+        let (handed, change) = {
             let mut counts = self.limiter.lock();
             counts.give_back(self.key.as_deref());
-            self.limiter.hand_over(&mut counts)
+            let global = in_flight(counts.global);
+            let change = match (&self.sampled, &mut counts.adaptive) {
+                (Some((admitted, ending)), Some(adaptive)) => {
+                    let now = self.limiter.now();
+                    let sample = ending.sample(now.saturating_sub(*admitted));
+                    adaptive.update(now, global, sample)
+                }
+                _ => None,
+            };
+            (self.limiter.hand_over_all(&mut counts), change)
         };
         // Sent outside the lock: a waiter gone in the meantime gives the
         // permit straight back, which locks again.
-        if let Some((grant, permit)) = handed {
+        for (grant, permit) in handed {
             let _ = grant.send(permit);
+        }
+        if let Some(change) = change {
+            self.limiter.report(change);
         }
         self.limiter.gauges();
     }
 }
 
+/// A count of requests as the adaptive controller takes it.
+fn in_flight(count: usize) -> u32 {
+    u32::try_from(count).unwrap_or(u32::MAX)
+}
+
 impl Limiter {
     pub(crate) fn new(limits: Limits) -> Self {
         Self {
-            limits,
-            counts: Mutex::new(SlotCounts::default()),
             peak_waiters: AtomicUsize::new(0),
             refused_per_key: AtomicU64::new(0),
             refused_global: AtomicU64::new(0),
+            epoch: tokio::time::Instant::now(),
+            counts: Mutex::new(SlotCounts {
+                adaptive: limits.adaptive.map(|c| AdaptiveLimit::new(c, 0)),
+                ..SlotCounts::default()
+            }),
+            limits,
         }
     }
 
@@ -175,23 +311,75 @@ impl Limiter {
         self.counts.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    fn permit(self: &Arc<Self>, key: Option<Box<str>>) -> Permit {
-        Permit {
-            limiter: self.clone(),
-            key,
+    /// Nanoseconds since the limiter was made, on tokio's clock.
+    fn now(&self) -> Nanos {
+        u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
+    }
+
+    /// Lets an adaptive limit see the time pass before a request is
+    /// decided (a probe may be due, or a window over); waiters that fit a
+    /// limit grown by it are handed their slots before the newcomer looks.
+    fn advance(self: &Arc<Self>) {
+        if self.limits.adaptive.is_none() {
+            return;
+        }
+        let (handed, change) = {
+            let mut counts = self.lock();
+            let (now, global) = (self.now(), in_flight(counts.global));
+            let change = counts.adaptive.as_mut().and_then(|a| a.tick(now, global));
+            (self.hand_over_all(&mut counts), change)
+        };
+        for (grant, permit) in handed {
+            let _ = grant.send(permit);
+        }
+        if let Some(change) = change {
+            self.report(change);
         }
     }
 
-    /// The first waiter that fits now, its slot taken on its behalf.
-    fn hand_over(
+    fn permit(self: &Arc<Self>, key: Option<Box<str>>) -> Permit {
+        let sampled = self
+            .limits
+            .adaptive
+            .is_some()
+            .then(|| (self.now(), Arc::default()));
+        Permit {
+            limiter: self.clone(),
+            key,
+            sampled,
+        }
+    }
+
+    /// Every waiter that fits now, in order of arrival, each slot taken on
+    /// its behalf: one for a slot given back, more when an adaptive limit
+    /// has grown.
+    fn hand_over_all(
         self: &Arc<Self>,
         counts: &mut SlotCounts,
-    ) -> Option<(oneshot::Sender<Permit>, Permit)> {
-        let i = (0..counts.queue.len())
-            .find(|&i| counts.fits(self, counts.queue[i].key.as_deref()).is_ok())?;
-        let waiter = counts.queue.remove(i)?;
-        counts.take(waiter.key.as_deref());
-        Some((waiter.grant, self.permit(waiter.key)))
+    ) -> Vec<(oneshot::Sender<Permit>, Permit)> {
+        let mut handed = Vec::new();
+        let mut i = 0;
+        while i < counts.queue.len() {
+            if counts.fits(self, counts.queue[i].key.as_deref()).is_ok()
+                && let Some(waiter) = counts.queue.remove(i)
+            {
+                counts.take(waiter.key.as_deref());
+                handed.push((waiter.grant, self.permit(waiter.key)));
+            } else {
+                i += 1;
+            }
+        }
+        handed
+    }
+
+    /// Logs (at info) and records an adaptive limit's move.
+    fn report(&self, change: Change) {
+        tracing::info!(
+            layer = &*self.limits.name,
+            from = change.from,
+            to = change.to,
+            "adaptive concurrency limit moved"
+        );
     }
 
     /// A slot taken without checking the limits: a shared limit's lease,
@@ -210,6 +398,7 @@ impl Limiter {
     }
 
     pub(crate) fn try_acquire(self: &Arc<Self>, key: Option<&str>) -> Result<Permit, Saturated> {
+        self.advance();
         let mut counts = self.lock();
         counts.fits(self, key)?;
         counts.take(key);
@@ -230,6 +419,7 @@ impl Limiter {
                 .map_err(|full| self.refused(full, key.as_deref()));
         };
         let (id, full, granted, shown) = {
+            self.advance();
             let mut counts = self.lock();
             let full = match counts.fits(&self, key.as_deref()) {
                 Ok(()) => {
@@ -347,7 +537,8 @@ impl Limiter {
     }
 
     /// Sets the gauges `tollgate_in_flight{layer}` and
-    /// `tollgate_waiting{layer}` (this process's counts; documented in
+    /// `tollgate_waiting{layer}` (this process's counts) and, for an
+    /// adaptive limit, `tollgate_concurrency_limit{layer}` (documented in
     /// observe.rs).
     fn gauges(&self) {
         #[cfg(feature = "metrics")]
@@ -357,6 +548,12 @@ impl Limiter {
                 .set(stats.in_flight as f64);
             metrics::gauge!("tollgate_waiting", "layer" => self.limits.name.to_string())
                 .set(stats.waiting as f64);
+            // Gauge `tollgate_concurrency_limit{layer}`, for an adaptive
+            // limit; documented in observe.rs.
+            if let (true, Some(limit)) = (self.limits.adaptive.is_some(), stats.global_limit) {
+                metrics::gauge!("tollgate_concurrency_limit", "layer" => self.limits.name.to_string())
+                    .set(limit as f64);
+            }
         }
     }
 
@@ -371,6 +568,7 @@ impl Limiter {
             leases_restored: 0,
             releases_abandoned: 0,
             bodies_stalled: 0,
+            global_limit: counts.global_max(self),
         }
     }
 }
@@ -405,6 +603,8 @@ mod tests {
             waiting: Some((waiting, Duration::from_secs(60))),
             log_level: tracing::Level::DEBUG,
             dry_run: false,
+            adaptive: None,
+            failure_when: None,
         }))
     }
 

@@ -10,7 +10,15 @@
 //!   the rate-limit layer): over the limit is `429`, whose
 //!   `RateLimit-Policy` names the unit `concurrent-requests`; no
 //!   `Retry-After`, since no time can be promised;
-//! - global: over the limit is `503`;
+//! - global: over the limit is `503`. The global limit is a fixed number
+//!   ([`ConcurrencyLimitBuilder::global`](crate::concurrency::ConcurrencyLimitBuilder::global))
+//!   or found from latency
+//!   ([`ConcurrencyLimitBuilder::adaptive`](crate::concurrency::ConcurrencyLimitBuilder::adaptive),
+//!   an [`AdaptiveLimit`]): fixed when you know what the backend can take
+//!   and it does not move; adaptive when the right number moves with
+//!   deploys, caches and the backend's own load, so that a number set too
+//!   high lets a slow backend queue up until every request times out and
+//!   one set too low refuses work it could do;
 //! - refusal is immediate unless [`ConcurrencyLimitBuilder::wait`](crate::concurrency::ConcurrencyLimitBuilder::wait) allows a
 //!   bounded number of waiters for a bounded time, served first come,
 //!   first served; there is never an unbounded queue;
@@ -70,3 +78,7 @@ pub use leases::OnLeaseError;
 pub use limiter::ConcurrencyStats;
 pub use service::ConcurrencyLimit;
 pub use stall::{BodyStalled, DEFAULT_BODY_IDLE_TIMEOUT};
+pub use tollgate_budget::{
+    AdaptiveConfig, AdaptiveConfigBuilder, AdaptiveLimit, Change, Failure, InvalidAdaptiveLimit,
+    Sample,
+};

@@ -1,0 +1,351 @@
+//! An adaptive global limit through the concurrency layer, on tokio's
+//! paused clock: the latencies the layer measures (admission to the end of
+//! the response body) reach the controller, failures cut the limit,
+//! cancellations do not, and the limit it enforces is the controller's.
+//!
+//! The backend is a service whose latency grows once more than its
+//! capacity are in it (`base × max(n, capacity) / capacity`, fixed when a
+//! request arrives), or a fixed latency for "unlimited".
+
+use std::convert::Infallible;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use tokio::time::Instant;
+use tollgate::ConcurrencyLimitLayer;
+use tollgate::concurrency::{AdaptiveConfig, ConcurrencyLimit};
+use tower::{Layer, ServiceExt};
+
+const MS: Duration = Duration::from_millis(1);
+
+/// The simulated backend's state, changed by the tests as it runs.
+#[derive(Default)]
+struct Backend {
+    busy: AtomicUsize,
+    /// Requests it can serve at full speed at once; 0: unlimited.
+    capacity: AtomicUsize,
+    /// The status it answers with.
+    status: AtomicU16,
+}
+
+impl Backend {
+    fn new(capacity: usize) -> Arc<Self> {
+        let backend = Arc::new(Self::default());
+        backend.capacity.store(capacity, Ordering::Relaxed);
+        backend.status.store(200, Ordering::Relaxed);
+        backend
+    }
+
+    async fn serve(&self) -> Response<Full<Bytes>> {
+        let n = self.busy.fetch_add(1, Ordering::Relaxed) + 1;
+        let capacity = self.capacity.load(Ordering::Relaxed);
+        let latency = match capacity {
+            0 => 10 * MS,
+            c => 10 * MS * u32::try_from(n.max(c)).unwrap() / u32::try_from(c).unwrap(),
+        };
+        tokio::time::sleep(latency).await;
+        self.busy.fetch_sub(1, Ordering::Relaxed);
+        let status = StatusCode::from_u16(self.status.load(Ordering::Relaxed)).unwrap();
+        let mut response = Response::new(Full::new(Bytes::from_static(b"done")));
+        *response.status_mut() = status;
+        response
+    }
+}
+
+type Backed =
+    tower::util::BoxCloneSyncService<Request<Full<Bytes>>, Response<Full<Bytes>>, Infallible>;
+
+fn limited(backend: &Arc<Backend>, layer: &ConcurrencyLimitLayer) -> ConcurrencyLimit<Backed> {
+    let backend = backend.clone();
+    let inner = tower::service_fn(move |_req: Request<Full<Bytes>>| {
+        let backend = backend.clone();
+        async move { Ok::<_, Infallible>(backend.serve().await) }
+    });
+    layer.layer(tower::util::BoxCloneSyncService::new(inner))
+}
+
+/// `clients` closed-loop clients until `until`: each sends a request,
+/// reads the whole body, and sends the next; a refused one waits 5 ms.
+/// Returns (admitted, refused).
+async fn load(svc: &ConcurrencyLimit<Backed>, clients: usize, until: Instant) -> (u64, u64) {
+    let mut tasks = Vec::new();
+    for _ in 0..clients {
+        let svc = svc.clone();
+        tasks.push(tokio::spawn(async move {
+            let (mut admitted, mut refused) = (0, 0);
+            while Instant::now() < until {
+                let response = svc
+                    .clone()
+                    .oneshot(Request::new(Full::new(Bytes::new())))
+                    .await
+                    .unwrap();
+                if response.status() == StatusCode::SERVICE_UNAVAILABLE {
+                    refused += 1;
+                    tokio::time::sleep(5 * MS).await;
+                } else {
+                    admitted += 1;
+                    response.into_body().collect().await.unwrap();
+                }
+            }
+            (admitted, refused)
+        }));
+    }
+    let mut total = (0, 0);
+    for task in tasks {
+        let (a, r) = task.await.unwrap();
+        total = (total.0 + a, total.1 + r);
+    }
+    total
+}
+
+/// The limit every 100 ms while `load` runs for `run`; the median of the
+/// last `tail` of it (probes pin the limit low for a moment: the median
+/// looks past them).
+async fn median_limit(
+    layer: &ConcurrencyLimitLayer,
+    svc: &ConcurrencyLimit<Backed>,
+    clients: usize,
+    run: Duration,
+    tail: Duration,
+) -> (usize, u64) {
+    let until = Instant::now() + run;
+    let watch = {
+        let layer = layer.clone();
+        tokio::spawn(async move {
+            let mut seen = Vec::new();
+            while Instant::now() < until {
+                tokio::time::sleep(100 * MS).await;
+                seen.push((Instant::now(), layer.stats().global_limit.unwrap()));
+            }
+            seen
+        })
+    };
+    let (_, refused) = load(svc, clients, until).await;
+    let seen = watch.await.unwrap();
+    let mut tail: Vec<usize> = seen
+        .into_iter()
+        .filter(|(at, _)| *at + tail >= until)
+        .map(|(_, limit)| limit)
+        .collect();
+    tail.sort_unstable();
+    (tail[tail.len() / 2], refused)
+}
+
+fn adaptive(config: AdaptiveConfig) -> ConcurrencyLimitLayer {
+    ConcurrencyLimitLayer::builder("backend")
+        .adaptive(config)
+        .build()
+        .unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_limit_grows_while_latency_holds_and_falls_to_the_capacity_when_it_does_not() {
+    let layer = adaptive(AdaptiveConfig::builder().bounds(1, 1000).build().unwrap());
+    assert_eq!(layer.stats().global_limit, Some(3), "it starts by probing");
+    let backend = Backend::new(0);
+    let svc = limited(&backend, &layer);
+
+    // Unlimited backend, 200 clients: latency stays at its floor, and the
+    // limit grows far past its initial 20.
+    let (grown, refused) = median_limit(
+        &layer,
+        &svc,
+        200,
+        Duration::from_secs(10),
+        Duration::from_secs(3),
+    )
+    .await;
+    assert!(grown > 80, "limit {grown} after 10 s at the latency floor");
+    assert!(refused > 0, "200 clients found the limit full at times");
+
+    // Capacity 16: latency grows with every request above 16, and the
+    // limit comes down to about the capacity (the controller's tolerance
+    // and queue allowance keep it somewhat above).
+    backend.capacity.store(16, Ordering::Relaxed);
+    let (settled, _) = median_limit(
+        &layer,
+        &svc,
+        200,
+        Duration::from_secs(15),
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(
+        (16..=48).contains(&settled),
+        "limit {settled} for a backend of capacity 16"
+    );
+    assert!(layer.stats().in_flight == 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn server_errors_cut_the_limit_and_statuses_can_be_chosen() {
+    // Every 5xx is a failure by default.
+    let layer = adaptive(AdaptiveConfig::builder().bounds(1, 100).build().unwrap());
+    let backend = Backend::new(0);
+    let svc = limited(&backend, &layer);
+    let (before, _) = median_limit(
+        &layer,
+        &svc,
+        40,
+        Duration::from_secs(5),
+        Duration::from_secs(1),
+    )
+    .await;
+    assert!(before >= 20, "limit {before} after healthy traffic");
+    backend.status.store(500, Ordering::Relaxed);
+    let (after, _) = median_limit(
+        &layer,
+        &svc,
+        40,
+        Duration::from_secs(5),
+        Duration::from_secs(1),
+    )
+    .await;
+    assert_eq!(
+        after, 1,
+        "50 windows of failures cut {before} to the minimum"
+    );
+
+    // Counted as failures: 429 only. A 500 is then a plain answer.
+    let layer = ConcurrencyLimitLayer::builder("backend")
+        .adaptive(AdaptiveConfig::builder().bounds(1, 100).build().unwrap())
+        .adaptive_failure_when(|s| s == StatusCode::TOO_MANY_REQUESTS)
+        .build()
+        .unwrap();
+    let backend = Backend::new(0);
+    let svc = limited(&backend, &layer);
+    let (before, _) = median_limit(
+        &layer,
+        &svc,
+        40,
+        Duration::from_secs(5),
+        Duration::from_secs(1),
+    )
+    .await;
+    backend.status.store(500, Ordering::Relaxed);
+    let (after, _) = median_limit(
+        &layer,
+        &svc,
+        40,
+        Duration::from_secs(5),
+        Duration::from_secs(1),
+    )
+    .await;
+    assert!(
+        after >= before,
+        "500s not counted, yet {before} fell to {after}"
+    );
+    backend.status.store(429, Ordering::Relaxed);
+    let (cut, _) = median_limit(
+        &layer,
+        &svc,
+        40,
+        Duration::from_secs(5),
+        Duration::from_secs(1),
+    )
+    .await;
+    assert_eq!(
+        cut, 1,
+        "429s counted as failures cut {after} to the minimum"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn cancelled_requests_neither_cut_the_limit_nor_hold_it() {
+    // (No probe due in this test: a probe pins the limit low until it has
+    // measured, and cancelled requests measure nothing.)
+    let config = AdaptiveConfig::builder()
+        .bounds(1, 100)
+        .probe_interval(Duration::from_secs(600))
+        .build()
+        .unwrap();
+    let layer = adaptive(config);
+    let backend = Backend::new(0);
+    let svc = limited(&backend, &layer);
+    let (before, _) = median_limit(
+        &layer,
+        &svc,
+        40,
+        Duration::from_secs(5),
+        Duration::from_secs(1),
+    )
+    .await;
+    let steady = layer.stats().global_limit.unwrap();
+    assert!(before >= 20 && steady >= 20, "limit {before} / {steady}");
+    // Clients that give up: the response future dropped while the backend
+    // works, or the body dropped unread.
+    for i in 0..200 {
+        let call = svc.clone().oneshot(Request::new(Full::new(Bytes::new())));
+        if i % 2 == 0 {
+            let _ = tokio::time::timeout(2 * MS, call).await;
+        } else {
+            drop(call.await.unwrap());
+        }
+        tokio::time::sleep(20 * MS).await;
+    }
+    let stats = layer.stats();
+    assert_eq!(
+        stats.in_flight, 0,
+        "every cancelled request gave its slot back"
+    );
+    assert_eq!(
+        stats.global_limit,
+        Some(steady),
+        "cancellations are not overload: the limit did not move"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_enforced_limit_is_the_controllers_and_a_dry_run_only_logs() {
+    // min = max = 2: the controller can only say 2.
+    let config = AdaptiveConfig::builder().bounds(2, 2).build().unwrap();
+    let backend = Backend::new(0);
+    for dry_run in [false, true] {
+        let layer = ConcurrencyLimitLayer::builder("backend")
+            .adaptive(config)
+            .dry_run(dry_run)
+            .build()
+            .unwrap();
+        let svc = limited(&backend, &layer);
+        let calls: Vec<_> = (0..5)
+            .map(|_| tokio::spawn(svc.clone().oneshot(Request::new(Full::new(Bytes::new())))))
+            .collect();
+        let mut statuses = Vec::new();
+        for call in calls {
+            statuses.push(call.await.unwrap().unwrap().status());
+        }
+        let refused = statuses
+            .iter()
+            .filter(|s| **s == StatusCode::SERVICE_UNAVAILABLE)
+            .count();
+        assert_eq!(
+            refused,
+            if dry_run { 0 } else { 3 },
+            "dry run {dry_run}: {statuses:?}"
+        );
+        assert_eq!(layer.stats().global_limit, Some(2));
+    }
+}
+
+#[test]
+fn a_fixed_and_an_adaptive_global_limit_together_are_refused() {
+    let err = ConcurrencyLimitLayer::builder("backend")
+        .global(std::num::NonZeroUsize::new(8).unwrap())
+        .adaptive(AdaptiveConfig::default())
+        .build()
+        .unwrap_err();
+    assert!(
+        err.to_string()
+            .contains("both a fixed global limit and an adaptive one"),
+        "{err}"
+    );
+    // An adaptive limit alone is a bound.
+    let _ = ConcurrencyLimitLayer::builder("backend")
+        .adaptive(AdaptiveConfig::default())
+        .build()
+        .unwrap();
+}
