@@ -798,3 +798,63 @@ async fn an_adaptive_limit_is_enforced_and_fed_over_real_sockets() {
         "40 server errors over 40 windows: {before} -> {after}"
     );
 }
+
+/// One data frame, then the end, with `is_end_stream` left at its default
+/// (false), as a stream body's (a file, a proxied body) is.
+struct OneFrame(Option<Bytes>);
+
+impl http_body::Body for OneFrame {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        Poll::Ready(self.get_mut().0.take().map(|b| Ok(Frame::data(b))))
+    }
+}
+
+/// Found in review: over HTTP/1.1 the server never polls the body of an
+/// answer to `HEAD`, nor a stream body past its declared `Content-Length`,
+/// so those requests were taken for cancelled and never gave a latency:
+/// an adaptive limit serving only them never left its first probe (3).
+#[tokio::test(flavor = "multi_thread")]
+async fn answers_whose_bodies_are_not_polled_to_the_end_are_still_measured() {
+    use tollgate::concurrency::AdaptiveConfig;
+    for (method, path) in [("HEAD", "/plain"), ("GET", "/declared")] {
+        let layer = ConcurrencyLimitLayer::builder("adaptive")
+            .adaptive(AdaptiveConfig::builder().bounds(1, 1000).build().unwrap())
+            .build()
+            .unwrap();
+        let app = Router::new()
+            .route("/plain", get(|| async { "plain body" }))
+            .route(
+                "/declared",
+                get(|| async {
+                    axum::response::Response::builder()
+                        .header("content-length", "5")
+                        .body(axum::body::Body::new(OneFrame(Some(Bytes::from_static(
+                            b"12345",
+                        )))))
+                        .unwrap()
+                }),
+            )
+            .layer(layer.clone());
+        let a = serve(app).await;
+        assert_eq!(layer.stats().global_limit, Some(3), "probing at first");
+        for _ in 0..30 {
+            let reply = send(a, ip("127.0.32.1"), method, path, &[], b"").await;
+            assert_eq!(reply.status, StatusCode::OK);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        wait_until(|| layer.stats().in_flight == 0).await;
+        // (An arrival lets the controller see the time.)
+        send(a, ip("127.0.32.1"), "GET", "/plain", &[], b"").await;
+        assert_ne!(
+            layer.stats().global_limit,
+            Some(3),
+            "{method} {path}: 30 answers measured, the first probe is over"
+        );
+    }
+}

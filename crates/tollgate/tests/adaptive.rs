@@ -40,7 +40,20 @@ impl Backend {
         backend
     }
 
-    async fn serve(&self) -> Response<Full<Bytes>> {
+    async fn serve(&self, path: &str) -> Response<Full<Bytes>> {
+        match path {
+            // A long-lived request (a long poll, a report): two minutes.
+            "/long" => tokio::time::sleep(Duration::from_secs(120)).await,
+            // An answer decided before any work.
+            "/missing" => {
+                let mut response = Response::new(Full::new(Bytes::new()));
+                *response.status_mut() = StatusCode::NOT_FOUND;
+                return response;
+            }
+            // A cheap route beside the expensive one.
+            "/fast" => return Response::new(Full::new(Bytes::from_static(b"fast"))),
+            _ => {}
+        }
         let n = self.busy.fetch_add(1, Ordering::Relaxed) + 1;
         let capacity = self.capacity.load(Ordering::Relaxed);
         let latency = match capacity {
@@ -61,9 +74,9 @@ type Backed =
 
 fn limited(backend: &Arc<Backend>, layer: &ConcurrencyLimitLayer) -> ConcurrencyLimit<Backed> {
     let backend = backend.clone();
-    let inner = tower::service_fn(move |_req: Request<Full<Bytes>>| {
+    let inner = tower::service_fn(move |req: Request<Full<Bytes>>| {
         let backend = backend.clone();
-        async move { Ok::<_, Infallible>(backend.serve().await) }
+        async move { Ok::<_, Infallible>(backend.serve(req.uri().path()).await) }
     });
     layer.layer(tower::util::BoxCloneSyncService::new(inner))
 }
@@ -348,4 +361,123 @@ fn a_fixed_and_an_adaptive_global_limit_together_are_refused() {
         .adaptive(AdaptiveConfig::default())
         .build()
         .unwrap();
+}
+
+fn to(path: &str) -> Request<Full<Bytes>> {
+    Request::builder()
+        .uri(path)
+        .body(Full::new(Bytes::new()))
+        .unwrap()
+}
+
+/// Found in review: a probe waited for the requests in flight to drain to
+/// the probe limit, and a few long-lived requests never let them, so the
+/// limit stayed at 3 and refused nearly everyone. A probe now gives up.
+#[tokio::test(start_paused = true)]
+async fn a_few_long_requests_do_not_pin_the_limit_at_the_probe() {
+    let config = AdaptiveConfig::builder()
+        .bounds(1, 1000)
+        .probe_interval(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    let layer = adaptive(config);
+    let backend = Backend::new(0);
+    let svc = limited(&backend, &layer);
+    let (before, _) = median_limit(
+        &layer,
+        &svc,
+        40,
+        Duration::from_secs(4),
+        Duration::from_secs(2),
+    )
+    .await;
+    let long: Vec<_> = (0..4)
+        .map(|_| tokio::spawn(svc.clone().oneshot(to("/long"))))
+        .collect();
+    tokio::time::sleep(MS).await;
+    let (during, _) = median_limit(
+        &layer,
+        &svc,
+        40,
+        Duration::from_secs(60),
+        Duration::from_secs(50),
+    )
+    .await;
+    assert!(
+        during >= 20,
+        "limit {during} (before {before}) with four long requests in flight through six probes"
+    );
+    for call in long {
+        assert_eq!(call.await.unwrap().unwrap().status(), StatusCode::OK);
+    }
+}
+
+/// Found in review: a dry run refuses nothing, so the backend never
+/// drained to the probe limit and the first probe never ended: the limit
+/// it logs against stayed at 3.
+#[tokio::test(start_paused = true)]
+async fn a_dry_run_limit_moves() {
+    let layer = ConcurrencyLimitLayer::builder("backend")
+        .adaptive(AdaptiveConfig::builder().bounds(1, 1000).build().unwrap())
+        .dry_run(true)
+        .build()
+        .unwrap();
+    let backend = Backend::new(16);
+    let svc = limited(&backend, &layer);
+    let (limit, refused) = median_limit(
+        &layer,
+        &svc,
+        40,
+        Duration::from_secs(20),
+        Duration::from_secs(10),
+    )
+    .await;
+    assert_eq!(refused, 0, "a dry run refuses nothing");
+    assert!(limit > 3, "the dry-run limit left the first probe: {limit}");
+}
+
+/// Found in review: every answer was a latency, so one instant `404` (or
+/// a cheap route beside an expensive one) set a floor every later window
+/// looked 1000 times too slow against, and the limit collapsed until the
+/// next probe. Now `4xx` answers are not measured, and only probes set
+/// the floor.
+#[tokio::test(start_paused = true)]
+async fn instant_answers_do_not_collapse_the_limit() {
+    for cheap in ["/missing", "/fast"] {
+        let layer = adaptive(AdaptiveConfig::builder().bounds(1, 1000).build().unwrap());
+        let backend = Backend::new(0);
+        let svc = limited(&backend, &layer);
+        let (before, _) = median_limit(
+            &layer,
+            &svc,
+            60,
+            Duration::from_secs(5),
+            Duration::from_secs(2),
+        )
+        .await;
+        // One cheap request every second, beside the steady load.
+        let cheap_calls = {
+            let svc = svc.clone();
+            tokio::spawn(async move {
+                for _ in 0..30 {
+                    let response = svc.clone().oneshot(to(cheap)).await.unwrap();
+                    response.into_body().collect().await.unwrap();
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            })
+        };
+        let (during, _) = median_limit(
+            &layer,
+            &svc,
+            60,
+            Duration::from_secs(30),
+            Duration::from_secs(25),
+        )
+        .await;
+        cheap_calls.await.unwrap();
+        assert!(
+            during * 2 >= before,
+            "{cheap} once a second: the limit went from {before} to {during}"
+        );
+    }
 }

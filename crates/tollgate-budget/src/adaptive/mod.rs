@@ -86,13 +86,19 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///   limit sits at about `tolerance × C + √limit` (with the defaults,
 ///   25 for `C` = 16, 84 to 89 for `C` = 64), where latency is about
 ///   `limit / C` times its floor.
-/// - **Minimum latency, re-probed.** `min_latency` is the smallest latency
-///   seen since the last probe. A probe ([`probe_interval`] after the last
-///   one ended, and once at the start) holds the limit at [`probe_limit`]
-///   for at least one window and until [`probe_samples`] requests have
-///   finished that *started* after the requests in flight had drained to
-///   the probe limit, and takes their smallest latency as the new minimum;
-///   then the limit returns to where it was. (A request admitted while
+/// - **Minimum latency, re-probed.** `min_latency` is measured by probes
+///   only (between them, one fast answer must not move the floor every
+///   later window is compared with). A probe ([`probe_interval`] after the
+///   last one ended, and once at the start) holds the limit at
+///   [`probe_limit`] for at least one window and until [`probe_samples`]
+///   requests have finished that *started* after the requests in flight
+///   had drained to the probe limit, and takes their smallest latency as
+///   the new minimum; then the limit returns to where it was. A probe
+///   gives up after ten windows or four minimum latencies, whichever is
+///   longer, once it has seen any latency at all (long-lived requests, or
+///   a dry run that refuses nothing, may keep the backend from ever
+///   draining): it keeps the minimum it had, or, the first time, takes the
+///   smallest latency it saw. (A request admitted while
 ///   older ones still crowd the backend would measure the crowd, not the
 ///   floor; and a request admitted during the probe says nothing about
 ///   the latency at the steady limit, so windows leave it out.) Without
@@ -212,6 +218,9 @@ struct Probe {
     /// The smallest latency of a request started at or after `drained`.
     min: Nanos,
     samples: u32,
+    /// The smallest latency of any request that ended during the probe:
+    /// the floor a probe that gives up takes when there is no other.
+    seen: Option<Nanos>,
 }
 
 impl AdaptiveLimit {
@@ -330,6 +339,7 @@ impl AdaptiveLimit {
         let latency = latency.clamp(1, MAX_LATENCY);
         match &mut self.probe {
             Some(probe) => {
+                probe.seen = Some(probe.seen.map_or(latency, |m| m.min(latency)));
                 // Only requests admitted once the backend had drained to
                 // the probe limit measure the floor.
                 if probe
@@ -341,7 +351,6 @@ impl AdaptiveLimit {
                 }
             }
             None => {
-                self.min_latency = Some(self.min_latency.map_or(latency, |m| m.min(latency)));
                 if now.saturating_sub(latency) >= self.probe_ended {
                     self.window.sum += u128::from(latency);
                     self.window.count += 1;
@@ -362,8 +371,22 @@ impl AdaptiveLimit {
 
     fn end_probe_if_done(&mut self, now: Nanos) {
         let Some(probe) = self.probe else { return };
-        if probe.samples >= self.config.probe_samples && now - probe.started >= self.config.window {
-            self.min_latency = Some(probe.min);
+        let ran = now - probe.started;
+        let measured = probe.samples >= self.config.probe_samples && ran >= self.config.window;
+        let patience = self
+            .config
+            .window
+            .saturating_mul(10)
+            .max(self.min_latency.unwrap_or(0).saturating_mul(4));
+        let given_up = ran >= patience && probe.seen.is_some();
+        if measured || given_up {
+            self.min_latency = match (measured, probe.samples, self.min_latency, probe.seen) {
+                (true, _, _, _) => Some(probe.min),
+                // Some requests measured the floor, fewer than asked.
+                (false, 1.., _, _) => Some(probe.min),
+                (false, 0, Some(kept), _) => Some(kept),
+                (false, 0, None, seen) => seen,
+            };
             self.probe = None;
             self.next_probe = now.saturating_add(self.config.probe_interval);
             self.probe_ended = now;
@@ -424,6 +447,7 @@ impl Probe {
             drained: None,
             min: MAX_LATENCY,
             samples: 0,
+            seen: None,
         }
     }
 }

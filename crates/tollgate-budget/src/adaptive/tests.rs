@@ -59,13 +59,40 @@ fn the_first_probe_measures_once_the_backend_has_drained() {
 }
 
 #[test]
-fn a_probe_waits_for_the_backend_to_drain() {
+fn a_probe_waits_for_the_backend_to_drain_then_gives_up() {
     let mut limit = AdaptiveLimit::new(config().build().unwrap(), 0);
-    for i in 1..=100 {
-        limit.update(i * 10 * MS, 4, Sample::Ok(5 * MS));
+    for i in 1..=99 {
+        limit.update(i * 10 * MS, 4, Sample::Ok(5 * MS + i));
     }
     assert!(limit.is_probing());
     assert_eq!(limit.min_latency(), None);
+    // Ten windows without draining (long-lived requests, a dry run): it
+    // gives up, with the smallest latency it saw as the first floor.
+    limit.update(1000 * MS, 4, Sample::Ok(7 * MS));
+    assert!(!limit.is_probing());
+    assert_eq!(limit.min_latency(), Some(5 * MS + 1));
+    assert_eq!(limit.limit(), 20);
+}
+
+#[test]
+fn a_probe_that_gives_up_keeps_the_floor_it_had() {
+    let mut limit = probed(config().build().unwrap(), 10 * MS);
+    let start = 10_200 * MS;
+    limit.tick(start, 4);
+    assert!(limit.is_probing());
+    // Slower answers while the backend never drains: the floor stays.
+    for i in 1..=100 {
+        limit.update(start + i * 10 * MS, 4, Sample::Ok(50 * MS));
+    }
+    assert!(!limit.is_probing());
+    assert_eq!(limit.min_latency(), Some(10 * MS));
+}
+
+#[test]
+fn between_probes_a_fast_answer_does_not_move_the_floor() {
+    let mut limit = probed(config().build().unwrap(), 10 * MS);
+    limit.update(500 * MS, BUSY, Sample::Ok(1_000));
+    assert_eq!(limit.min_latency(), Some(10 * MS));
 }
 
 #[test]
@@ -192,9 +219,9 @@ fn probes_repeat_and_remeasure_the_floor() {
         .unwrap();
     let mut limit = probed(cfg, 10 * MS);
     assert_eq!(limit.min_latency(), Some(10 * MS));
-    // The floor is lowered by a faster sample at once.
+    // Between probes a faster sample does not move the floor.
     limit.update(150 * MS, BUSY, Sample::Ok(7 * MS));
-    assert_eq!(limit.min_latency(), Some(7 * MS));
+    assert_eq!(limit.min_latency(), Some(10 * MS));
     // A second after the first probe ended, the next one starts.
     limit.tick(1_099 * MS, BUSY);
     assert!(!limit.is_probing());

@@ -43,6 +43,9 @@ pin_project! {
         rest: Bytes,
         // For an adaptive limit: marked when the body ends or fails.
         ending: Option<Arc<Ending>>,
+        // For an adaptive limit: the bytes still to come of a declared
+        // `Content-Length` (a server stops polling once it has them).
+        declared: Option<u64>,
     }
 }
 
@@ -50,12 +53,20 @@ impl<B> PermitBody<B> {
     /// The largest data frame passed on at once: 16 KiB.
     pub const CHUNK: usize = 16 * 1024;
 
-    pub(crate) fn new(inner: B, guard: Option<Guard>, ending: Option<Arc<Ending>>) -> Self {
+    /// `inner`, holding `guard`; `ending` (an adaptive limit's) is marked
+    /// when the body ends, fails, or has sent the `declared` length.
+    pub(crate) fn new(
+        inner: B,
+        guard: Option<Guard>,
+        ending: Option<Arc<Ending>>,
+        declared: Option<u64>,
+    ) -> Self {
         Self {
             inner,
             guard,
             ended: false,
             rest: Bytes::new(),
+            declared: declared.filter(|_| ending.is_some()),
             ending,
         }
     }
@@ -143,6 +154,14 @@ where
         };
         if let Some(Guard::Watched(watched)) = this.guard.as_ref() {
             watched.progress();
+        }
+        if let (Some(left), Some(data)) = (this.declared.as_mut(), frame.data_ref()) {
+            *left = left.saturating_sub(data.len() as u64);
+            if *left == 0
+                && let Some(ending) = this.ending
+            {
+                ending.ok();
+            }
         }
         Poll::Ready(Some(Ok(frame)))
     }

@@ -211,10 +211,14 @@ where
                     if let Some(permit) = permit.as_ref() {
                         permit.answered(response.status());
                     }
+                    let declared = ending.as_ref().and_then(|_| {
+                        let length = response.headers().get(http::header::CONTENT_LENGTH)?;
+                        length.to_str().ok()?.parse::<u64>().ok()
+                    });
                     let guard = permit.take().map(|permit| stalls.guard(permit));
-                    return Poll::Ready(Ok(
-                        response.map(|b| ResponseBody::inner(PermitBody::new(b, guard, ending)))
-                    ));
+                    return Poll::Ready(Ok(response.map(|b| {
+                        ResponseBody::inner(PermitBody::new(b, guard, ending, declared))
+                    })));
                 }
                 StateProj::Refused { response } => {
                     let response = response

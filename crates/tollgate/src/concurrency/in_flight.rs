@@ -92,6 +92,15 @@ impl InFlightHold {
 /// its extensions when the request asks for an upgrade.
 pub(crate) fn hold<B>(permit: Slot, req: &mut Request<B>) -> InFlightHold {
     let upgrade = req.method() == Method::CONNECT || req.headers().contains_key(header::UPGRADE);
+    if let Some(ending) = permit.ending() {
+        if upgrade {
+            // Its slot lives as long as the connection: the client's time,
+            // not the backend's.
+            ending.ignore();
+        } else if req.method() == Method::HEAD {
+            ending.head();
+        }
+    }
     if !upgrade {
         return InFlightHold::Own { _slot: permit };
     }

@@ -369,12 +369,23 @@ impl ConcurrencyLimitBuilder {
     /// [`global`](Self::global) one: at most the controller's current
     /// limit in flight through this layer (503 beyond, or a place in the
     /// [line](Self::wait)). Each request's latency, from admission until
-    /// its response body ends, is fed to an [`AdaptiveLimit`](crate::concurrency::AdaptiveLimit) running
-    /// `config`; a request that fails (an error from the service, a status
-    /// counted by [`adaptive_failure_when`](Self::adaptive_failure_when),
-    /// a body ended for stalling, which is a time-out) is fed as a
-    /// failure, and one cancelled (its body or future dropped before the
-    /// end) as a cancellation. The limit is
+    /// its response body ends (or, over HTTP/1.1, until its declared
+    /// `Content-Length` is sent; an answer to `HEAD`, a `204` or a `304`
+    /// at its head), is fed to an
+    /// [`AdaptiveLimit`](crate::concurrency::AdaptiveLimit) running
+    /// `config`. A request that fails (an error from the service, a status
+    /// counted by [`adaptive_failure_when`](Self::adaptive_failure_when))
+    /// is fed as a failure; one cancelled (its body or future dropped
+    /// before the end, or its body ended for stalling, which is as likely
+    /// the client's doing) as a cancellation, which does not cut the limit
+    /// by default. Not fed at all: `1xx` and `4xx` answers not counted as
+    /// failures (a missing route, a refused credential, an inner rate
+    /// limit: answers decided before the work whose latency matters), and
+    /// upgraded connections (their slot lives as long as the client keeps
+    /// the connection). The latency includes the time the client takes to
+    /// read the body: put the layer on routes of similar cost
+    /// (`route_layer`), as one mean latency is compared per window. The
+    /// limit is
     /// [`ConcurrencyStats::global_limit`] and the gauge
     /// `tollgate_concurrency_limit{layer}`; moves larger than the
     /// configured fraction are logged at INFO.
@@ -385,8 +396,10 @@ impl ConcurrencyLimitBuilder {
     /// [`per_key`](Self::per_key), [`wait`](Self::wait) (a grown limit
     /// hands its new slots to waiters in order), exemptions (exempt
     /// requests are neither counted nor sampled) and
-    /// [`dry_run`](Self::dry_run) (the limit still moves; requests above it
-    /// go through and are logged).
+    /// [`dry_run`](Self::dry_run) (the limit still moves, though its
+    /// probes, which cannot make the backend drain when nothing is
+    /// refused, give up after ten windows and keep the floor they had;
+    /// requests above it go through and are logged).
     ///
     /// ```
     /// use tollgate::ConcurrencyLimitLayer;
@@ -406,10 +419,13 @@ impl ConcurrencyLimitBuilder {
     }
 
     /// Which response statuses an [adaptive](Self::adaptive) limit counts
-    /// as failures (default: every `5xx`); `408` and `504` count as
-    /// time-outs, the others as errors ([`Failure`](crate::concurrency::Failure); which kinds cut the
-    /// limit is the [`AdaptiveConfig`](crate::concurrency::AdaptiveConfig)'s). No effect without an adaptive
-    /// limit.
+    /// as failures (default: every `5xx`, so `408` is not one unless
+    /// chosen here); of those chosen, `408` and `504` count as time-outs,
+    /// the others as errors ([`Failure`](crate::concurrency::Failure); which
+    /// kinds cut the limit is the
+    /// [`AdaptiveConfig`](crate::concurrency::AdaptiveConfig)'s). An error
+    /// from the service itself is always a failure. No effect without an
+    /// adaptive limit.
     pub fn adaptive_failure_when(
         self,
         failed: impl Fn(StatusCode) -> bool + Send + Sync + 'static,

@@ -201,19 +201,38 @@ pub(crate) struct Permit {
 /// How a request held by a [`Permit`] ended, for an adaptive limit: the
 /// first mark stands (a `5xx` head marks a failure before its body ends).
 /// Unmarked when the permit is given back: the request was cancelled
-/// (its future or body dropped before the end).
+/// (its future or body dropped before the end, or its body ended for
+/// stalling, which is as likely the client's doing as the backend's).
 #[derive(Debug, Default)]
-pub(crate) struct Ending(AtomicU8);
+pub(crate) struct Ending {
+    how: AtomicU8,
+    /// A `HEAD` request: its answer has no body to wait for.
+    head: std::sync::atomic::AtomicBool,
+}
 
 impl Ending {
     const UNMARKED: u8 = 0;
     const OK: u8 = 1;
     const ERROR: u8 = 2;
     const TIMED_OUT: u8 = 3;
+    /// Neither a latency nor a failure: an answer that says nothing of
+    /// the backend's load (`1xx`, `4xx`), or an upgraded connection, whose
+    /// life is the client's.
+    const IGNORED: u8 = 4;
 
     /// The request succeeded (its body ended), unless already marked.
     pub(crate) fn ok(&self) {
         self.mark(Self::OK);
+    }
+
+    /// The request is to be neither measured nor counted as a failure.
+    pub(crate) fn ignore(&self) {
+        self.mark(Self::IGNORED);
+    }
+
+    /// The request is a `HEAD`: its answer ends with its head.
+    pub(crate) fn head(&self) {
+        self.head.store(true, Ordering::Relaxed);
     }
 
     /// The request failed (an error, or a status counted as one), unless
@@ -227,17 +246,19 @@ impl Ending {
     }
 
     fn mark(&self, how: u8) {
-        let _ = self
-            .0
-            .compare_exchange(Self::UNMARKED, how, Ordering::Relaxed, Ordering::Relaxed);
+        let _ =
+            self.how
+                .compare_exchange(Self::UNMARKED, how, Ordering::Relaxed, Ordering::Relaxed);
     }
 
-    fn sample(&self, latency: Nanos) -> Sample {
-        match self.0.load(Ordering::Relaxed) {
-            Self::OK => Sample::Ok(latency),
-            Self::ERROR => Sample::Failed(Failure::Error),
-            Self::TIMED_OUT => Sample::Failed(Failure::TimedOut),
-            _ => Sample::Failed(Failure::Cancelled),
+    /// What the request tells the controller; `None`: nothing.
+    fn sample(&self, latency: Nanos) -> Option<Sample> {
+        match self.how.load(Ordering::Relaxed) {
+            Self::OK => Some(Sample::Ok(latency)),
+            Self::ERROR => Some(Sample::Failed(Failure::Error)),
+            Self::TIMED_OUT => Some(Sample::Failed(Failure::TimedOut)),
+            Self::IGNORED => None,
+            _ => Some(Sample::Failed(Failure::Cancelled)),
         }
     }
 }
@@ -249,12 +270,23 @@ impl Permit {
     }
 
     /// The response head arrived with `status`: for an adaptive limit, a
-    /// status counted as a failure marks the request failed.
+    /// status counted as a failure marks the request failed; a `1xx` or
+    /// `4xx` is not measured (an answer decided before any real work: a
+    /// missing route, a refused credential, an inner rate limit); an
+    /// answer that has no body (to `HEAD`, `204`, `304`) ends here.
     pub(crate) fn answered(&self, status: StatusCode) {
-        if let (Some((_, ending)), Some(failure)) =
-            (&self.sampled, self.limiter.limits.failure(status))
-        {
+        let Some((_, ending)) = &self.sampled else {
+            return;
+        };
+        if let Some(failure) = self.limiter.limits.failure(status) {
             ending.failed(failure);
+        } else if status.is_informational() || status.is_client_error() {
+            ending.ignore();
+        } else if ending.head.load(Ordering::Relaxed)
+            || status == StatusCode::NO_CONTENT
+            || status == StatusCode::NOT_MODIFIED
+        {
+            ending.ok();
         }
     }
 }
@@ -268,8 +300,10 @@ impl Drop for Permit {
             let change = match (&self.sampled, &mut counts.adaptive) {
                 (Some((admitted, ending)), Some(adaptive)) => {
                     let now = self.limiter.now();
-                    let sample = ending.sample(now.saturating_sub(*admitted));
-                    adaptive.update(now, global, sample)
+                    match ending.sample(now.saturating_sub(*admitted)) {
+                        Some(sample) => adaptive.update(now, global, sample),
+                        None => adaptive.tick(now, global),
+                    }
                 }
                 _ => None,
             };
@@ -334,6 +368,7 @@ impl Limiter {
         }
         if let Some(change) = change {
             self.report(change);
+            self.gauges();
         }
     }
 

@@ -15,8 +15,6 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::task::Waker;
 use std::time::Duration;
 
-use tollgate_budget::Failure;
-
 use tokio::time::Instant;
 
 use super::in_flight::InFlightHold;
@@ -174,11 +172,6 @@ impl Watched {
 
     fn stall(&self) {
         self.stalled.store(true, Ordering::Release);
-        if let Some(permit) = &*self.permit.lock().unwrap_or_else(PoisonError::into_inner)
-            && let Some(ending) = permit.ending()
-        {
-            ending.failed(Failure::TimedOut);
-        }
         self.release();
         let waker = self
             .waker
