@@ -822,7 +822,7 @@ impl http_body::Body for OneFrame {
 #[tokio::test(flavor = "multi_thread")]
 async fn answers_whose_bodies_are_not_polled_to_the_end_are_still_measured() {
     use tollgate::concurrency::AdaptiveConfig;
-    for (method, path) in [("HEAD", "/plain"), ("GET", "/declared")] {
+    for (method, path) in [("HEAD", "/plain"), ("GET", "/declared"), ("GET", "/empty")] {
         let layer = ConcurrencyLimitLayer::builder("adaptive")
             .adaptive(AdaptiveConfig::builder().bounds(1, 1000).build().unwrap())
             .build()
@@ -837,6 +837,15 @@ async fn answers_whose_bodies_are_not_polled_to_the_end_are_still_measured() {
                         .body(axum::body::Body::new(OneFrame(Some(Bytes::from_static(
                             b"12345",
                         )))))
+                        .unwrap()
+                }),
+            )
+            .route(
+                "/empty",
+                get(|| async {
+                    axum::response::Response::builder()
+                        .header("content-length", "0")
+                        .body(axum::body::Body::new(OneFrame(None)))
                         .unwrap()
                 }),
             )

@@ -86,19 +86,28 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///   limit sits at about `tolerance × C + √limit` (with the defaults,
 ///   25 for `C` = 16, 84 to 89 for `C` = 64), where latency is about
 ///   `limit / C` times its floor.
-/// - **Minimum latency, re-probed.** `min_latency` is measured by probes
-///   only (between them, one fast answer must not move the floor every
-///   later window is compared with). A probe ([`probe_interval`] after the
-///   last one ended, and once at the start) holds the limit at
-///   [`probe_limit`] for at least one window and until [`probe_samples`]
-///   requests have finished that *started* after the requests in flight
-///   had drained to the probe limit, and takes their smallest latency as
-///   the new minimum; then the limit returns to where it was. A probe
-///   gives up after ten windows or four minimum latencies, whichever is
-///   longer, once it has seen any latency at all (long-lived requests, or
-///   a dry run that refuses nothing, may keep the backend from ever
-///   draining): it keeps the minimum it had, or, the first time, takes the
-///   smallest latency it saw. (A request admitted while
+/// - **Minimum latency, re-probed.** `min_latency` (the floor) is
+///   measured by probes, and lowered between them only by a whole
+///   window (at least [`probe_samples`] latencies) whose mean is below it:
+///   one fast answer does not move the floor every later window is
+///   compared with. A probe ([`probe_interval`] after the last one ended,
+///   and once at the start) holds the limit at [`probe_limit`] for at
+///   least one window and until [`probe_samples`] requests have finished
+///   that *started* after the requests in flight had drained to the probe
+///   limit, and takes their smallest latency as the new floor; then the
+///   limit returns to where it was. Long-lived requests may keep the
+///   backend from draining, or hold every probe slot so that nothing
+///   ends: a probe gives up after its patience (ten windows or four
+///   floors, whichever is longer, at most a probe interval), counted from
+///   its first latency, or from its start when it has seen none. Giving
+///   up, it takes the smallest latency of the requests it admitted if any
+///   finished, else keeps the floor it had, else (the first time) takes
+///   the smallest latency it saw, if any; a latency longer than the
+///   patience is never a floor. Each probe that gives up doubles the wait
+///   before the next (up to eight probe intervals), so a service whose
+///   long-lived requests keep probes from measuring is held at the probe
+///   limit for at most a patience in every few intervals. Until a floor
+///   is known the limit stays where it started. (A request admitted while
 ///   older ones still crowd the backend would measure the crowd, not the
 ///   floor; and a request admitted during the probe says nothing about
 ///   the latency at the steady limit, so windows leave it out.) Without
@@ -167,9 +176,12 @@ pub struct AdaptiveLimit {
     /// The limit outside probes, in 32.32 fixed point; always within
     /// `min..=max` (shifted).
     limit: u64,
-    /// The smallest latency since the last probe ended; `None` until the
-    /// first probe ends.
+    /// The floor: measured by the last probe that measured one, or lowered
+    /// since by a whole window's mean; `None` until there is one.
     min_latency: Option<Nanos>,
+    /// Probes in a row that gave up: each doubles the wait before the
+    /// next (up to eight times the interval).
+    gave_up: u32,
     window: Window,
     /// Set while the minimum latency is being measured.
     probe: Option<Probe>,
@@ -221,6 +233,9 @@ struct Probe {
     /// The smallest latency of any request that ended during the probe:
     /// the floor a probe that gives up takes when there is no other.
     seen: Option<Nanos>,
+    /// When the first latency of the probe was seen: its patience counts
+    /// from then (a probe started on an idle service waits for traffic).
+    seen_at: Option<Nanos>,
 }
 
 impl AdaptiveLimit {
@@ -236,6 +251,7 @@ impl AdaptiveLimit {
             probe: Some(Probe::new(now)),
             next_probe: now,
             probe_ended: now,
+            gave_up: 0,
             now,
         }
     }
@@ -337,9 +353,16 @@ impl AdaptiveLimit {
 
     fn record_latency(&mut self, now: Nanos, latency: Nanos) {
         let latency = latency.clamp(1, MAX_LATENCY);
+        let patience = self.patience();
         match &mut self.probe {
             Some(probe) => {
+                // A request that ran longer than a probe may wait (a long
+                // poll, a stream) measures nothing a probe can use.
+                if latency > patience {
+                    return;
+                }
                 probe.seen = Some(probe.seen.map_or(latency, |m| m.min(latency)));
+                probe.seen_at.get_or_insert(now);
                 // Only requests admitted once the backend had drained to
                 // the probe limit measure the floor.
                 if probe
@@ -369,16 +392,27 @@ impl AdaptiveLimit {
         self.limit = self.clamp(cut);
     }
 
+    /// How long a probe waits for the backend to drain and measure, once
+    /// it has seen a latency: ten windows or four floors, whichever is
+    /// longer, and never longer than the probe interval.
+    fn patience(&self) -> Nanos {
+        let c = &self.config;
+        c.window
+            .saturating_mul(10)
+            .max(self.min_latency.unwrap_or(0).saturating_mul(4))
+            .min(c.probe_interval.max(c.window))
+    }
+
     fn end_probe_if_done(&mut self, now: Nanos) {
         let Some(probe) = self.probe else { return };
         let ran = now - probe.started;
         let measured = probe.samples >= self.config.probe_samples && ran >= self.config.window;
-        let patience = self
-            .config
-            .window
-            .saturating_mul(10)
-            .max(self.min_latency.unwrap_or(0).saturating_mul(4));
-        let given_up = ran >= patience && probe.seen.is_some();
+        let patience = self.patience();
+        // Long-lived requests may keep the backend from draining, or hold
+        // every slot so that nothing ends: a probe gives up once it has
+        // waited its patience after its first latency, or from its start
+        // when it has seen none.
+        let given_up = now.saturating_sub(probe.seen_at.unwrap_or(probe.started)) >= patience;
         if measured || given_up {
             self.min_latency = match (measured, probe.samples, self.min_latency, probe.seen) {
                 (true, _, _, _) => Some(probe.min),
@@ -387,8 +421,13 @@ impl AdaptiveLimit {
                 (false, 0, Some(kept), _) => Some(kept),
                 (false, 0, None, seen) => seen,
             };
+            self.gave_up = if measured { 0 } else { self.gave_up + 1 };
+            let wait = self
+                .config
+                .probe_interval
+                .saturating_mul(1 << self.gave_up.min(3));
             self.probe = None;
-            self.next_probe = now.saturating_add(self.config.probe_interval);
+            self.next_probe = now.saturating_add(wait);
             self.probe_ended = now;
             // The window's latencies, if any, are from before the probe.
             self.window = Window::new(now);
@@ -401,6 +440,16 @@ impl AdaptiveLimit {
             return;
         };
         let mean = w.sum / u128::from(w.count);
+        // A whole window faster than the floor (the backend got faster
+        // while probes could not measure it): the floor follows its mean,
+        // which one cheap answer among many barely moves.
+        if w.count >= u64::from(self.config.probe_samples)
+            && let Ok(mean) = Nanos::try_from(mean)
+            && mean < min
+        {
+            self.min_latency = Some(mean.max(1));
+        }
+        let min = self.min_latency.unwrap_or(min);
         let g = gradient(
             min,
             mean,
@@ -448,6 +497,7 @@ impl Probe {
             min: MAX_LATENCY,
             samples: 0,
             seen: None,
+            seen_at: None,
         }
     }
 }

@@ -61,14 +61,15 @@ fn the_first_probe_measures_once_the_backend_has_drained() {
 #[test]
 fn a_probe_waits_for_the_backend_to_drain_then_gives_up() {
     let mut limit = AdaptiveLimit::new(config().build().unwrap(), 0);
-    for i in 1..=99 {
+    for i in 1..=100 {
         limit.update(i * 10 * MS, 4, Sample::Ok(5 * MS + i));
     }
     assert!(limit.is_probing());
     assert_eq!(limit.min_latency(), None);
-    // Ten windows without draining (long-lived requests, a dry run): it
-    // gives up, with the smallest latency it saw as the first floor.
-    limit.update(1000 * MS, 4, Sample::Ok(7 * MS));
+    // Ten windows after its first latency without draining (long-lived
+    // requests, a dry run): it gives up, with the smallest latency it saw
+    // as the first floor.
+    limit.update(1010 * MS, 4, Sample::Ok(7 * MS));
     assert!(!limit.is_probing());
     assert_eq!(limit.min_latency(), Some(5 * MS + 1));
     assert_eq!(limit.limit(), 20);
@@ -84,8 +85,41 @@ fn a_probe_that_gives_up_keeps_the_floor_it_had() {
     for i in 1..=100 {
         limit.update(start + i * 10 * MS, 4, Sample::Ok(50 * MS));
     }
+    assert!(limit.is_probing());
+    limit.update(start + 1010 * MS, 4, Sample::Ok(50 * MS));
     assert!(!limit.is_probing());
     assert_eq!(limit.min_latency(), Some(10 * MS));
+}
+
+/// Found in review: long-lived requests that take every probe slot at the
+/// start end nothing, so a probe that waited for a first latency waited
+/// forever; and one of them, ending, became the floor.
+#[test]
+fn a_probe_gives_up_on_time_and_no_long_request_is_a_floor() {
+    let mut limit = AdaptiveLimit::new(config().build().unwrap(), 0);
+    limit.tick(0, 0);
+    limit.tick(MS, 3);
+    // Nothing ends for a probe interval (10 s): back to the steady limit.
+    limit.tick(10_000 * MS, 3);
+    assert!(!limit.is_probing());
+    assert_eq!(limit.min_latency(), None);
+    assert_eq!(limit.limit(), 20);
+    // The next probe, twice the interval later, sees a 30 s long poll end
+    // (admitted after it drained): longer than a probe waits, no floor.
+    limit.tick(30_000 * MS, 0);
+    assert!(limit.is_probing());
+    limit.update(60_001 * MS, 0, Sample::Ok(30_000 * MS));
+    assert_eq!(limit.min_latency(), None);
+}
+
+/// Found in review: with floors only from probes, a floor measured before
+/// the backend got faster stayed while probes could not drain.
+#[test]
+fn a_whole_window_faster_than_the_floor_lowers_it() {
+    let mut limit = probed(config().build().unwrap(), 25 * MS);
+    window_of(&mut limit, 200 * MS, 5 * MS);
+    limit.tick(300 * MS, BUSY);
+    assert_eq!(limit.min_latency(), Some(5 * MS));
 }
 
 #[test]

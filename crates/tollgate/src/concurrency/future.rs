@@ -208,13 +208,13 @@ where
                             return Poll::Ready(Err(error));
                         }
                     };
-                    if let Some(permit) = permit.as_ref() {
-                        permit.answered(response.status());
-                    }
                     let declared = ending.as_ref().and_then(|_| {
                         let length = response.headers().get(http::header::CONTENT_LENGTH)?;
                         length.to_str().ok()?.parse::<u64>().ok()
                     });
+                    if let Some(permit) = permit.as_ref() {
+                        permit.answered(response.status(), declared);
+                    }
                     let guard = permit.take().map(|permit| stalls.guard(permit));
                     return Poll::Ready(Ok(response.map(|b| {
                         ResponseBody::inner(PermitBody::new(b, guard, ending, declared))

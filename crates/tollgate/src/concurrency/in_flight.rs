@@ -78,12 +78,11 @@ impl InFlightHold {
         }
     }
 
-    /// The response head arrived with `status`: for an adaptive limit, a
-    /// status counted as a failure marks the request failed.
-    pub(crate) fn answered(&self, status: http::StatusCode) {
+    /// See [`Permit::answered`](super::limiter::Permit::answered).
+    pub(crate) fn answered(&self, status: http::StatusCode, declared: Option<u64>) {
         match self {
-            InFlightHold::Own { _slot } => _slot.answered(status),
-            InFlightHold::Shared { _slot } => _slot.answered(status),
+            InFlightHold::Own { _slot } => _slot.answered(status, declared),
+            InFlightHold::Shared { _slot } => _slot.answered(status, declared),
         }
     }
 }
@@ -93,12 +92,12 @@ impl InFlightHold {
 pub(crate) fn hold<B>(permit: Slot, req: &mut Request<B>) -> InFlightHold {
     let upgrade = req.method() == Method::CONNECT || req.headers().contains_key(header::UPGRADE);
     if let Some(ending) = permit.ending() {
-        if upgrade {
-            // Its slot lives as long as the connection: the client's time,
-            // not the backend's.
-            ending.ignore();
-        } else if req.method() == Method::HEAD {
-            ending.head();
+        // (Read with the answer: a `HEAD`'s ends with its head, a `2xx` to
+        // `CONNECT` is a tunnel, whose life is the client's.)
+        if req.method() == Method::HEAD {
+            ending.asked(Ending::HEAD);
+        } else if req.method() == Method::CONNECT {
+            ending.asked(Ending::CONNECT);
         }
     }
     if !upgrade {

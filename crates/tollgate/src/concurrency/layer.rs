@@ -72,6 +72,11 @@ enum LimitProblem {
          global bound"
     )]
     AdaptiveShared,
+    #[error(
+        "an adaptive limit cannot be dry-run: it is found from the latency of a backend it \
+         protects, and one nothing is refused for shows none of what it would enforce"
+    )]
+    AdaptiveDryRun,
 }
 
 impl InvalidLimit {
@@ -88,7 +93,8 @@ impl InvalidLimit {
             LimitProblem::Name(_)
             | LimitProblem::NoBound
             | LimitProblem::TwoGlobalLimits
-            | LimitProblem::AdaptiveShared => None,
+            | LimitProblem::AdaptiveShared
+            | LimitProblem::AdaptiveDryRun => None,
         }
     }
 }
@@ -242,7 +248,8 @@ impl ConcurrencyLimitBuilder {
     /// has no bound (none of [`global`](Self::global),
     /// [`adaptive`](Self::adaptive) and [`per_key`](Self::per_key): it
     /// would limit nothing), it has both a fixed and an adaptive global
-    /// limit, an adaptive limit is [shared](Self::shared), or the
+    /// limit, an adaptive limit is [shared](Self::shared) or
+    /// [dry-run](Self::dry_run), or the
     /// lease ([`lease_ttl`](Self::lease_ttl), 10 s by default) is shorter
     /// than [`MIN_LEASE_PER_STORE_TIMEOUT`] times the store's
     /// [timeout](LeaseStore::timeout).
@@ -261,6 +268,9 @@ impl ConcurrencyLimitBuilder {
         }
         if adaptive && self.lease_store.is_some() {
             return Err(invalid(LimitProblem::AdaptiveShared));
+        }
+        if adaptive && self.limits.dry_run {
+            return Err(invalid(LimitProblem::AdaptiveDryRun));
         }
         if let Some(store) = &self.lease_store {
             check_lease(self.lease.ttl, &**store).map_err(|e| invalid(LimitProblem::Lease(e)))?;
@@ -381,8 +391,8 @@ impl ConcurrencyLimitBuilder {
     /// by default. Not fed at all: `1xx` and `4xx` answers not counted as
     /// failures (a missing route, a refused credential, an inner rate
     /// limit: answers decided before the work whose latency matters), and
-    /// upgraded connections (their slot lives as long as the client keeps
-    /// the connection). The latency includes the time the client takes to
+    /// upgraded connections (a `101`, or a `2xx` to `CONNECT`: their slot
+    /// lives as long as the client keeps the connection). The latency includes the time the client takes to
     /// read the body: put the layer on routes of similar cost
     /// (`route_layer`), as one mean latency is compared per window. The
     /// limit is
@@ -392,14 +402,13 @@ impl ConcurrencyLimitBuilder {
     ///
     /// The limit is this process's own: [`build`](Self::build) refuses it
     /// together with [`global`](Self::global) or [`shared`](Self::shared)
-    /// (a fleet's leases keep a fixed global bound). It works with
-    /// [`per_key`](Self::per_key), [`wait`](Self::wait) (a grown limit
-    /// hands its new slots to waiters in order), exemptions (exempt
-    /// requests are neither counted nor sampled) and
-    /// [`dry_run`](Self::dry_run) (the limit still moves, though its
-    /// probes, which cannot make the backend drain when nothing is
-    /// refused, give up after ten windows and keep the floor they had;
-    /// requests above it go through and are logged).
+    /// (a fleet's leases keep a fixed global bound), and with
+    /// [`dry_run`](Self::dry_run) (a limit found from the latency of a
+    /// backend nothing is refused for says nothing of what it would
+    /// enforce: in review it read 4 where enforcing found 25). It works
+    /// with [`per_key`](Self::per_key), [`wait`](Self::wait) (a grown
+    /// limit hands its new slots to waiters in order) and exemptions
+    /// (exempt requests are neither counted nor measured).
     ///
     /// ```
     /// use tollgate::ConcurrencyLimitLayer;

@@ -264,9 +264,9 @@ impl Slot {
     }
 
     /// See [`Permit::answered`].
-    pub(crate) fn answered(&self, status: http::StatusCode) {
+    pub(crate) fn answered(&self, status: http::StatusCode, declared: Option<u64>) {
         if let Slot::Local { _permit } = self {
-            _permit.answered(status);
+            _permit.answered(status, declared);
         }
     }
 }

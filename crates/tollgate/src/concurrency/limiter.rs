@@ -206,8 +206,8 @@ pub(crate) struct Permit {
 #[derive(Debug, Default)]
 pub(crate) struct Ending {
     how: AtomicU8,
-    /// A `HEAD` request: its answer has no body to wait for.
-    head: std::sync::atomic::AtomicBool,
+    /// What the request asked: [`Ending::HEAD`], [`Ending::CONNECT`].
+    asked: AtomicU8,
 }
 
 impl Ending {
@@ -220,6 +220,11 @@ impl Ending {
     /// life is the client's.
     const IGNORED: u8 = 4;
 
+    /// A `HEAD` request: its answer has no body to wait for.
+    pub(crate) const HEAD: u8 = 1;
+    /// A `CONNECT` request: a `2xx` answer is a tunnel.
+    pub(crate) const CONNECT: u8 = 2;
+
     /// The request succeeded (its body ended), unless already marked.
     pub(crate) fn ok(&self) {
         self.mark(Self::OK);
@@ -230,9 +235,10 @@ impl Ending {
         self.mark(Self::IGNORED);
     }
 
-    /// The request is a `HEAD`: its answer ends with its head.
-    pub(crate) fn head(&self) {
-        self.head.store(true, Ordering::Relaxed);
+    /// What the request asked ([`Ending::HEAD`], [`Ending::CONNECT`]),
+    /// for reading its answer.
+    pub(crate) fn asked(&self, what: u8) {
+        self.asked.fetch_or(what, Ordering::Relaxed);
     }
 
     /// The request failed (an error, or a status counted as one), unless
@@ -269,22 +275,30 @@ impl Permit {
         self.sampled.as_ref().map(|(_, ending)| ending)
     }
 
-    /// The response head arrived with `status`: for an adaptive limit, a
-    /// status counted as a failure marks the request failed; a `1xx` or
-    /// `4xx` is not measured (an answer decided before any real work: a
-    /// missing route, a refused credential, an inner rate limit); an
-    /// answer that has no body (to `HEAD`, `204`, `304`) ends here.
-    pub(crate) fn answered(&self, status: StatusCode) {
+    /// The response head arrived with `status` (and a declared length,
+    /// if any): for an adaptive limit, a status counted as a failure marks
+    /// the request failed; an upgrade (a `101`, a `2xx` to `CONNECT`)
+    /// lives as long as the client keeps it, and a `1xx` or `4xx` is
+    /// decided before any real work (a missing route, a refused
+    /// credential, an inner rate limit): neither is measured; an answer
+    /// that has no body (to `HEAD`, `204`, `304`, a declared length of 0)
+    /// ends here.
+    pub(crate) fn answered(&self, status: StatusCode, declared: Option<u64>) {
         let Some((_, ending)) = &self.sampled else {
             return;
         };
+        let asked = ending.asked.load(Ordering::Relaxed);
         if let Some(failure) = self.limiter.limits.failure(status) {
             ending.failed(failure);
-        } else if status.is_informational() || status.is_client_error() {
+        } else if status.is_informational()
+            || status.is_client_error()
+            || (asked & Ending::CONNECT != 0 && status.is_success())
+        {
             ending.ignore();
-        } else if ending.head.load(Ordering::Relaxed)
+        } else if asked & Ending::HEAD != 0
             || status == StatusCode::NO_CONTENT
             || status == StatusCode::NOT_MODIFIED
+            || declared == Some(0)
         {
             ending.ok();
         }
