@@ -87,10 +87,10 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///   25 for `C` = 16, 84 to 89 for `C` = 64), where latency is about
 ///   `limit / C` times its floor.
 /// - **Minimum latency, re-probed.** `min_latency` (the floor) is
-///   measured by probes, and lowered between them only by a whole
-///   window (at least [`probe_samples`] latencies) whose mean is below it:
-///   one fast answer does not move the floor every later window is
-///   compared with. A probe ([`probe_interval`] after the last one ended,
+///   measured by probes only: one fast answer does not move the floor
+///   every later window is compared with, and a whole window (at least
+///   [`probe_samples`] latencies) faster than the floor calls the next
+///   probe at once. A probe ([`probe_interval`] after the last one ended,
 ///   and once at the start) holds the limit at [`probe_limit`] for at
 ///   least one window and until [`probe_samples`] requests have finished
 ///   that *started* after the requests in flight had drained to the probe
@@ -99,21 +99,24 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///   backend from draining, or hold every probe slot so that nothing
 ///   ends: a probe gives up after its patience (ten windows or four
 ///   floors, whichever is longer, at most a probe interval), counted from
-///   its first latency, or from its start when it has seen none. Giving
-///   up, it takes the smallest latency of the requests it admitted if any
-///   finished, else keeps the floor it had, else (the first time) takes
-///   the smallest latency it saw, if any; a latency longer than the
-///   patience is never a floor. Each probe that gives up doubles the wait
-///   before the next (up to eight probe intervals), so a service whose
-///   long-lived requests keep probes from measuring is held at the probe
-///   limit for at most a patience in every few intervals. Until a floor
-///   is known the limit stays where it started. (A request admitted while
+///   when it first saw traffic (a probe on an idle service waits for
+///   some). Giving up, it takes the smallest latency of the requests it
+///   admitted if any finished, else the smaller of the floor it had and
+///   the smallest latency it saw, else (the first time) the smallest
+///   latency it saw, if any; a latency longer than the probe interval is
+///   never a floor (a backend that slow needs a longer interval). Each
+///   probe that measured nothing at all doubles the wait before the next
+///   (up to eight probe intervals), so a service whose long-lived
+///   requests keep probes from measuring is held at the probe limit for
+///   at most a patience in every few intervals. Until a floor is known
+///   the limit stays where it started. (A request admitted while
 ///   older ones still crowd the backend would measure the crowd, not the
 ///   floor; and a request admitted during the probe says nothing about
 ///   the latency at the steady limit, so windows leave it out.) Without
 ///   probes, a minimum measured before the backend got slower would hold
 ///   the limit down for as long as the slowdown lasts; with them, the
-///   limit recovers within one probe interval.
+///   limit recovers at the next probe that measures (one probe interval
+///   when probes can drain the backend).
 /// - **Back-off on failure.** A failure of a kind that backs off
 ///   ([`backoff_on`]) multiplies the limit by [`backoff`], at most once per
 ///   window, and a window with a back-off does not raise the limit when it
@@ -233,9 +236,10 @@ struct Probe {
     /// The smallest latency of any request that ended during the probe:
     /// the floor a probe that gives up takes when there is no other.
     seen: Option<Nanos>,
-    /// When the first latency of the probe was seen: its patience counts
-    /// from then (a probe started on an idle service waits for traffic).
-    seen_at: Option<Nanos>,
+    /// When the probe first saw traffic (a request in flight, or one
+    /// ending): its patience counts from then, so a probe started on an
+    /// idle service waits for traffic.
+    busy_at: Option<Nanos>,
 }
 
 impl AdaptiveLimit {
@@ -330,11 +334,13 @@ impl AdaptiveLimit {
 
     fn note_drained(&mut self, now: Nanos, in_flight: u32) {
         let limit = self.probe_limit();
-        if let Some(probe) = &mut self.probe
-            && probe.drained.is_none()
-            && in_flight <= limit
-        {
-            probe.drained = Some(now);
+        if let Some(probe) = &mut self.probe {
+            if in_flight > 0 {
+                probe.busy_at.get_or_insert(now);
+            }
+            if probe.drained.is_none() && in_flight <= limit {
+                probe.drained = Some(now);
+            }
         }
     }
 
@@ -353,16 +359,17 @@ impl AdaptiveLimit {
 
     fn record_latency(&mut self, now: Nanos, latency: Nanos) {
         let latency = latency.clamp(1, MAX_LATENCY);
-        let patience = self.patience();
+        let longest = self.config.probe_interval;
         match &mut self.probe {
             Some(probe) => {
-                // A request that ran longer than a probe may wait (a long
-                // poll, a stream) measures nothing a probe can use.
-                if latency > patience {
+                probe.busy_at.get_or_insert(now);
+                // A request that ran longer than the probe interval (a
+                // long poll, a stream) is no floor: a backend that slow
+                // needs a longer interval.
+                if latency > longest {
                     return;
                 }
                 probe.seen = Some(probe.seen.map_or(latency, |m| m.min(latency)));
-                probe.seen_at.get_or_insert(now);
                 // Only requests admitted once the backend had drained to
                 // the probe limit measure the floor.
                 if probe
@@ -393,7 +400,7 @@ impl AdaptiveLimit {
     }
 
     /// How long a probe waits for the backend to drain and measure, once
-    /// it has seen a latency: ten windows or four floors, whichever is
+    /// it has seen traffic: ten windows or four floors, whichever is
     /// longer, and never longer than the probe interval.
     fn patience(&self) -> Nanos {
         let c = &self.config;
@@ -410,18 +417,27 @@ impl AdaptiveLimit {
         let patience = self.patience();
         // Long-lived requests may keep the backend from draining, or hold
         // every slot so that nothing ends: a probe gives up once it has
-        // waited its patience after its first latency, or from its start
-        // when it has seen none.
-        let given_up = now.saturating_sub(probe.seen_at.unwrap_or(probe.started)) >= patience;
+        // waited its patience since it first saw traffic (an idle service
+        // keeps its probe waiting for some).
+        let given_up = probe
+            .busy_at
+            .is_some_and(|at| now.saturating_sub(at) >= patience);
         if measured || given_up {
             self.min_latency = match (measured, probe.samples, self.min_latency, probe.seen) {
                 (true, _, _, _) => Some(probe.min),
                 // Some requests measured the floor, fewer than asked.
                 (false, 1.., _, _) => Some(probe.min),
-                (false, 0, Some(kept), _) => Some(kept),
+                // Nothing measured, but a crowded latency below the floor
+                // shows the floor is too high.
+                (false, 0, Some(kept), seen) => Some(seen.map_or(kept, |s| s.min(kept))),
                 (false, 0, None, seen) => seen,
             };
-            self.gave_up = if measured { 0 } else { self.gave_up + 1 };
+            // Only probes that measured nothing come less often.
+            self.gave_up = if probe.samples > 0 {
+                0
+            } else {
+                self.gave_up.saturating_add(1)
+            };
             let wait = self
                 .config
                 .probe_interval
@@ -440,16 +456,12 @@ impl AdaptiveLimit {
             return;
         };
         let mean = w.sum / u128::from(w.count);
-        // A whole window faster than the floor (the backend got faster
-        // while probes could not measure it): the floor follows its mean,
-        // which one cheap answer among many barely moves.
-        if w.count >= u64::from(self.config.probe_samples)
-            && let Ok(mean) = Nanos::try_from(mean)
-            && mean < min
-        {
-            self.min_latency = Some(mean.max(1));
+        // A whole window faster than the floor (the backend got faster, or
+        // the window was of cheap answers): measure again now, rather than
+        // take a mean of whatever was asked as the floor.
+        if w.count >= u64::from(self.config.probe_samples) && mean < u128::from(min) {
+            self.next_probe = self.next_probe.min(self.now);
         }
-        let min = self.min_latency.unwrap_or(min);
         let g = gradient(
             min,
             mean,
@@ -497,7 +509,7 @@ impl Probe {
             min: MAX_LATENCY,
             samples: 0,
             seen: None,
-            seen_at: None,
+            busy_at: None,
         }
     }
 }

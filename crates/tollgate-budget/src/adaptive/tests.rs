@@ -82,11 +82,12 @@ fn a_probe_that_gives_up_keeps_the_floor_it_had() {
     limit.tick(start, 4);
     assert!(limit.is_probing());
     // Slower answers while the backend never drains: the floor stays.
-    for i in 1..=100 {
+    for i in 1..=99 {
         limit.update(start + i * 10 * MS, 4, Sample::Ok(50 * MS));
     }
     assert!(limit.is_probing());
-    limit.update(start + 1010 * MS, 4, Sample::Ok(50 * MS));
+    // Its patience (ten windows) after it first saw traffic: it gives up.
+    limit.update(start + 1000 * MS, 4, Sample::Ok(50 * MS));
     assert!(!limit.is_probing());
     assert_eq!(limit.min_latency(), Some(10 * MS));
 }
@@ -99,27 +100,61 @@ fn a_probe_gives_up_on_time_and_no_long_request_is_a_floor() {
     let mut limit = AdaptiveLimit::new(config().build().unwrap(), 0);
     limit.tick(0, 0);
     limit.tick(MS, 3);
-    // Nothing ends for a probe interval (10 s): back to the steady limit.
-    limit.tick(10_000 * MS, 3);
+    // Nothing ends: its patience (ten windows) after it first saw
+    // traffic, it gives up, back to the steady limit.
+    limit.tick(1_001 * MS, 3);
     assert!(!limit.is_probing());
     assert_eq!(limit.min_latency(), None);
     assert_eq!(limit.limit(), 20);
     // The next probe, twice the interval later, sees a 30 s long poll end
-    // (admitted after it drained): longer than a probe waits, no floor.
-    limit.tick(30_000 * MS, 0);
+    // (admitted after it drained): longer than the probe interval, no
+    // floor.
+    limit.tick(21_001 * MS, 0);
     assert!(limit.is_probing());
-    limit.update(60_001 * MS, 0, Sample::Ok(30_000 * MS));
+    limit.update(51_002 * MS, 0, Sample::Ok(30_000 * MS));
     assert_eq!(limit.min_latency(), None);
 }
 
-/// Found in review: with floors only from probes, a floor measured before
-/// the backend got faster stayed while probes could not drain.
+/// Found in review: a probe started on an idle service gave up before any
+/// traffic came, and the limit then stayed where it started for 20 s.
 #[test]
-fn a_whole_window_faster_than_the_floor_lowers_it() {
+fn a_probe_on_an_idle_service_waits_for_traffic() {
+    let mut limit = AdaptiveLimit::new(config().build().unwrap(), 0);
+    limit.tick(0, 0);
+    limit.tick(5_000 * MS, 0);
+    assert!(limit.is_probing());
+    for i in 1..=10 {
+        limit.update(5_000 * MS + i * 10 * MS, 0, Sample::Ok(8 * MS));
+    }
+    assert!(!limit.is_probing());
+    assert_eq!(limit.min_latency(), Some(8 * MS));
+}
+
+/// Found in review: a request slower than ten windows (1.5 s here) was
+/// thrown away by probes, so a slow but healthy backend never had a floor.
+#[test]
+fn a_slow_backend_gets_a_floor() {
+    let mut limit = AdaptiveLimit::new(config().build().unwrap(), 0);
+    limit.tick(0, 0);
+    limit.tick(MS, 1);
+    limit.update(1_501 * MS, 0, Sample::Ok(1_500 * MS));
+    limit.tick(3_000 * MS, 0);
+    assert!(!limit.is_probing());
+    assert_eq!(limit.min_latency(), Some(1_500 * MS));
+}
+
+/// A whole window faster than the floor (the backend got faster, or it was
+/// a window of cheap answers) does not become the floor: it calls a probe
+/// at once, which measures the backend as it is.
+#[test]
+fn a_whole_window_faster_than_the_floor_calls_a_probe() {
     let mut limit = probed(config().build().unwrap(), 25 * MS);
-    window_of(&mut limit, 200 * MS, 5 * MS);
+    let floor = limit.min_latency();
+    window_of(&mut limit, 200 * MS, MS);
     limit.tick(300 * MS, BUSY);
-    assert_eq!(limit.min_latency(), Some(5 * MS));
+    assert_eq!(limit.min_latency(), floor);
+    limit.tick(301 * MS, BUSY);
+    assert!(limit.is_probing());
 }
 
 #[test]
