@@ -23,6 +23,9 @@ struct Backend {
     speed: u64,
     jobs: Vec<Job>,
     now: Nanos,
+    /// Requests of uneven size: 0.5 to 1.5 times `work`, in turn.
+    spread: bool,
+    made: u64,
 }
 
 #[derive(Clone)]
@@ -54,6 +57,8 @@ impl Backend {
             speed: SPEED_DEN,
             jobs: Vec::new(),
             now: 0,
+            spread: false,
+            made: 0,
         }
     }
 
@@ -62,9 +67,15 @@ impl Backend {
         limit.tick(self.now, count(self.jobs.len()));
         let admit = usize::try_from(limit.limit()).unwrap();
         while self.jobs.len() < admit {
+            let left = if self.spread {
+                self.work * (5 + self.made % 11) / 10
+            } else {
+                self.work
+            };
+            self.made += 1;
             self.jobs.push(Job {
                 started: self.now,
-                left: self.work,
+                left,
             });
         }
         let in_flight = self.jobs.len();
@@ -140,6 +151,25 @@ fn settles(steps: &[Step], lo: u32, hi: u32) -> Option<usize> {
 
 /// Steps per window (100 ms).
 const WINDOW: usize = 100;
+
+/// Found in review: the floor was the fastest of a probe's requests while
+/// windows are compared by their mean, so a route whose requests differ in
+/// cost (5 to 15 ms here) had a gradient below 1 at any load, and the limit
+/// sank to about 7 for a backend of capacity 64. The floor is now the
+/// probe's mean.
+#[test]
+fn requests_of_uneven_cost_settle_near_the_capacity() {
+    let mut backend = Backend::new(64, 10 * MS);
+    backend.spread = true;
+    let mut limit = controller(1, 1000, 20);
+    let steps = backend.run(&mut limit, 20_000);
+    let at = settles(&steps, 64, 128);
+    assert!(
+        at.is_some_and(|at| at <= 10_000),
+        "settled into [64, 128] from step {at:?}; last steady limit {}",
+        steps.last().unwrap().steady
+    );
+}
 
 #[test]
 fn settles_into_capacity_to_twice_capacity_from_below_and_from_above() {

@@ -73,7 +73,7 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///
 /// - **Gradient, once per window.** Latencies of successful requests are
 ///   averaged over a sampling window ([`window`]). When a window closes,
-///   `gradient = min_latency × tolerance / window_latency`, clamped to
+///   `gradient = floor × tolerance / window_latency`, clamped to
 ///   `[1/2, 2]`, and `new = limit × gradient + √limit` (the square root is
 ///   a queue allowance: it lets the limit grow while latency is at its
 ///   floor, and lets a few requests wait so the backend never idles). The
@@ -86,24 +86,26 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///   limit sits at about `tolerance × C + √limit` (with the defaults,
 ///   25 for `C` = 16, 84 to 89 for `C` = 64), where latency is about
 ///   `limit / C` times its floor.
-/// - **Minimum latency, re-probed.** `min_latency` (the floor) is
-///   measured by probes only: one fast answer does not move the floor
-///   every later window is compared with, and a whole window (at least
-///   [`probe_samples`] latencies) faster than the floor calls the next
-///   probe at once. A probe ([`probe_interval`] after the last one ended,
+/// - **The floor, re-probed.** The floor ([`floor`](Self::floor)) is the
+///   mean latency of requests run with few others in flight, measured by
+///   probes only: the same statistic as a window's (a floor taken as the
+///   fastest request would make a route whose requests differ in cost
+///   look overloaded at any load), not moved by one fast answer; a whole
+///   window (at least [`probe_samples`] latencies) faster than the floor
+///   by more than the tolerance calls the next probe at once. A probe ([`probe_interval`] after the last one ended,
 ///   and once at the start) holds the limit at [`probe_limit`] for at
 ///   least one window and until [`probe_samples`] requests have finished
 ///   that *started* after the requests in flight had drained to the probe
-///   limit, and takes their smallest latency as the new floor; then the
+///   limit, and takes their mean latency as the new floor; then the
 ///   limit returns to where it was. Long-lived requests may keep the
 ///   backend from draining, or hold every probe slot so that nothing
 ///   ends: a probe gives up after its patience (ten windows or four
 ///   floors, whichever is longer, at most a probe interval), counted from
 ///   when it first saw traffic (a probe on an idle service waits for
-///   some). Giving up, it takes the smallest latency of the requests it
+///   some). Giving up, it takes the mean latency of the requests it
 ///   admitted if any finished, else the smaller of the floor it had and
-///   the smallest latency it saw, else (the first time) the smallest
-///   latency it saw, if any; a latency longer than the probe interval is
+///   the mean latency of all it saw end, else (the first time) that mean,
+///   if any; a latency longer than the probe interval is
 ///   never a floor (a backend that slow needs a longer interval). Each
 ///   probe that measured nothing at all doubles the wait before the next
 ///   (up to eight probe intervals), so a service whose long-lived
@@ -140,7 +142,7 @@ const MAX_LATENCY: Nanos = 1 << 48;
 /// let config = AdaptiveConfig::builder().bounds(1, 100).build()?;
 /// let mut limit = AdaptiveLimit::new(config, 0);
 ///
-/// // It starts by measuring the minimum latency at a small limit.
+/// // It starts by measuring the floor (the unloaded latency) at a small limit.
 /// assert!(limit.is_probing());
 /// assert_eq!(limit.limit(), 3);
 /// limit.tick(0, 0);
@@ -148,7 +150,7 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///     limit.update(10 * i * MS, 2, Sample::Ok(10 * MS));
 /// }
 /// assert!(!limit.is_probing());
-/// assert_eq!(limit.min_latency(), Some(10 * MS));
+/// assert_eq!(limit.floor(), Some(10 * MS));
 /// assert_eq!(limit.limit(), 20);
 ///
 /// // Latency at its floor: the limit grows, one window at a time.
@@ -230,12 +232,15 @@ struct Probe {
     /// When the requests in flight were first reported at or below the
     /// probe limit.
     drained: Option<Nanos>,
-    /// The smallest latency of a request started at or after `drained`.
-    min: Nanos,
+    /// The sum of the latencies of the requests started at or after
+    /// `drained` (`samples` of them): their mean is the floor, the same
+    /// statistic a window is compared by.
+    sum: u128,
     samples: u32,
-    /// The smallest latency of any request that ended during the probe:
-    /// the floor a probe that gives up takes when there is no other.
-    seen: Option<Nanos>,
+    /// The sum and count of the latencies of every request that ended
+    /// during the probe: their mean is the floor a probe that gives up
+    /// takes when it has no other.
+    seen: (u128, u64),
     /// When the probe first saw traffic (a request in flight, or one
     /// ending): its patience counts from then, so a probe started on an
     /// idle service waits for traffic.
@@ -288,8 +293,10 @@ impl AdaptiveLimit {
         self.probe.is_some()
     }
 
-    /// The minimum latency the gradient compares with, once measured.
-    pub fn min_latency(&self) -> Option<Nanos> {
+    /// The floor the gradient compares each window's mean latency with:
+    /// the mean latency of requests run with few others in flight, once a
+    /// probe has measured it.
+    pub fn floor(&self) -> Option<Nanos> {
         self.min_latency
     }
 
@@ -369,15 +376,16 @@ impl AdaptiveLimit {
                 if latency > longest {
                     return;
                 }
-                probe.seen = Some(probe.seen.map_or(latency, |m| m.min(latency)));
+                probe.seen.0 += u128::from(latency);
+                probe.seen.1 += 1;
                 // Only requests admitted once the backend had drained to
                 // the probe limit measure the floor.
                 if probe
                     .drained
                     .is_some_and(|drained| now.saturating_sub(latency) >= drained)
                 {
-                    probe.min = probe.min.min(latency);
-                    probe.samples += 1;
+                    probe.sum += u128::from(latency);
+                    probe.samples = probe.samples.saturating_add(1);
                 }
             }
             None => {
@@ -423,10 +431,12 @@ impl AdaptiveLimit {
             .busy_at
             .is_some_and(|at| now.saturating_sub(at) >= patience);
         if measured || given_up {
-            self.min_latency = match (measured, probe.samples, self.min_latency, probe.seen) {
-                (true, _, _, _) => Some(probe.min),
+            let measured_floor = mean_of(probe.sum, u64::from(probe.samples));
+            let seen = mean_of(probe.seen.0, probe.seen.1);
+            self.min_latency = match (measured, probe.samples, self.min_latency, seen) {
+                (true, _, _, _) => measured_floor,
                 // Some requests measured the floor, fewer than asked.
-                (false, 1.., _, _) => Some(probe.min),
+                (false, 1.., _, _) => measured_floor,
                 // Nothing measured, but a crowded latency below the floor
                 // shows the floor is too high.
                 (false, 0, Some(kept), seen) => Some(seen.map_or(kept, |s| s.min(kept))),
@@ -456,10 +466,14 @@ impl AdaptiveLimit {
             return;
         };
         let mean = w.sum / u128::from(w.count);
-        // A whole window faster than the floor (the backend got faster, or
-        // the window was of cheap answers): measure again now, rather than
-        // take a mean of whatever was asked as the floor.
-        if w.count >= u64::from(self.config.probe_samples) && mean < u128::from(min) {
+        // A whole window faster than the floor by more than the tolerance
+        // (the backend got faster, or the window was of cheap answers):
+        // measure again now, rather than take a mean of whatever was asked
+        // as the floor.
+        let t = self.config.tolerance;
+        if w.count >= u64::from(self.config.probe_samples)
+            && mean * u128::from(t.num) < u128::from(min) * u128::from(t.den)
+        {
             self.next_probe = self.next_probe.min(self.now);
         }
         let g = gradient(
@@ -506,12 +520,23 @@ impl Probe {
         Self {
             started,
             drained: None,
-            min: MAX_LATENCY,
+            sum: 0,
             samples: 0,
-            seen: None,
+            seen: (0, 0),
             busy_at: None,
         }
     }
+}
+
+/// The mean of `count` latencies summing to `sum`, at least 1 ns; `None`
+/// for none.
+fn mean_of(sum: u128, count: u64) -> Option<Nanos> {
+    let mean = sum.checked_div(u128::from(count))?;
+    Some(
+        Nanos::try_from(mean)
+            .unwrap_or(MAX_LATENCY)
+            .clamp(1, MAX_LATENCY),
+    )
 }
 
 /// `min × num / (mean × den)` clamped to `[1/2, 2]`, in 32.32 fixed point.

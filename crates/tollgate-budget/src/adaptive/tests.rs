@@ -54,7 +54,9 @@ fn the_first_probe_measures_once_the_backend_has_drained() {
     assert!(limit.is_probing());
     assert_eq!(limit.tick(200 * MS, 2), None);
     assert!(!limit.is_probing());
-    assert_eq!(limit.min_latency(), Some(4 * MS));
+    // The mean of the ten measured (nine of 4 ms, one of 9 ms): the
+    // statistic a window is compared by.
+    assert_eq!(limit.floor(), Some(4_500_000));
     assert_eq!(limit.limit(), 50);
 }
 
@@ -65,13 +67,14 @@ fn a_probe_waits_for_the_backend_to_drain_then_gives_up() {
         limit.update(i * 10 * MS, 4, Sample::Ok(5 * MS + i));
     }
     assert!(limit.is_probing());
-    assert_eq!(limit.min_latency(), None);
+    assert_eq!(limit.floor(), None);
     // Ten windows after its first latency without draining (long-lived
     // requests, a dry run): it gives up, with the smallest latency it saw
     // as the first floor.
     limit.update(1010 * MS, 4, Sample::Ok(7 * MS));
     assert!(!limit.is_probing());
-    assert_eq!(limit.min_latency(), Some(5 * MS + 1));
+    // The mean of every latency it saw.
+    assert_eq!(limit.floor(), Some((100 * 5 * MS + 5050 + 7 * MS) / 101));
     assert_eq!(limit.limit(), 20);
 }
 
@@ -89,7 +92,7 @@ fn a_probe_that_gives_up_keeps_the_floor_it_had() {
     // Its patience (ten windows) after it first saw traffic: it gives up.
     limit.update(start + 1000 * MS, 4, Sample::Ok(50 * MS));
     assert!(!limit.is_probing());
-    assert_eq!(limit.min_latency(), Some(10 * MS));
+    assert_eq!(limit.floor(), Some(10 * MS));
 }
 
 /// Found in review: long-lived requests that take every probe slot at the
@@ -104,7 +107,7 @@ fn a_probe_gives_up_on_time_and_no_long_request_is_a_floor() {
     // traffic, it gives up, back to the steady limit.
     limit.tick(1_001 * MS, 3);
     assert!(!limit.is_probing());
-    assert_eq!(limit.min_latency(), None);
+    assert_eq!(limit.floor(), None);
     assert_eq!(limit.limit(), 20);
     // The next probe, twice the interval later, sees a 30 s long poll end
     // (admitted after it drained): longer than the probe interval, no
@@ -112,7 +115,7 @@ fn a_probe_gives_up_on_time_and_no_long_request_is_a_floor() {
     limit.tick(21_001 * MS, 0);
     assert!(limit.is_probing());
     limit.update(51_002 * MS, 0, Sample::Ok(30_000 * MS));
-    assert_eq!(limit.min_latency(), None);
+    assert_eq!(limit.floor(), None);
 }
 
 /// Found in review: a probe started on an idle service gave up before any
@@ -127,7 +130,7 @@ fn a_probe_on_an_idle_service_waits_for_traffic() {
         limit.update(5_000 * MS + i * 10 * MS, 0, Sample::Ok(8 * MS));
     }
     assert!(!limit.is_probing());
-    assert_eq!(limit.min_latency(), Some(8 * MS));
+    assert_eq!(limit.floor(), Some(8 * MS));
 }
 
 /// Found in review: a request slower than ten windows (1.5 s here) was
@@ -140,7 +143,7 @@ fn a_slow_backend_gets_a_floor() {
     limit.update(1_501 * MS, 0, Sample::Ok(1_500 * MS));
     limit.tick(3_000 * MS, 0);
     assert!(!limit.is_probing());
-    assert_eq!(limit.min_latency(), Some(1_500 * MS));
+    assert_eq!(limit.floor(), Some(1_500 * MS));
 }
 
 /// A whole window faster than the floor (the backend got faster, or it was
@@ -149,10 +152,10 @@ fn a_slow_backend_gets_a_floor() {
 #[test]
 fn a_whole_window_faster_than_the_floor_calls_a_probe() {
     let mut limit = probed(config().build().unwrap(), 25 * MS);
-    let floor = limit.min_latency();
+    let floor = limit.floor();
     window_of(&mut limit, 200 * MS, MS);
     limit.tick(300 * MS, BUSY);
-    assert_eq!(limit.min_latency(), floor);
+    assert_eq!(limit.floor(), floor);
     limit.tick(301 * MS, BUSY);
     assert!(limit.is_probing());
 }
@@ -161,7 +164,7 @@ fn a_whole_window_faster_than_the_floor_calls_a_probe() {
 fn between_probes_a_fast_answer_does_not_move_the_floor() {
     let mut limit = probed(config().build().unwrap(), 10 * MS);
     limit.update(500 * MS, BUSY, Sample::Ok(1_000));
-    assert_eq!(limit.min_latency(), Some(10 * MS));
+    assert_eq!(limit.floor(), Some(10 * MS));
 }
 
 #[test]
@@ -287,10 +290,10 @@ fn probes_repeat_and_remeasure_the_floor() {
         .build()
         .unwrap();
     let mut limit = probed(cfg, 10 * MS);
-    assert_eq!(limit.min_latency(), Some(10 * MS));
+    assert_eq!(limit.floor(), Some(10 * MS));
     // Between probes a faster sample does not move the floor.
     limit.update(150 * MS, BUSY, Sample::Ok(7 * MS));
-    assert_eq!(limit.min_latency(), Some(10 * MS));
+    assert_eq!(limit.floor(), Some(10 * MS));
     // A second after the first probe ended, the next one starts.
     limit.tick(1_099 * MS, BUSY);
     assert!(!limit.is_probing());
@@ -305,7 +308,7 @@ fn probes_repeat_and_remeasure_the_floor() {
         limit.update(1_105 * MS + i * 10 * MS, 2, Sample::Ok(30 * MS));
     }
     assert!(!limit.is_probing());
-    assert_eq!(limit.min_latency(), Some(30 * MS));
+    assert_eq!(limit.floor(), Some(30 * MS));
 }
 
 #[test]

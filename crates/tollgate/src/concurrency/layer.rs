@@ -418,7 +418,7 @@ impl ConcurrencyLimitBuilder {
     /// let layer = ConcurrencyLimitLayer::builder("database")
     ///     .adaptive(config)
     ///     .build()?;
-    /// // It starts by measuring the minimum latency, at the probe limit
+    /// // It starts by measuring the floor (the unloaded latency), at the probe limit
     /// // (3, raised to the lower bound).
     /// assert_eq!(layer.stats().global_limit, Some(4));
     /// # Ok::<(), Box<dyn std::error::Error>>(())
