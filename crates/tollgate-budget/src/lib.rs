@@ -14,7 +14,7 @@
 //! - [`LeaseStore`]: in-flight counts shared by a fleet, as leases that
 //!   expire by themselves;
 //! - [`AdaptiveLimit`]: a concurrency limit found from latency (gradient
-//!   over a re-probed minimum, back-off on failures), fed by the caller;
+//!   over a re-probed floor latency, back-off on failures), fed by the caller;
 //! - [`fair_shares`]: weighted max-min fair shares of a saturated limit;
 //! - [`Priority`]: request classes, with [`next_to_admit`] and
 //!   [`displaced_by`] deciding who goes first when a limit is full;

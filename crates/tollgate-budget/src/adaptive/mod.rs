@@ -48,8 +48,9 @@ pub struct Change {
 const FRAC_BITS: u32 = 32;
 const MAX_LATENCY: Nanos = 1 << 48;
 
-/// An adaptive concurrency limit: a gradient over a windowed minimum
-/// latency, re-probed, with multiplicative back-off on failures.
+/// An adaptive concurrency limit: a gradient of each window's mean latency
+/// against a re-probed floor (the mean latency with few requests in
+/// flight), with multiplicative back-off on failures.
 ///
 /// The controller is a pure function of what it is fed: it never reads a
 /// clock, draws no random numbers and holds no floating point, so one
@@ -111,11 +112,16 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///   (up to eight probe intervals), so a service whose long-lived
 ///   requests keep probes from measuring is held at the probe limit for
 ///   at most a patience in every few intervals. Until a floor is known
-///   the limit stays where it started. (A request admitted while
+///   the limit stays where it started. A probe ends about a window after
+///   it drains, so requests slower than about a window rarely finish
+///   inside it: on a route where such requests are common (one in twenty
+///   at twice the window, in review), the floor leaves them out, windows
+///   include them, and the limit sits well below the capacity; give such
+///   a route a longer [`window`]. (A request admitted while
 ///   older ones still crowd the backend would measure the crowd, not the
 ///   floor; and a request admitted during the probe says nothing about
 ///   the latency at the steady limit, so windows leave it out.) Without
-///   probes, a minimum measured before the backend got slower would hold
+///   probes, a floor measured before the backend got slower would hold
 ///   the limit down for as long as the slowdown lasts; with them, the
 ///   limit recovers at the next probe that measures (one probe interval
 ///   when probes can drain the backend).
@@ -181,14 +187,15 @@ pub struct AdaptiveLimit {
     /// The limit outside probes, in 32.32 fixed point; always within
     /// `min..=max` (shifted).
     limit: u64,
-    /// The floor: measured by the last probe that measured one, or lowered
-    /// since by a whole window's mean; `None` until there is one.
+    /// The floor: the mean latency measured by the last probe that
+    /// measured one (or lowered by a probe that gave up); `None` until
+    /// there is one.
     min_latency: Option<Nanos>,
     /// Probes in a row that gave up: each doubles the wait before the
     /// next (up to eight times the interval).
     gave_up: u32,
     window: Window,
-    /// Set while the minimum latency is being measured.
+    /// Set while the floor is being measured.
     probe: Option<Probe>,
     /// When the next probe starts (meaningless while one runs).
     next_probe: Nanos,
@@ -225,7 +232,7 @@ impl Window {
     }
 }
 
-/// A measurement of the minimum latency in progress.
+/// A measurement of the floor in progress.
 #[derive(Debug, Clone, Copy)]
 struct Probe {
     started: Nanos,
@@ -249,7 +256,7 @@ struct Probe {
 
 impl AdaptiveLimit {
     /// A controller at the configured initial limit, starting (at `now`)
-    /// with a probe of the minimum latency.
+    /// with a probe of the floor.
     pub fn new(config: AdaptiveConfig, now: Nanos) -> Self {
         Self {
             limit: u64::from(config.initial) << FRAC_BITS,
@@ -287,7 +294,7 @@ impl AdaptiveLimit {
         u32::try_from(self.limit >> FRAC_BITS).unwrap_or(self.config.max)
     }
 
-    /// Whether the minimum latency is being measured (the limit is held at
+    /// Whether the floor is being measured (the limit is held at
     /// the probe limit).
     pub fn is_probing(&self) -> bool {
         self.probe.is_some()

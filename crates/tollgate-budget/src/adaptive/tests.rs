@@ -69,7 +69,7 @@ fn a_probe_waits_for_the_backend_to_drain_then_gives_up() {
     assert!(limit.is_probing());
     assert_eq!(limit.floor(), None);
     // Ten windows after its first latency without draining (long-lived
-    // requests, a dry run): it gives up, with the smallest latency it saw
+    // requests, a dry run): it gives up, with the mean latency it saw
     // as the first floor.
     limit.update(1010 * MS, 4, Sample::Ok(7 * MS));
     assert!(!limit.is_probing());
