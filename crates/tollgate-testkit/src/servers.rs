@@ -126,16 +126,7 @@ impl RedisServer {
     /// Runs one command and returns its reply as text (arrays joined by
     /// newlines, nil as empty).
     pub fn query(&self, args: &[&str]) -> Result<String, String> {
-        let client = redis::Client::open(self.admin_url()).map_err(|e| e.to_string())?;
-        let mut conn = client
-            .get_connection_with_timeout(Duration::from_secs(2))
-            .map_err(|e| e.to_string())?;
-        let mut cmd = redis::cmd(args[0]);
-        for a in &args[1..] {
-            cmd.arg(*a);
-        }
-        let value: redis::Value = cmd.query(&mut conn).map_err(|e| e.to_string())?;
-        Ok(text(&value))
+        query(&self.admin_url(), args)
     }
 
     /// The raw value stored at `key`, if any.
@@ -502,16 +493,7 @@ impl RedisSentinel {
 
     /// Runs one command on the sentinel and returns its reply as text.
     pub fn query(&self, args: &[&str]) -> Result<String, String> {
-        let client = redis::Client::open(self.url()).map_err(|e| e.to_string())?;
-        let mut conn = client
-            .get_connection_with_timeout(Duration::from_secs(2))
-            .map_err(|e| e.to_string())?;
-        let mut cmd = redis::cmd(args[0]);
-        for a in &args[1..] {
-            cmd.arg(*a);
-        }
-        let value: redis::Value = cmd.query(&mut conn).map_err(|e| e.to_string())?;
-        Ok(text(&value))
+        query(&self.url(), args)
     }
 
     /// The port of the master the sentinel believes in now.
@@ -529,4 +511,19 @@ impl Drop for RedisSentinel {
         let _ = self.child.wait();
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// Runs one command on the server at `url` and returns its reply as text
+/// (arrays joined by newlines, nil as empty).
+fn query(url: &str, args: &[&str]) -> Result<String, String> {
+    let client = redis::Client::open(url).map_err(|e| e.to_string())?;
+    let mut conn = client
+        .get_connection_with_timeout(Duration::from_secs(2))
+        .map_err(|e| e.to_string())?;
+    let mut cmd = redis::cmd(args[0]);
+    for a in &args[1..] {
+        cmd.arg(*a);
+    }
+    let value: redis::Value = cmd.query(&mut conn).map_err(|e| e.to_string())?;
+    Ok(text(&value))
 }
