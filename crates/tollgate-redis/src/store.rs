@@ -250,13 +250,13 @@ impl Store for RedisStore {
         true
     }
 
-    /// Settles refundable charges: one `refund` or `confirm` script per
-    /// slot group; a refund also forgets what the over-limit cache
-    /// remembered of them.
     fn can_refund(&self) -> bool {
         true
     }
 
+    /// Settles refundable charges: one `refund` or `confirm` script per
+    /// slot group; a refund also forgets what the over-limit cache
+    /// remembered of them.
     fn refund<'a>(
         &'a self,
         charges: &'a [Charge],

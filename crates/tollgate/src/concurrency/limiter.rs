@@ -408,7 +408,12 @@ impl Limiter {
     ) -> Vec<(oneshot::Sender<Permit>, Permit)> {
         let mut handed = Vec::new();
         let mut i = 0;
-        while i < counts.queue.len() {
+        // (A full global limit fits no waiter: stop looking.)
+        while i < counts.queue.len()
+            && counts
+                .global_max(self)
+                .is_none_or(|max| counts.global < max)
+        {
             if counts.fits(self, counts.queue[i].key.as_deref()).is_ok()
                 && let Some(waiter) = counts.queue.remove(i)
             {
