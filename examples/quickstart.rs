@@ -14,7 +14,8 @@
 //! port, with the same limits.
 //!
 //! The contract (other checks rely on it):
-//! - every route: per client address, token bucket of 5, refilled 1 per second;
+//! - every route but `/work`: per client address, token bucket of 5,
+//!   refilled 1 per second;
 //! - `POST /export` (needs a principal): also per (tenant, account, operation),
 //!   3 refilled 2 per second, charged together with the address rule; on
 //!   plan `pro` (dave) 10 refilled 5 per second, one budget across plans;
@@ -28,6 +29,15 @@
 //!   and its slots released); with
 //!   `--store` these limits hold across every quickstart on that Redis
 //!   (leases of 2 s: a killed instance's slots are free again within 2 s);
+//! - `GET /work?ms=N` (needs a principal): N ms of work (default 100, at
+//!   most 10000; else 400) on a simulated backend that serves 16 at full
+//!   speed and slows down beyond (processor sharing: each of n requests in
+//!   it progresses at 16/max(n,16) of its speed), behind an adaptive
+//!   in-flight limit (from 4 to 256, starting at 20) shared fairly between
+//!   tenants; a request beyond its tenant's share waits up to 1 s (at most
+//!   64 waiting), then 503. Not under the per-address rule (a flood from
+//!   one address is what it is for). This process's own limit, with
+//!   `--store` too; in `--dry-run` a fixed 16, dry-run;
 //! - `POST /login`: 200 when the bearer key is known, 401 otherwise; besides
 //!   the address rule, per address `login-failures`: 3, refilled 1 per 20
 //!   seconds, reserved when the request is checked and kept only for 401
@@ -44,8 +54,8 @@
 //! - admitted requests get 200 and a short text body.
 //!
 //! Flags: `--exempt CIDR` (repeatable) lets clients in those networks skip
-//! the per-address rule; `--dry-run` makes every rule and both in-flight
-//! limits dry-run (nothing is refused for lack of budget or room; would-be
+//! the per-address rule; `--dry-run` makes every rule and every in-flight
+//! limit dry-run (nothing is refused for lack of budget or room; would-be
 //! refusals are logged; 401, 411, 413 and 400 are answered as without it);
 //! `--log-refusals LEVEL` (`error`, `warn`, `info`, `debug`, `trace`; off by
 //! default) logs every refusal of both layers on stderr at that level, as
@@ -80,6 +90,7 @@ use tokio::net::{TcpListener, TcpSocket};
 use tollgate::{
     ClientIpResolver, ConcurrencyLimitLayer, Cost, Exemption, KeyPart, MemoryStore, Policy,
     Principal, Rate, RateLimitLayer, RedisStore, Rule,
+    concurrency::AdaptiveConfig,
     identity::ForwardedHeader,
     store::{DynStore, LeaseStore},
 };
@@ -96,7 +107,14 @@ const SLOW_BODY_IDLE: Duration = Duration::from_secs(5);
 
 /// The routes whose 401s spend the address's `login-failures` budget: the
 /// login route, and every route that needs a principal.
-const GUESSED: [&str; 5] = ["/login", "/export", "/upload", "/slow", "/shaped"];
+const GUESSED: [&str; 6] = ["/login", "/export", "/upload", "/slow", "/shaped", "/work"];
+
+/// How many requests `/work`'s simulated backend serves at full speed.
+const WORK_CAPACITY: u64 = 16;
+
+#[path = "support/processor_sharing.rs"]
+mod processor_sharing;
+use processor_sharing::ProcessorSharing;
 
 const USAGE: &str = "usage: quickstart [--addr HOST:PORT] [--trust-proxy CIDR]... [--exempt CIDR]... [--dry-run] [--log-refusals LEVEL] [--store redis://HOST:PORT|rediss://HOST:PORT] [--redis-ca FILE] [--redis-cert FILE --redis-key FILE] [--demo]";
 
@@ -302,17 +320,35 @@ async fn login(req: Request) -> Response {
     }
 }
 
-async fn slow(uri: Uri) -> Result<axum::response::Response, (StatusCode, String)> {
-    let ms = match uri
+/// The query's `ms=N` (0 to 10000), or `default`; 400 for anything else.
+fn ms_of(uri: &Uri, default: u64) -> Result<u64, (StatusCode, String)> {
+    match uri
         .query()
         .and_then(|q| q.split('&').find_map(|kv| kv.strip_prefix("ms=")))
     {
-        None => 1000,
+        None => Ok(default),
         Some(v) => v.parse::<u64>().ok().filter(|ms| *ms <= 10_000).ok_or((
             StatusCode::BAD_REQUEST,
             format!("ms must be 0..=10000, got {v:?}\n"),
-        ))?,
-    };
+        )),
+    }
+}
+
+/// `GET /work?ms=N`: N ms of work (default 100) on the processor-sharing
+/// backend, which takes longer once more than 16 requests are in it.
+async fn work(
+    backend: ProcessorSharing,
+    uri: Uri,
+) -> Result<axum::response::Response, (StatusCode, String)> {
+    let ms = ms_of(&uri, 100)?;
+    backend.serve(Duration::from_millis(ms)).await;
+    Ok(axum::response::Response::new(axum::body::Body::from(
+        format!("worked {ms} ms\n"),
+    )))
+}
+
+async fn slow(uri: Uri) -> Result<axum::response::Response, (StatusCode, String)> {
+    let ms = ms_of(&uri, 1000)?;
     tokio::time::sleep(Duration::from_millis(ms)).await;
     let body = Ticks {
         left: 3,
@@ -348,7 +384,12 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
                 && (req.method == http::Method::GET || req.method == http::Method::HEAD)
         }))
         .dry_run(options.dry_run)
-        .rule(Rule::per_client_ip(per_ip).exempt(Exemption::networks(options.exempt)?))
+        // `/work` is bounded by its own in-flight limit instead (below).
+        .rule(
+            Rule::per_client_ip(per_ip)
+                .exempt(Exemption::networks(options.exempt)?)
+                .exempt(Exemption::when(|req| req.uri.path() == "/work")),
+        )
         .rule(
             Rule::per_account_operation(export)
                 .on_route("/export")
@@ -410,11 +451,43 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
         ))
         .route_layer(in_flight);
 
+    // Work on a backend that slows down beyond 16 at once: an adaptive
+    // limit finds how many it takes, shared fairly between tenants; a
+    // request beyond its tenant's share waits (up to 1 s, at most 64
+    // waiting) for a slot. This process's own, with `--store` too: a
+    // limit found from this instance's latency. In `--dry-run` a fixed 16
+    // instead (an adaptive limit cannot be dry-run).
+    let work_limit = ConcurrencyLimitLayer::builder("work")
+        .fair_share([KeyPart::Tenant])
+        .body_idle_timeout(SLOW_BODY_IDLE);
+    let work_limit = if options.dry_run {
+        work_limit
+            .global(NonZeroUsize::new(16).ok_or("16 is not zero")?)
+            .dry_run(true)
+    } else {
+        work_limit
+            .adaptive(AdaptiveConfig::builder().bounds(4, 256).build()?)
+            .wait(64, Duration::from_secs(1))
+    };
+    let work_limit = match options.log_refusals {
+        Some(level) => work_limit.log_refusals(level),
+        None => work_limit,
+    }
+    .build()?;
+    let backend = ProcessorSharing::new(WORK_CAPACITY);
+    let work_route = get(move |uri: Uri| work(backend.clone(), uri))
+        .route_layer(TimeoutLayer::with_status_code(
+            StatusCode::SERVICE_UNAVAILABLE,
+            Duration::from_secs(12),
+        ))
+        .route_layer(work_limit);
+
     Ok(Router::new()
         .route("/", get(|| async { "hello from tollgate\n" }))
         .route("/healthz", get(|| async { "ok\n" }))
         .route("/shaped", get(|| async { "shaped\n" }))
         .route("/slow", slow_route)
+        .route("/work", work_route)
         .route("/export", post(|| async { "export started\n" }))
         .route("/login", post(login))
         .route(

@@ -576,3 +576,63 @@ fn help_is_stdout_and_success_a_wrong_argument_is_an_error() {
     assert_eq!(wrong.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&wrong.stderr).contains("unknown argument"));
 }
+
+/// `/work` under a flood: alice (tenant north) keeps 48 requests of 50 ms
+/// going at once, three times what the backend serves at full speed,
+/// while carol (tenant south) sends two at a time. The adaptive limit is
+/// shared fairly: carol's requests are answered (at least 95 % of them;
+/// each waits at most a second in the line), and alice's flood gets the
+/// rest. Bad `ms` is a 400, a missing key a 401.
+#[tokio::test(flavor = "multi_thread")]
+async fn work_keeps_a_quiet_tenant_served_while_another_floods() {
+    use std::time::{Duration, Instant};
+    let q = quickstart(&[]);
+    let a = q.addr;
+    let until = Instant::now() + Duration::from_secs(4);
+    let client = |who: (&'static str, &'static str), host: String| {
+        tokio::spawn(async move {
+            let (mut ok, mut other) = (0u32, Vec::new());
+            while Instant::now() < until {
+                let r = send(a, ip(&host), "GET", "/work?ms=50", &[who], b"").await;
+                if r.status == StatusCode::OK {
+                    assert_eq!(r.body, "worked 50 ms\n");
+                    ok += 1;
+                } else {
+                    other.push(r.status);
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+            }
+            (ok, other)
+        })
+    };
+    let flood: Vec<_> = (0..48)
+        .map(|i| client(ALICE, format!("127.0.70.{}", i + 1)))
+        .collect();
+    // Carol starts once the flood has filled the limit.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let quiet: Vec<_> = (0..2)
+        .map(|i| client(CAROL, format!("127.0.71.{}", i + 1)))
+        .collect();
+    let (mut carol_ok, mut carol_other) = (0, Vec::new());
+    for task in quiet {
+        let (ok, other) = task.await.unwrap();
+        carol_ok += ok;
+        carol_other.extend(other);
+    }
+    let mut alice_ok = 0;
+    for task in flood {
+        alice_ok += task.await.unwrap().0;
+    }
+    let carol_sent = carol_ok + carol_other.len() as u32;
+    assert!(carol_sent >= 20, "carol sent only {carol_sent}");
+    assert!(
+        carol_ok * 100 >= 95 * carol_sent,
+        "carol: {carol_ok} of {carol_sent} answered 200; the others: {carol_other:?}"
+    );
+    assert!(alice_ok > 100, "the flood got {alice_ok}");
+
+    let r = send(a, ip("127.0.72.1"), "GET", "/work?ms=10001", &[CAROL], b"").await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST);
+    let r = send(a, ip("127.0.72.1"), "GET", "/work", &[], b"").await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+}

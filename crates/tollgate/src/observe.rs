@@ -67,8 +67,18 @@
 //!   in flight;
 //! - `global`: the layer's overall limit (`503`), including a wait for it
 //!   that timed out;
-//! - `queue`: the line of waiters was full, or (a shared limit) a waiter
-//!   gave its place in a full line to an earlier arrival (`503`);
+//! - `queue`: the line of waiters was full, or a waiter gave its place in
+//!   a full line to an earlier arrival (a shared limit), to a higher
+//!   [`Priority`](crate::concurrency::Priority) class or to a tenant below
+//!   its fair share (`503`);
+//! - `fair_share`: the limit is contended and the request's tenant holds
+//!   its fair share of it
+//!   ([`fair_share`](crate::concurrency::ConcurrencyLimitBuilder::fair_share);
+//!   `503`, `Retry-After: 1`);
+//! - `priority`: what is left of the limit is kept for the recent demand of
+//!   higher classes
+//!   ([`priority`](crate::concurrency::ConcurrencyLimitBuilder::priority);
+//!   `503`, `Retry-After: 1`);
 //! - `store_unavailable`: a shared limit's lease store failed and the layer
 //!   fails closed (`503`; never in `tollgate_dry_run_refused_total`, a
 //!   dry-run layer refuses it too).

@@ -4,8 +4,11 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::num::NonZeroU32;
+
 use http::HeaderValue;
-use tollgate_budget::LeaseStore;
+use http::request::Parts;
+use tollgate_budget::{LeaseStore, Priority};
 
 use super::leases::{Leases, OnLeaseError};
 use super::limiter::Limiter;
@@ -36,6 +39,24 @@ pub(crate) struct Config {
     pub(crate) shape: Option<Shape>,
     /// The challenge sent with `401` (RFC 9110 requires one).
     pub(crate) www_authenticate: HeaderValue,
+    /// With fair share: the parts of a tenant's key, and its weight.
+    pub(crate) fair: Option<FairShare>,
+    /// With priorities: each request's class.
+    pub(crate) priority: Option<ClassFn>,
+}
+
+/// A request's weight for fair share.
+pub(crate) type WeightFn = Arc<dyn Fn(&Parts) -> NonZeroU32 + Send + Sync>;
+
+/// A request's priority class.
+pub(crate) type ClassFn = Arc<dyn Fn(&Parts) -> Priority + Send + Sync>;
+
+/// Who a full global limit is shared between, and by what weights.
+#[derive(Clone)]
+pub(crate) struct FairShare {
+    pub(crate) parts: Vec<KeyPart>,
+    /// `None`: every tenant weighs 1.
+    pub(crate) weight: Option<WeightFn>,
 }
 
 /// A shared limit's lease: how long, how often waiters poll, what a store

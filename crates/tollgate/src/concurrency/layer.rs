@@ -2,15 +2,16 @@
 //! limits (global, per key, queueing), checked once when built.
 
 use std::fmt;
-use std::num::NonZeroUsize;
+use std::num::{NonZeroU32, NonZeroUsize};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tollgate_budget::{AdaptiveConfig, InvalidName, LeaseStore, check_name};
+use http::request::Parts;
+use tollgate_budget::{AdaptiveConfig, InvalidName, LeaseStore, Priority, check_name};
 use tower_layer::Layer;
 
 use super::ConcurrencyLimit;
-use super::config::{Config, LeaseOptions};
+use super::config::{ClassFn, Config, FairShare, LeaseOptions, WeightFn};
 use super::leases::{Leases, MAX_LEASE, MIN_LEASE, OnLeaseError, Sharing};
 use super::limiter::{ConcurrencyStats, FailureWhen, Limiter, Limits};
 use super::stall::{DEFAULT_BODY_IDLE_TIMEOUT, Stalls};
@@ -72,6 +73,15 @@ enum LimitProblem {
          global bound"
     )]
     AdaptiveShared,
+    #[error("fair share and priorities share a global limit: give it one (global or adaptive)")]
+    NothingToShare,
+    #[error(
+        "fair share and priorities use this process's counts: a shared (fleet-wide) limit \
+         keeps a fixed global bound for every request alike"
+    )]
+    SharesShared,
+    #[error("a fair-share weight without fair share: add fair_share(parts)")]
+    WeightWithoutFairShare,
     #[error(
         "an adaptive limit cannot be dry-run: it is found from the latency of a backend it \
          protects, and one nothing is refused for shows none of what it would enforce"
@@ -94,7 +104,10 @@ impl InvalidLimit {
             | LimitProblem::NoBound
             | LimitProblem::TwoGlobalLimits
             | LimitProblem::AdaptiveShared
-            | LimitProblem::AdaptiveDryRun => None,
+            | LimitProblem::AdaptiveDryRun
+            | LimitProblem::NothingToShare
+            | LimitProblem::SharesShared
+            | LimitProblem::WeightWithoutFairShare => None,
         }
     }
 }
@@ -170,6 +183,8 @@ impl ConcurrencyLimitLayer {
                 dry_run: false,
                 adaptive: None,
                 failure_when: None,
+                fair_share: false,
+                priorities: false,
             },
             lease_store: None,
             lease: LeaseOptions::default(),
@@ -180,6 +195,9 @@ impl ConcurrencyLimitLayer {
             exemptions: Vec::new(),
             shape: None,
             www_authenticate: HeaderValue::from_static("Bearer"),
+            fair: None,
+            weight: None,
+            priority: None,
         }
     }
 
@@ -220,6 +238,10 @@ pub struct ConcurrencyLimitBuilder {
     exemptions: Vec<Exemption>,
     shape: Option<Shape>,
     www_authenticate: HeaderValue,
+    /// The parts of a tenant's key, with fair share.
+    fair: Option<Vec<KeyPart>>,
+    weight: Option<WeightFn>,
+    priority: Option<ClassFn>,
 }
 
 impl fmt::Debug for ConcurrencyLimitBuilder {
@@ -249,7 +271,10 @@ impl ConcurrencyLimitBuilder {
     /// [`adaptive`](Self::adaptive) and [`per_key`](Self::per_key): it
     /// would limit nothing), it has both a fixed and an adaptive global
     /// limit, an adaptive limit is [shared](Self::shared) or
-    /// [dry-run](Self::dry_run), or the
+    /// [dry-run](Self::dry_run), [fair share](Self::fair_share) or
+    /// [priorities](Self::priority) are asked for without a global limit
+    /// or with a shared one, a
+    /// [weight](Self::fair_share_weight) without fair share, or the
     /// lease ([`lease_ttl`](Self::lease_ttl), 10 s by default) is shorter
     /// than [`MIN_LEASE_PER_STORE_TIMEOUT`] times the store's
     /// [timeout](LeaseStore::timeout).
@@ -272,10 +297,23 @@ impl ConcurrencyLimitBuilder {
         if adaptive && self.limits.dry_run {
             return Err(invalid(LimitProblem::AdaptiveDryRun));
         }
+        if self.weight.is_some() && self.fair.is_none() {
+            return Err(invalid(LimitProblem::WeightWithoutFairShare));
+        }
+        let shares = self.fair.is_some() || self.priority.is_some();
+        if shares && self.limits.global_max.is_none() && !adaptive {
+            return Err(invalid(LimitProblem::NothingToShare));
+        }
+        if shares && self.lease_store.is_some() {
+            return Err(invalid(LimitProblem::SharesShared));
+        }
         if let Some(store) = &self.lease_store {
             check_lease(self.lease.ttl, &**store).map_err(|e| invalid(LimitProblem::Lease(e)))?;
         }
-        let name = self.limits.name.clone();
+        let mut limits = self.limits;
+        limits.fair_share = self.fair.is_some();
+        limits.priorities = self.priority.is_some();
+        let name = limits.name.clone();
         let leases = self.lease_store.clone().map(|store| {
             Arc::new(Leases::new(Sharing {
                 store,
@@ -288,7 +326,7 @@ impl ConcurrencyLimitBuilder {
             config: Arc::new(Config {
                 stalls: Arc::new(Stalls::new(name, self.body_idle)),
                 body_idle: self.body_idle,
-                limiter: Arc::new(Limiter::new(self.limits)),
+                limiter: Arc::new(Limiter::new(limits)),
                 lease_store: self.lease_store,
                 lease: self.lease,
                 leases,
@@ -298,6 +336,11 @@ impl ConcurrencyLimitBuilder {
                 exemptions: self.exemptions,
                 shape: self.shape,
                 www_authenticate: self.www_authenticate,
+                fair: self.fair.map(|parts| FairShare {
+                    parts,
+                    weight: self.weight,
+                }),
+                priority: self.priority,
             }),
         })
     }
@@ -442,6 +485,103 @@ impl ConcurrencyLimitBuilder {
         self.edit(|b| b.limits.failure_when = Some(FailureWhen(Arc::new(failed))))
     }
 
+    /// Shares a full global limit (fixed or [adaptive](Self::adaptive))
+    /// fairly between the tenants whose keys are built from `parts`, e.g.
+    /// `[KeyPart::Tenant]`: weighted max-min fairness over their demand.
+    ///
+    /// A tenant's demand is the most it had in flight and waiting when one
+    /// more of its requests arrived (counting that one, admitted or not),
+    /// over the current and the previous second. While the demands add up
+    /// to no more than the limit, nobody is held to a share. When they
+    /// exceed it, each tenant's share is its weighted max-min share of the
+    /// limit ([`fair_shares`](crate::concurrency::fair_shares)): a tenant
+    /// that wants less than an equal share keeps what it wants, the rest is
+    /// split by weight ([`fair_share_weight`](Self::fair_share_weight), 1
+    /// each by default). A request whose tenant already holds its share in
+    /// flight is refused with `503` and `Retry-After: 1` (a second on, the
+    /// shares are those of the demand then), or waits in the
+    /// [line](Self::wait), where a freed slot goes to a tenant below its
+    /// share, and a tenant below its share finding the line full takes the
+    /// place of the latest waiter of a tenant at its share.
+    ///
+    /// So one tenant's flood takes what the others leave, and a tenant
+    /// whose requests come and go keeps its claim between them. The global
+    /// limit is never exceeded: a tenant below its share whose slots are
+    /// still held by a flood admitted before it came waits (or is refused)
+    /// until one of them ends, as the flood is no longer admitted. At most
+    /// 10,000 tenants are told apart within two seconds; newcomers beyond
+    /// them share one claim. A request without the key's principal follows
+    /// [`when_no_principal`](Self::when_no_principal) (with `Skip`, it is
+    /// held to no share). Exempt requests are neither counted nor held.
+    /// This process's counts only: [`build`](Self::build) refuses it with
+    /// [`shared`](Self::shared), and without a global limit.
+    ///
+    /// ```
+    /// use tollgate::{ConcurrencyLimitLayer, KeyPart};
+    /// use tollgate::concurrency::AdaptiveConfig;
+    ///
+    /// let layer = ConcurrencyLimitLayer::builder("work")
+    ///     .adaptive(AdaptiveConfig::default())
+    ///     .fair_share([KeyPart::Tenant])
+    ///     .build()?;
+    /// # let _ = layer;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn fair_share(self, parts: impl IntoIterator<Item = KeyPart>) -> Self {
+        let parts: Vec<KeyPart> = parts.into_iter().collect();
+        self.edit(|b| b.fair = Some(parts))
+    }
+
+    /// Each tenant's weight for [`fair_share`](Self::fair_share) (default
+    /// 1), read from each request, e.g. by plan from the
+    /// [`Principal`](crate::Principal) in its extensions: a tenant of
+    /// weight 2 gets twice the share of one of weight 1 when both want more
+    /// than they get. A tenant's latest request sets its weight, so a plan
+    /// switched at runtime counts from its next request. Without
+    /// [`fair_share`](Self::fair_share), [`build`](Self::build) refuses it
+    /// (there would be nothing to weigh).
+    pub fn fair_share_weight(
+        self,
+        weight: impl Fn(&Parts) -> NonZeroU32 + Send + Sync + 'static,
+    ) -> Self {
+        let weight: WeightFn = Arc::new(weight);
+        self.edit(|b| b.weight = Some(weight))
+    }
+
+    /// Gives each request a [`Priority`] class (by route, plan, header…):
+    /// the global limit (fixed or [adaptive](Self::adaptive)) is kept for
+    /// higher classes first. A request is admitted only if the slots left
+    /// after it cover what the classes above its own want beyond what they
+    /// hold: their demand, counted as for [`fair_share`](Self::fair_share)
+    /// (the most they had in flight and waiting over the current and the
+    /// previous second). So when the limit is full, lower classes are
+    /// refused first (`503`, `Retry-After: 1`), and batch work gets what
+    /// interactive work leaves. In the [line](Self::wait), a freed slot
+    /// goes to the highest class waiting (first come, first served within a
+    /// class), and a full line makes room for a higher class by refusing
+    /// its lowest, latest waiter. Requests of one class are not held back
+    /// for each other. This process's counts only, and it needs a global
+    /// limit, as [`fair_share`](Self::fair_share).
+    ///
+    /// ```
+    /// use std::num::NonZeroUsize;
+    /// use tollgate::ConcurrencyLimitLayer;
+    /// use tollgate::concurrency::Priority;
+    ///
+    /// let layer = ConcurrencyLimitLayer::builder("api")
+    ///     .global(NonZeroUsize::new(64).unwrap())
+    ///     .priority(|req| match req.uri.path() {
+    ///         p if p.starts_with("/export") => Priority::Batch,
+    ///         _ => Priority::Interactive,
+    ///     })
+    ///     .build()?;
+    /// # let _ = layer;
+    /// # Ok::<(), tollgate::InvalidLimit>(())
+    /// ```
+    pub fn priority(self, class: impl Fn(&Parts) -> Priority + Send + Sync + 'static) -> Self {
+        self.edit(|b| b.priority = Some(Arc::new(class)))
+    }
+
     /// At most `max` requests in flight per key built from `parts` (429
     /// beyond), e.g. `[KeyPart::Account]`.
     pub fn per_key(self, max: NonZeroUsize, parts: impl IntoIterator<Item = KeyPart>) -> Self {
@@ -460,7 +600,8 @@ impl ConcurrencyLimitBuilder {
     }
 
     /// The level refusals are logged at (default `DEBUG`): the layer, the
-    /// limit that refused (`per_key`, `global`, `queue`,
+    /// limit that refused (`per_key`, `global`, `queue`, `fair_share`,
+    /// `priority`,
     /// `store_unavailable`), the shape of the key and a fingerprint of it,
     /// never the key
     /// ([`set_log_fingerprint_key`](crate::set_log_fingerprint_key)); a

@@ -22,6 +22,7 @@ use tollgate_budget::{
 
 use super::limiter::{Ending, Limiter, Permit, Saturated};
 use super::release::{Owner, Releases, give_back};
+use super::share::Ask;
 use crate::observe::Throttle;
 
 /// What a fleet-wide concurrency limit does when its lease store fails or
@@ -435,7 +436,7 @@ pub(crate) async fn acquire(
     };
     let id = leases.next_id();
     let granted = |lease: Lease| {
-        let local = limiter.take_unchecked(key.as_deref());
+        let local = limiter.take_unchecked(Ask::keyed(key.clone()));
         Ok(Slot::Leases {
             _lease: LeasePermit::start(leases.clone(), lease, local),
         })
@@ -633,7 +634,11 @@ async fn failed(
         }
         OnLeaseError::Local => {
             crate::observe::store_error(&error, "local");
-            limiter.clone().acquire(key).await.map(Slot::local)
+            limiter
+                .clone()
+                .acquire(Ask::keyed(key))
+                .await
+                .map(Slot::local)
         }
     }
 }

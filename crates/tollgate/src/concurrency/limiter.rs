@@ -10,7 +10,9 @@ use std::time::Duration;
 
 use http::StatusCode;
 use tokio::sync::oneshot;
-use tollgate_budget::{AdaptiveConfig, AdaptiveLimit, Change, Failure, Nanos, Sample};
+use tollgate_budget::{AdaptiveConfig, AdaptiveLimit, Change, Failure, Nanos, Priority, Sample};
+
+use super::share::{Ask, Demand, Shares};
 
 /// Which limit refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -21,6 +23,11 @@ pub(crate) enum Saturated {
     Queue,
     /// The fleet's lease store failed, and the layer fails closed.
     Unavailable,
+    /// The global limit is contended and the request's tenant holds its
+    /// fair share of it.
+    FairShare,
+    /// What is left of the global limit is kept for higher classes.
+    Priority,
 }
 
 #[derive(Default)]
@@ -32,29 +39,81 @@ struct SlotCounts {
     next_waiter: u64,
     /// The global limit found from latency, when it is adaptive.
     adaptive: Option<AdaptiveLimit>,
+    /// Each tenant's and class's demand, for fair share and priorities
+    /// (kept only when the layer has either).
+    demand: Demand,
 }
 
 /// A request waiting in the queue; a freed slot is handed to it directly.
 struct Waiter {
     id: u64,
-    key: Option<Box<str>>,
+    ask: Ask,
     grant: oneshot::Sender<Permit>,
 }
 
 impl SlotCounts {
-    fn fits(&self, limiter: &Limiter, key: Option<&str>) -> Result<(), Saturated> {
-        if let (Some(max), Some(key)) = (limiter.limits.per_key_max, key)
+    /// Whether `ask` may be admitted now: under its key's limit, under the
+    /// global limit (for a newcomer, with room left for the demand of
+    /// higher classes; a waiter is served in the order of its class
+    /// instead, so that no slot sits idle for a class nobody of which
+    /// waits), and (when the tenants' demands exceed the global limit:
+    /// `shares`) below its tenant's fair share.
+    fn fits(
+        &self,
+        limiter: &Limiter,
+        ask: &Ask,
+        shares: Option<&Shares>,
+        newcomer: bool,
+    ) -> Result<(), Saturated> {
+        if let (Some(max), Some(key)) = (limiter.limits.per_key_max, ask.key.as_deref())
             && self.per_key.get(key).copied().unwrap_or(0) >= max
         {
             return Err(Saturated::PerKey);
         }
-        if self
-            .global_max(limiter)
-            .is_some_and(|max| self.global >= max)
-        {
+        let Some(max) = self.global_max(limiter) else {
+            return Ok(());
+        };
+        if self.global >= max {
             return Err(Saturated::Global);
         }
+        if newcomer
+            && limiter.limits.priorities
+            && self.global + self.demand.reserved_above(ask.class) >= max
+        {
+            return Err(Saturated::Priority);
+        }
+        if shares.is_some_and(|shares| self.demand.at_share(ask, shares)) {
+            return Err(Saturated::FairShare);
+        }
         Ok(())
+    }
+
+    /// The tenants' fair shares of the global limit, when the layer shares
+    /// it fairly and their demands exceed it.
+    fn shares(&self, limiter: &Limiter) -> Option<Shares> {
+        if !limiter.limits.fair_share {
+            return None;
+        }
+        self.demand.shares(self.global_max(limiter)?)
+    }
+
+    /// With fair share, when the line is full and `ask`'s tenant is below
+    /// its share: the latest waiter of no higher class whose tenant holds
+    /// its share, to make room (so one tenant cannot fill the line either).
+    fn over_share_waiter(&self, limiter: &Limiter, ask: &Ask) -> Option<usize> {
+        let shares = self.shares(limiter)?;
+        if self.demand.at_share(ask, &shares) {
+            return None;
+        }
+        self.queue
+            .iter()
+            .rposition(|w| w.ask.class <= ask.class && self.demand.at_share(&w.ask, &shares))
+    }
+
+    /// Whether a newcomer fits ([`fits`](Self::fits)), with the shares as
+    /// they are now.
+    fn fits_now(&self, limiter: &Limiter, ask: &Ask) -> Result<(), Saturated> {
+        self.fits(limiter, ask, self.shares(limiter).as_ref(), true)
     }
 
     /// The global limit now: the adaptive one's current value, or the
@@ -66,22 +125,28 @@ impl SlotCounts {
         }
     }
 
-    fn take(&mut self, key: Option<&str>) {
+    fn take(&mut self, limiter: &Limiter, ask: &Ask) {
         self.global += 1;
-        if let Some(key) = key {
+        if let Some(key) = ask.key.as_deref() {
             *self.per_key.entry(key.into()).or_insert(0) += 1;
+        }
+        if limiter.limits.shares() {
+            self.demand.in_flight(ask, 1);
         }
     }
 
-    fn give_back(&mut self, key: Option<&str>) {
+    fn give_back(&mut self, limiter: &Limiter, ask: &Ask) {
         self.global = self.global.saturating_sub(1);
-        if let Some(key) = key
+        if let Some(key) = ask.key.as_deref()
             && let Some(n) = self.per_key.get_mut(key)
         {
             *n -= 1;
             if *n == 0 {
                 self.per_key.remove(key);
             }
+        }
+        if limiter.limits.shares() {
+            self.demand.in_flight(ask, -1);
         }
     }
 }
@@ -138,6 +203,10 @@ pub(crate) struct Limits {
     /// Which response statuses an adaptive limit counts as failures
     /// (`None`: every `5xx`).
     pub(crate) failure_when: Option<FailureWhen>,
+    /// A full global limit is shared fairly between tenants.
+    pub(crate) fair_share: bool,
+    /// Requests have classes, and higher ones go first.
+    pub(crate) priorities: bool,
 }
 
 /// Which response statuses count as failures for an adaptive limit.
@@ -151,6 +220,11 @@ impl std::fmt::Debug for FailureWhen {
 }
 
 impl Limits {
+    /// Whether each tenant's and class's demand is kept.
+    pub(crate) fn shares(&self) -> bool {
+        self.fair_share || self.priorities
+    }
+
     /// How many may wait, and how long: never in dry-run (a full limit
     /// lets the request through at once).
     pub(crate) fn waits(&self) -> Option<(usize, Duration)> {
@@ -192,7 +266,7 @@ pub(crate) struct Limiter {
 /// Held while a request is in flight; gives its slots back on drop.
 pub(crate) struct Permit {
     limiter: Arc<Limiter>,
-    key: Option<Box<str>>,
+    ask: Ask,
     /// For an adaptive limit: when the request was admitted, and how it
     /// ended (marked by the response and its body).
     sampled: Option<(Nanos, Arc<Ending>)>,
@@ -309,7 +383,10 @@ impl Drop for Permit {
     fn drop(&mut self) {
         let (handed, change) = {
             let mut counts = self.limiter.lock();
-            counts.give_back(self.key.as_deref());
+            counts.give_back(&self.limiter, &self.ask);
+            if self.limiter.limits.shares() {
+                counts.demand.advance(self.limiter.now());
+            }
             let global = in_flight(counts.global);
             let change = match (&self.sampled, &mut counts.adaptive) {
                 (Some((admitted, ending)), Some(adaptive)) => {
@@ -386,7 +463,7 @@ impl Limiter {
         }
     }
 
-    fn permit(self: &Arc<Self>, key: Option<Box<str>>) -> Permit {
+    fn permit(self: &Arc<Self>, ask: Ask) -> Permit {
         let sampled = self
             .limits
             .adaptive
@@ -394,34 +471,48 @@ impl Limiter {
             .then(|| (self.now(), Arc::default()));
         Permit {
             limiter: self.clone(),
-            key,
+            ask,
             sampled,
         }
     }
 
-    /// Every waiter that fits now, in order of arrival, each slot taken on
-    /// its behalf: one for a slot given back, more when an adaptive limit
-    /// has grown.
+    /// Every waiter that fits now, each slot taken on its behalf: one for
+    /// a slot given back, more when an adaptive limit has grown. The
+    /// highest class first, and in a class the one that waited longest
+    /// (with fair share, only waiters whose tenant is below its share
+    /// fit).
     fn hand_over_all(
         self: &Arc<Self>,
         counts: &mut SlotCounts,
     ) -> Vec<(oneshot::Sender<Permit>, Permit)> {
         let mut handed = Vec::new();
-        let mut i = 0;
+        // The shares do not change while waiters become in flight (each
+        // tenant's demand counts both).
+        let shares = counts.shares(self);
         // (A full global limit fits no waiter: stop looking.)
-        while i < counts.queue.len()
+        while !counts.queue.is_empty()
             && counts
                 .global_max(self)
                 .is_none_or(|max| counts.global < max)
         {
-            if counts.fits(self, counts.queue[i].key.as_deref()).is_ok()
-                && let Some(waiter) = counts.queue.remove(i)
-            {
-                counts.take(waiter.key.as_deref());
-                handed.push((waiter.grant, self.permit(waiter.key)));
-            } else {
-                i += 1;
+            let mut best: Option<(usize, Priority)> = None;
+            for (i, waiter) in counts.queue.iter().enumerate() {
+                if best.is_none_or(|(_, class)| waiter.ask.class > class)
+                    && counts
+                        .fits(self, &waiter.ask, shares.as_ref(), false)
+                        .is_ok()
+                {
+                    best = Some((i, waiter.ask.class));
+                }
             }
+            let Some(waiter) = best.and_then(|(i, _)| counts.queue.remove(i)) else {
+                break;
+            };
+            if self.limits.shares() {
+                counts.demand.waiting(&waiter.ask, -1);
+            }
+            counts.take(self, &waiter.ask);
+            handed.push((waiter.grant, self.permit(waiter.ask)));
         }
         handed
     }
@@ -445,45 +536,56 @@ impl Limiter {
         self.limits.dry_run && full != Saturated::Unavailable
     }
 
-    pub(crate) fn take_unchecked(self: &Arc<Self>, key: Option<&str>) -> Permit {
-        self.lock().take(key);
+    pub(crate) fn take_unchecked(self: &Arc<Self>, ask: Ask) -> Permit {
+        self.lock().take(self, &ask);
         self.gauges();
-        self.permit(key.map(Into::into))
+        self.permit(ask)
     }
 
-    pub(crate) fn try_acquire(self: &Arc<Self>, key: Option<&str>) -> Result<Permit, Saturated> {
+    /// `ask` arrives: with fair share or priorities, its tenant and class
+    /// note their demand (counting it once, however often it is noted).
+    fn arrive(&self, counts: &mut SlotCounts, ask: &mut Ask) {
+        if self.limits.shares() {
+            counts.demand.arrive(ask, self.now());
+        }
+    }
+
+    pub(crate) fn try_acquire(self: &Arc<Self>, ask: &mut Ask) -> Result<Permit, Saturated> {
         self.advance();
         let mut counts = self.lock();
-        counts.fits(self, key)?;
-        counts.take(key);
+        self.arrive(&mut counts, ask);
+        counts.fits_now(self, ask)?;
+        counts.take(self, ask);
         drop(counts);
         self.gauges();
-        Ok(self.permit(key.map(Into::into)))
+        Ok(self.permit(ask.clone()))
     }
 
     /// Acquires at once, or (if waiting is configured) waits in a bounded
-    /// first-come-first-served queue for at most the configured time.
-    pub(crate) async fn acquire(
-        self: Arc<Self>,
-        key: Option<Box<str>>,
-    ) -> Result<Permit, Saturated> {
+    /// line for at most the configured time: a freed slot goes to the
+    /// highest class waiting, first come first served within a class; a
+    /// full line makes room for a higher class by refusing its lowest,
+    /// latest waiter.
+    pub(crate) async fn acquire(self: Arc<Self>, mut ask: Ask) -> Result<Permit, Saturated> {
         let Some((max_waiters, max_wait)) = self.limits.waits() else {
             return self
-                .try_acquire(key.as_deref())
-                .map_err(|full| self.refused(full, key.as_deref()));
+                .try_acquire(&mut ask)
+                .map_err(|full| self.refused(full, ask.key.as_deref()));
         };
-        let (id, full, granted, shown) = {
+        let (id, full, granted, shown, displaced) = {
             self.advance();
             let mut counts = self.lock();
-            let full = match counts.fits(&self, key.as_deref()) {
+            self.arrive(&mut counts, &mut ask);
+            let full = match counts.fits_now(&self, &ask) {
                 Ok(()) => {
-                    counts.take(key.as_deref());
+                    counts.take(&self, &ask);
                     drop(counts);
                     self.gauges();
-                    return Ok(self.permit(key));
+                    return Ok(self.permit(ask));
                 }
                 Err(full) => full,
             };
+            let key = &ask.key;
             // One key may not have more waiters than it may have in flight:
             // its waiters cannot use a freed slot until one of its own is
             // freed, and must not fill the queue that other clients share.
@@ -492,7 +594,7 @@ impl Limiter {
                     counts
                         .queue
                         .iter()
-                        .filter(|w| w.key.as_deref() == Some(&**key))
+                        .filter(|w| w.ask.key.as_deref() == Some(&**key))
                         .count()
                         >= max
                 }
@@ -500,34 +602,60 @@ impl Limiter {
             };
             if full == Saturated::PerKey && waiting_for_key(&counts) {
                 drop(counts);
-                return Err(self.refused(Saturated::PerKey, key.as_deref()));
+                return Err(self.refused(Saturated::PerKey, ask.key.as_deref()));
             }
+            // A full line: a waiter of a lower class makes room, or this
+            // request is refused.
+            let mut displaced = None;
             if counts.queue.len() >= max_waiters {
-                drop(counts);
-                // Refused for the limit it is over: its own key's (429) or
-                // the shared one (503).
-                let why = match full {
-                    Saturated::PerKey => Saturated::PerKey,
-                    _ => Saturated::Queue,
-                };
-                return Err(self.refused(why, key.as_deref()));
+                let lowest = tollgate_budget::displaced_by(
+                    counts.queue.iter().map(|w| w.ask.class),
+                    ask.class,
+                )
+                .or_else(|| counts.over_share_waiter(&self, &ask));
+                match lowest.and_then(|i| counts.queue.remove(i)) {
+                    Some(waiter) => {
+                        if self.limits.shares() {
+                            counts.demand.waiting(&waiter.ask, -1);
+                        }
+                        displaced = Some(waiter);
+                    }
+                    None => {
+                        drop(counts);
+                        // Refused for the limit it is over: its own key's
+                        // (429) or the shared one (503).
+                        let why = match full {
+                            Saturated::PerKey => Saturated::PerKey,
+                            _ => Saturated::Queue,
+                        };
+                        return Err(self.refused(why, ask.key.as_deref()));
+                    }
+                }
             }
             let (grant, granted) = oneshot::channel();
-            let shown = key.clone();
+            let shown = ask.key.clone();
             let id = counts.next_waiter;
             counts.next_waiter += 1;
-            counts.queue.push_back(Waiter { id, key, grant });
+            if self.limits.shares() {
+                counts.demand.waiting(&ask, 1);
+            }
+            counts.queue.push_back(Waiter { id, ask, grant });
             self.peak_waiters
                 .fetch_max(counts.queue.len(), Ordering::Relaxed);
-            (id, full, granted, shown)
+            (id, full, granted, shown, displaced)
         };
+        // The displaced waiter's grant is dropped: it wakes, refused.
+        drop(displaced);
         self.gauges();
         // Leaves the queue however the wait ends (the future may be
         // dropped while waiting).
         let _queued = LocalWaiter { limiter: &self, id };
         match tokio::time::timeout(max_wait, granted).await {
             Ok(Ok(permit)) => Ok(permit),
-            _ => {
+            // Its place was given to a higher class (or a tenant below
+            // its share): the line was full.
+            Ok(Err(_)) => Err(self.refused(Saturated::Queue, shown.as_deref())),
+            Err(_) => {
                 // Timed out. Still queued: refused. Not queued any more: a
                 // slot was handed over at the last moment, and the permit
                 // it sent is in the dropped receiver, which gives it back.
@@ -544,6 +672,8 @@ impl Limiter {
             Saturated::Global => "global",
             Saturated::Queue => "queue",
             Saturated::Unavailable => "store_unavailable",
+            Saturated::FairShare => "fair_share",
+            Saturated::Priority => "priority",
         };
         if self.dry_run_admits(full) {
             tracing::info!(
@@ -554,7 +684,8 @@ impl Limiter {
                 "dry run: this request would have been refused: too many in flight"
             );
             // Counter `tollgate_dry_run_refused_total{layer, scope}` (`scope`:
-            // `per_key`, `global` or `queue`); documented in observe.rs.
+            // `per_key`, `global`, `queue`, `fair_share` or `priority`);
+            // documented in observe.rs.
             #[cfg(feature = "metrics")]
             metrics::counter!(
                 "tollgate_dry_run_refused_total",
@@ -574,11 +705,16 @@ impl Limiter {
         );
         let counter = match full {
             Saturated::PerKey => &self.refused_per_key,
-            Saturated::Global | Saturated::Queue | Saturated::Unavailable => &self.refused_global,
+            Saturated::Global
+            | Saturated::Queue
+            | Saturated::Unavailable
+            | Saturated::FairShare
+            | Saturated::Priority => &self.refused_global,
         };
         counter.fetch_add(1, Ordering::Relaxed);
         // Counter `tollgate_concurrency_refused_total{layer, scope}` (`scope`:
-        // `per_key`, `global`, `queue` or `store_unavailable`); documented in
+        // `per_key`, `global`, `queue`, `fair_share`, `priority` or
+        // `store_unavailable`); documented in
         // observe.rs.
         #[cfg(feature = "metrics")]
         metrics::counter!(
@@ -637,8 +773,11 @@ impl Drop for LocalWaiter<'_> {
     fn drop(&mut self) {
         {
             let mut counts = self.limiter.lock();
-            if let Some(i) = counts.queue.iter().position(|w| w.id == self.id) {
-                counts.queue.remove(i);
+            if let Some(i) = counts.queue.iter().position(|w| w.id == self.id)
+                && let Some(waiter) = counts.queue.remove(i)
+                && self.limiter.limits.shares()
+            {
+                counts.demand.waiting(&waiter.ask, -1);
             }
         }
         self.limiter.gauges();
@@ -659,7 +798,13 @@ mod tests {
             dry_run: false,
             adaptive: None,
             failure_when: None,
+            fair_share: false,
+            priorities: false,
         }))
+    }
+
+    fn key(k: &str) -> Ask {
+        Ask::keyed(Some(k.into()))
     }
 
     /// Audit finding 7: a freed slot woke every waiter and could be taken
@@ -668,13 +813,13 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn waiters_are_served_first_come_first_served_and_nobody_barges() {
         let l = limiter(1, 8);
-        let held = l.try_acquire(None).unwrap();
+        let held = l.try_acquire(&mut Ask::keyed(None)).unwrap();
         let order = Arc::new(Mutex::new(Vec::new()));
         let mut tasks = Vec::new();
         for i in 0..4 {
             let (mine, order) = (l.clone(), order.clone());
             tasks.push(tokio::spawn(async move {
-                let permit = mine.acquire(None).await.unwrap();
+                let permit = mine.acquire(Ask::keyed(None)).await.unwrap();
                 order.lock().unwrap().push(i);
                 // Hold it a moment so the next one has to wait for it.
                 tokio::task::yield_now().await;
@@ -687,7 +832,10 @@ mod tests {
         }
         drop(held);
         // The slot went to the first waiter: a newcomer finds none free.
-        assert_eq!(l.try_acquire(None).err(), Some(Saturated::Global));
+        assert_eq!(
+            l.try_acquire(&mut Ask::keyed(None)).err(),
+            Some(Saturated::Global)
+        );
         for t in tasks {
             t.await.unwrap();
         }
@@ -701,17 +849,17 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn a_waiter_takes_its_freed_key_slot_before_newcomers() {
         let l = limiter(4, 8);
-        let a = l.try_acquire(Some("a")).unwrap();
+        let a = l.try_acquire(&mut key("a")).unwrap();
         let waiting = tokio::spawn({
             let l = l.clone();
-            async move { l.acquire(Some("a".into())).await.map(drop) }
+            async move { l.acquire(key("a")).await.map(drop) }
         });
         while l.stats().waiting < 1 {
             tokio::task::yield_now().await;
         }
-        let b = l.try_acquire(Some("b")).unwrap();
+        let b = l.try_acquire(&mut key("b")).unwrap();
         drop(a);
-        assert_eq!(l.try_acquire(Some("a")).err(), Some(Saturated::PerKey));
+        assert_eq!(l.try_acquire(&mut key("a")).err(), Some(Saturated::PerKey));
         waiting.await.unwrap().unwrap();
         drop(b);
         assert_eq!(l.stats().in_flight, 0);
@@ -723,24 +871,24 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn one_key_cannot_fill_the_waiting_queue() {
         let l = limiter(2, 2);
-        let a = l.try_acquire(Some("a")).unwrap();
-        let b = l.try_acquire(Some("b")).unwrap();
+        let a = l.try_acquire(&mut key("a")).unwrap();
+        let b = l.try_acquire(&mut key("b")).unwrap();
         let a2 = tokio::spawn({
             let l = l.clone();
-            async move { l.acquire(Some("a".into())).await.map(drop) }
+            async move { l.acquire(key("a")).await.map(drop) }
         });
         while l.stats().waiting < 1 {
             tokio::task::yield_now().await;
         }
         // A second waiter for "a" is refused for its own key at once.
         assert_eq!(
-            l.clone().acquire(Some("a".into())).await.err(),
+            l.clone().acquire(key("a")).await.err(),
             Some(Saturated::PerKey)
         );
         // Another client still finds room to wait, and gets b's slot.
         let c = tokio::spawn({
             let l = l.clone();
-            async move { l.acquire(Some("c".into())).await.map(drop) }
+            async move { l.acquire(key("c")).await.map(drop) }
         });
         while l.stats().waiting < 2 {
             tokio::task::yield_now().await;
@@ -757,17 +905,17 @@ mod tests {
     #[tokio::test(flavor = "current_thread")]
     async fn a_dropped_waiter_leaves_the_queue() {
         let l = limiter(1, 8);
-        let held = l.try_acquire(None).unwrap();
+        let held = l.try_acquire(&mut Ask::keyed(None)).unwrap();
         let gone = tokio::spawn({
             let l = l.clone();
-            async move { l.acquire(None).await.map(drop) }
+            async move { l.acquire(Ask::keyed(None)).await.map(drop) }
         });
         while l.stats().waiting < 1 {
             tokio::task::yield_now().await;
         }
         let next = tokio::spawn({
             let l = l.clone();
-            async move { l.acquire(None).await.map(drop) }
+            async move { l.acquire(Ask::keyed(None)).await.map(drop) }
         });
         while l.stats().waiting < 2 {
             tokio::task::yield_now().await;
@@ -777,6 +925,121 @@ mod tests {
         assert_eq!(l.stats().waiting, 1);
         drop(held);
         next.await.unwrap().unwrap();
+        assert_eq!(l.stats().in_flight, 0);
+    }
+
+    fn classed(global: usize, waiting: usize, fair_share: bool) -> Arc<Limiter> {
+        Arc::new(Limiter::new(Limits {
+            name: "classes".into(),
+            global_max: Some(global),
+            per_key_max: None,
+            waiting: Some((waiting, Duration::from_secs(60))),
+            log_level: tracing::Level::DEBUG,
+            dry_run: false,
+            adaptive: None,
+            failure_when: None,
+            fair_share,
+            priorities: !fair_share,
+        }))
+    }
+
+    fn ask(tenant: &str, class: Priority) -> Ask {
+        Ask {
+            tenant: Some(tenant.into()),
+            class,
+            ..Ask::keyed(None)
+        }
+    }
+
+    /// Queues `ask` and waits until it is in the line (the newest waiter).
+    async fn queue(l: &Arc<Limiter>, a: Ask) -> tokio::task::JoinHandle<Result<Ask, Saturated>> {
+        let id = l.lock().next_waiter;
+        let task = tokio::spawn({
+            let l = l.clone();
+            async move { l.acquire(a).await.map(|p| p.ask.clone()) }
+        });
+        while l.lock().queue.back().is_none_or(|w| w.id != id) {
+            tokio::task::yield_now().await;
+        }
+        task
+    }
+
+    /// A freed slot goes to the highest class waiting, although a lower
+    /// one came first; a full line makes room for a higher class by
+    /// refusing its lowest, latest waiter.
+    #[tokio::test(flavor = "current_thread")]
+    async fn the_line_serves_higher_classes_first() {
+        let l = classed(1, 2, false);
+        let held = l.try_acquire(&mut ask("a", Priority::Critical)).unwrap();
+        let batch = queue(&l, ask("a", Priority::Batch)).await;
+        let normal = queue(&l, ask("a", Priority::Normal)).await;
+        // The line is full: an interactive request displaces the batch one.
+        let interactive = queue(&l, ask("a", Priority::Interactive)).await;
+        assert_eq!(batch.await.unwrap().err(), Some(Saturated::Queue));
+        // A batch request finds the line full of higher classes: refused.
+        assert_eq!(
+            l.clone().acquire(ask("a", Priority::Batch)).await.err(),
+            Some(Saturated::Queue)
+        );
+        drop(held);
+        let first = interactive.await.unwrap().unwrap();
+        assert_eq!(first.class, Priority::Interactive);
+        // (The interactive permit was dropped with its task: the normal
+        // waiter has the slot.)
+        assert_eq!(normal.await.unwrap().unwrap().class, Priority::Normal);
+        assert_eq!(l.stats().in_flight, 0);
+        assert_eq!(l.stats().waiting, 0);
+    }
+
+    /// With priorities, a lower class is refused while a higher class's
+    /// recent demand is not in flight, even below the limit.
+    #[tokio::test(flavor = "current_thread")]
+    async fn slots_are_kept_for_the_demand_of_higher_classes() {
+        let l = classed(4, 0, false);
+        let i1 = l.try_acquire(&mut ask("a", Priority::Interactive)).unwrap();
+        let i2 = l.try_acquire(&mut ask("a", Priority::Interactive)).unwrap();
+        let i3 = l.try_acquire(&mut ask("a", Priority::Interactive)).unwrap();
+        drop((i1, i2));
+        // Interactive wanted 3 and holds 1: 2 of the 3 free slots are kept.
+        let b = l.try_acquire(&mut ask("b", Priority::Batch)).unwrap();
+        assert_eq!(
+            l.try_acquire(&mut ask("b", Priority::Batch)).err(),
+            Some(Saturated::Priority)
+        );
+        // Interactive itself is not held back by its own demand.
+        let i4 = l.try_acquire(&mut ask("a", Priority::Interactive)).unwrap();
+        let i5 = l.try_acquire(&mut ask("a", Priority::Interactive)).unwrap();
+        assert_eq!(
+            l.try_acquire(&mut ask("a", Priority::Interactive)).err(),
+            Some(Saturated::Global)
+        );
+        drop((b, i3, i4, i5));
+        assert_eq!(l.stats().in_flight, 0);
+    }
+
+    /// With fair share, a tenant at its share is refused while one below
+    /// it is admitted; in a full line, a tenant below its share takes the
+    /// place of the latest waiter of one at its share, and a freed slot
+    /// goes to the tenant below its share.
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_tenant_at_its_share_gives_way_in_the_line() {
+        let l = classed(2, 2, true);
+        let a1 = l.try_acquire(&mut ask("a", Priority::Normal)).unwrap();
+        let a2 = l.try_acquire(&mut ask("a", Priority::Normal)).unwrap();
+        // "a" wants 3 (2 in flight, this one): alone, not contended.
+        let a3 = queue(&l, ask("a", Priority::Normal)).await;
+        let a4 = queue(&l, ask("a", Priority::Normal)).await;
+        // "b" arrives: demands 4 and 1 over a limit of 2, shares 1 and 1.
+        // The line is full; "a" is at (above) its share: its latest waiter
+        // makes room.
+        let b = queue(&l, ask("b", Priority::Normal)).await;
+        assert_eq!(a4.await.unwrap().err(), Some(Saturated::Queue));
+        drop(a1);
+        // The freed slot goes to "b", below its share, not to "a3", first
+        // in line.
+        assert_eq!(b.await.unwrap().unwrap().tenant.as_deref(), Some("b"));
+        drop(a2);
+        assert_eq!(a3.await.unwrap().unwrap().tenant.as_deref(), Some("a"));
         assert_eq!(l.stats().in_flight, 0);
     }
 }

@@ -19,6 +19,12 @@
 //!   deploys, caches and the backend's own load, so that a number set too
 //!   high lets a slow backend queue up until every request times out and
 //!   one set too low refuses work it could do;
+//! - a full global limit can be shared fairly between tenants
+//!   ([`ConcurrencyLimitBuilder::fair_share`](crate::concurrency::ConcurrencyLimitBuilder::fair_share):
+//!   weighted max-min over their recent demand, so a flood from one
+//!   cannot take the slots the others need) and kept for higher
+//!   [`Priority`] classes first
+//!   ([`ConcurrencyLimitBuilder::priority`](crate::concurrency::ConcurrencyLimitBuilder::priority));
 //! - refusal is immediate unless [`ConcurrencyLimitBuilder::wait`](crate::concurrency::ConcurrencyLimitBuilder::wait) allows a
 //!   bounded number of waiters for a bounded time, served first come,
 //!   first served; there is never an unbounded queue;
@@ -68,6 +74,7 @@ mod limiter;
 mod refusal;
 mod release;
 mod service;
+mod share;
 mod stall;
 
 pub use body::{BoxError, PermitBody};
@@ -79,6 +86,6 @@ pub use limiter::ConcurrencyStats;
 pub use service::ConcurrencyLimit;
 pub use stall::{BodyStalled, DEFAULT_BODY_IDLE_TIMEOUT};
 pub use tollgate_budget::{
-    AdaptiveConfig, AdaptiveConfigBuilder, AdaptiveLimit, Change, Failure, InvalidAdaptiveLimit,
-    Sample,
+    AdaptiveConfig, AdaptiveConfigBuilder, AdaptiveLimit, Change, Claim, Failure,
+    InvalidAdaptiveLimit, Priority, Sample, fair_shares,
 };

@@ -20,6 +20,10 @@ pub(crate) fn respond(
     answer.into_shaped_response(protocol, config.shape.as_ref())
 }
 
+/// When to come back after a refusal for fair share or priority: by then
+/// the demand the shares were computed from is a period older.
+const SHARES_MOVE: std::time::Duration = std::time::Duration::from_secs(1);
+
 /// The refusal for a full limit.
 pub(crate) fn refusal(config: &Config, full: Saturated) -> Answer {
     let l = &config.limiter.limits;
@@ -53,6 +57,24 @@ pub(crate) fn refusal(config: &Config, full: Saturated) -> Answer {
                 "the in-flight limit's store is unavailable; try again later",
             );
             answer.policy = Some(Limit::InFlight(l.name.clone()));
+            answer
+        }
+        Saturated::FairShare => {
+            let mut answer = Answer::new(
+                Refusal::Overloaded,
+                "the service is at capacity and your share of it is in use; try again later",
+            );
+            answer.policy = Some(Limit::InFlight(l.name.clone()));
+            answer.retry_after = Some(SHARES_MOVE);
+            answer
+        }
+        Saturated::Priority => {
+            let mut answer = Answer::new(
+                Refusal::Overloaded,
+                "the service is at capacity for requests of this priority; try again later",
+            );
+            answer.policy = Some(Limit::InFlight(l.name.clone()));
+            answer.retry_after = Some(SHARES_MOVE);
             answer
         }
         Saturated::Global | Saturated::Queue => {

@@ -11,7 +11,8 @@ use super::ResponseFuture;
 use super::config::Config;
 use super::leases::{self, Slot};
 use super::refusal::{refusal, respond};
-use crate::identity::RequestIdentity;
+use super::share::Ask;
+use crate::identity::{KeyPart, RequestIdentity};
 use crate::observe::{self, Refuser};
 use crate::rate_limit::any_matches;
 use crate::response::{Answer, Protocol};
@@ -87,52 +88,69 @@ where
             let req = Request::from_parts(parts, body);
             return ResponseFuture::exempt(inner, req, config.stalls.clone());
         }
-        let key: Option<Box<str>> = if config.limiter.limits.per_key_max.is_some() {
-            match who.key(&config.key, config.missing, None) {
-                Ok(key) => key.map(|k| k.text().into()),
-                Err(error) => {
-                    let limits = &config.limiter.limits;
-                    observe::key_refused(&error, Refuser::InFlight(&limits.name), limits.log_level);
-                    let mut answer = Answer::for_key(error, &limits.name);
-                    if answer.challenge.is_some() {
-                        answer.challenge = Some(config.www_authenticate.clone());
-                    }
-                    return ResponseFuture::refused(respond(config, answer, protocol));
+        let mut key_of = |parts: &[KeyPart]| match who.key(parts, config.missing, None) {
+            Ok(key) => Ok(key.map(|k| Box::<str>::from(k.text()))),
+            Err(error) => {
+                let limits = &config.limiter.limits;
+                observe::key_refused(&error, Refuser::InFlight(&limits.name), limits.log_level);
+                let mut answer = Answer::for_key(error, &limits.name);
+                if answer.challenge.is_some() {
+                    answer.challenge = Some(config.www_authenticate.clone());
                 }
+                Err(Box::new(respond(config, answer, protocol)))
+            }
+        };
+        let key: Option<Box<str>> = if config.limiter.limits.per_key_max.is_some() {
+            match key_of(&config.key) {
+                Ok(key) => key,
+                Err(refused) => return ResponseFuture::refused(*refused),
             }
         } else {
             None
         };
+        let mut ask = Ask::keyed(key);
+        if let Some(fair) = &config.fair {
+            match key_of(&fair.parts) {
+                Ok(tenant) => ask.tenant = tenant.map(Into::into),
+                Err(refused) => return ResponseFuture::refused(*refused),
+            }
+            if let Some(weight) = &fair.weight {
+                ask.weight = weight(&parts);
+            }
+        }
+        if let Some(class) = &config.priority {
+            ask.class = class(&parts);
+        }
         let req = Request::from_parts(parts, body);
         if let Some(leases) = &config.leases {
             let (limiter, leases) = (config.limiter.clone(), leases.clone());
             let acquire = Box::pin(async move {
-                match leases::acquire(limiter.clone(), leases, key.clone()).await {
+                match leases::acquire(limiter.clone(), leases, ask.key.clone()).await {
                     // Refused, and logged as such, in dry-run: let through.
                     Err(full) if limiter.dry_run_admits(full) => {
-                        Ok(Slot::local(limiter.take_unchecked(key.as_deref())))
+                        Ok(Slot::local(limiter.take_unchecked(ask)))
                     }
                     acquired => acquired,
                 }
             });
             return ResponseFuture::waiting(acquire, inner, req, config.clone(), protocol);
         }
-        match config.limiter.try_acquire(key.as_deref()) {
+        match config.limiter.try_acquire(&mut ask) {
             Ok(permit) => {
                 ResponseFuture::calling(inner, req, Slot::local(permit), config.stalls.clone())
             }
             Err(full) if config.limiter.dry_run_admits(full) => {
-                config.limiter.refused(full, key.as_deref());
-                let permit = config.limiter.take_unchecked(key.as_deref());
+                config.limiter.refused(full, ask.key.as_deref());
+                let permit = config.limiter.take_unchecked(ask);
                 ResponseFuture::calling(inner, req, Slot::local(permit), config.stalls.clone())
             }
             Err(_) if config.limiter.limits.waits().is_some() => {
                 let limiter = config.limiter.clone();
-                let waiting = Box::pin(async move { limiter.acquire(key).await.map(Slot::local) });
+                let waiting = Box::pin(async move { limiter.acquire(ask).await.map(Slot::local) });
                 ResponseFuture::waiting(waiting, inner, req, config.clone(), protocol)
             }
             Err(full) => {
-                let answer = refusal(config, config.limiter.refused(full, key.as_deref()));
+                let answer = refusal(config, config.limiter.refused(full, ask.key.as_deref()));
                 ResponseFuture::refused(respond(config, answer, protocol))
             }
         }
