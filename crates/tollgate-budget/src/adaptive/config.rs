@@ -218,8 +218,9 @@ impl AdaptiveConfigBuilder {
         self
     }
 
-    /// How far each window's new limit is followed (default 1/5): the limit
-    /// becomes `(1 − s) × limit + s × new`. In `(0, 1]`.
+    /// How far each window's new limit is followed when it is higher
+    /// (default 1/5): the limit becomes `(1 − s) × limit + s × new`; a
+    /// lower one is followed at once. In `(0, 1]`.
     pub fn smoothing(mut self, numerator: u32, denominator: u32) -> Self {
         self.smoothing = Frac::new(numerator, denominator);
         self

@@ -77,9 +77,12 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///   `gradient = floor × tolerance / window_latency`, clamped to
 ///   `[1/2, 2]`, and `new = limit × gradient + √limit` (the square root is
 ///   a queue allowance: it lets the limit grow while latency is at its
-///   floor, and lets a few requests wait so the backend never idles). The
-///   limit follows it by the smoothing factor `s`:
-///   `limit = (1 − s) × limit + s × new`. A window in which fewer than
+///   floor, and lets a few requests wait so the backend never idles). A
+///   rise is smoothed by the smoothing factor `s`:
+///   `limit = (1 − s) × limit + s × new`; a fall is taken at once
+///   (`limit = new`), so a backend that slowed down is relieved within a
+///   window (smoothing falls too let latency stay at three times its
+///   floor for over a second after a backend's capacity halved). A window in which fewer than
 ///   half the limit were ever in flight does not raise the limit (the
 ///   backend was not asked for more, so its latency says nothing about
 ///   more). At equilibrium on a saturated backend whose latency grows
@@ -491,9 +494,14 @@ impl AdaptiveLimit {
         );
         let limit = u128::from(self.limit);
         let target = ((limit * g) >> FRAC_BITS) + (limit << FRAC_BITS).isqrt();
+        // Rises are smoothed; a fall is taken at once, so a backend that
+        // slowed down is relieved within a window.
         let s = self.config.smoothing;
-        let smoothed =
-            (limit * u128::from(s.den - s.num) + target * u128::from(s.num)) / u128::from(s.den);
+        let smoothed = if target < limit {
+            target
+        } else {
+            (limit * u128::from(s.den - s.num) + target * u128::from(s.num)) / u128::from(s.den)
+        };
         let idle = u64::from(w.busiest) * 2 < self.limit >> FRAC_BITS;
         let smoothed = if w.backed_off || idle {
             smoothed.min(limit)
