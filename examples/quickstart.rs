@@ -35,9 +35,12 @@
 //!   it progresses at 16/max(n,16) of its speed), behind an adaptive
 //!   in-flight limit (from 4 to 256, starting at 20) shared fairly between
 //!   tenants; a request beyond its tenant's share waits up to 1 s (at most
-//!   64 waiting), then 503. Not under the per-address rule (a flood from
-//!   one address is what it is for). This process's own limit, with
-//!   `--store` too; in `--dry-run` a fixed 16, dry-run;
+//!   64 waiting), then 503. Not under the per-address rate rule; like
+//!   every route that needs a principal, at most 3 of one address's
+//!   requests are in flight on it at once (the `login-failures`
+//!   reservation, below), so a flood comes from several addresses. This
+//!   process's own limit, with `--store` too; in `--dry-run` a fixed 16,
+//!   dry-run;
 //! - `POST /login`: 200 when the bearer key is known, 401 otherwise; besides
 //!   the address rule, per address `login-failures`: 3, refilled 1 per 20
 //!   seconds, reserved when the request is checked and kept only for 401

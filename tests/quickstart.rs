@@ -635,4 +635,31 @@ async fn work_keeps_a_quiet_tenant_served_while_another_floods() {
     assert_eq!(r.status, StatusCode::BAD_REQUEST);
     let r = send(a, ip("127.0.72.1"), "GET", "/work", &[], b"").await;
     assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+
+    // One address has at most 3 requests in flight on it, as on every
+    // route that needs a principal (the login-failures reservation).
+    let at_once: Vec<_> = (0..5)
+        .map(|_| {
+            tokio::spawn(async move {
+                send(a, ip("127.0.73.1"), "GET", "/work?ms=2000", &[BOB], b"")
+                    .await
+                    .status
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for task in at_once {
+        statuses.push(task.await.unwrap());
+    }
+    statuses.sort();
+    assert_eq!(
+        statuses,
+        [
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::TOO_MANY_REQUESTS,
+            StatusCode::TOO_MANY_REQUESTS
+        ]
+    );
 }

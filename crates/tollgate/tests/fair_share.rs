@@ -55,7 +55,12 @@ fn limited(layer: &ConcurrencyLimitLayer, inside: &Arc<Inside>) -> ConcurrencyLi
                 .map(|p| p.tenant().to_owned())
                 .unwrap_or_default();
             inside.add(&tenant, 1);
-            tokio::time::sleep(HOLD).await;
+            let hold = if req.uri().path() == "/long" {
+                Duration::from_secs(3)
+            } else {
+                HOLD
+            };
+            tokio::time::sleep(hold).await;
             inside.add(&tenant, -1);
             Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"done"))))
         }
@@ -476,4 +481,143 @@ async fn exempt_requests_and_missing_principals_with_fair_share() {
     let svc = limited(&skip, &inside);
     let response = svc.clone().oneshot(anonymous()).await.unwrap();
     assert_eq!(response.status(), StatusCode::OK);
+}
+
+/// Found in review: tenants that each sent a request now and then claimed
+/// a slot each for a second or two without holding one, and with as many
+/// of them as slots a busy tenant's share rounded to 0 and it got nothing
+/// while the limit idled. Now only tenants with requests in flight or
+/// waiting, or refused since their last slot, keep slots from others: the
+/// busy tenant (4 clients against a limit of 4) keeps more than its fair
+/// share (4 of 9 tenants' worth) beside eight that trickle.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn tenants_that_trickle_do_not_starve_a_busy_one() {
+    let inside = Arc::new(Inside::default());
+    let svc = limited(&layer(4, true, false), &inside);
+    let until = Instant::now() + Duration::from_secs(5);
+    let trickle: Vec<_> = (0..8)
+        .map(|i| {
+            open_loop(
+                &svc,
+                &format!("a{i}"),
+                "/",
+                Duration::from_millis(900),
+                Duration::from_millis(100 * i),
+                until,
+            )
+        })
+        .collect();
+    let busy = closed_loop(&svc, "zz", "w1", "/", 4, until);
+    let (busy_ok, _) = totals(busy).await;
+    let (trickle_ok, trickle_sent) = totals(trickle).await;
+    // Alone: 4 slots x 100 requests a second x 5 s = 2000.
+    assert!(
+        busy_ok >= 2000 * 4 / 9,
+        "the busy tenant got {busy_ok} of 2000"
+    );
+    // Without a line, a tenant that comes rarely finds the slots taken;
+    // refused, it claims one, kept free for it until it is admitted.
+    assert!(
+        trickle_ok * 3 >= trickle_sent,
+        "the trickling tenants got {trickle_ok} of {trickle_sent}"
+    );
+}
+
+/// Found in review: with fair share and priorities, a tenant flooding in
+/// a higher class held its share, and a lower-class tenant within its
+/// share was refused for the flood's demand while a slot sat idle. A
+/// tenant below its share is not held back for other tenants' classes.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_tenant_within_its_share_is_not_held_back_for_another_tenants_class() {
+    let inside = Arc::new(Inside::default());
+    let svc = limited(&layer(16, true, true), &inside);
+    let until = Instant::now() + Duration::from_secs(3);
+    let flood = closed_loop(&svc, "a", "w1", "/", 40, until);
+    let batch = closed_loop(&svc, "b", "w1", "/batch", 4, until);
+    let (batch_ok, _) = totals(batch).await;
+    let (flood_ok, _) = totals(flood).await;
+    // Its share of 16 is 1 at least (demands 41 and 5): 100 a second.
+    assert!(batch_ok >= 250, "the batch tenant got {batch_ok}");
+    assert!(flood_ok >= 3_500, "the flood got {flood_ok}");
+}
+
+/// Found in review: a tenant's remembered demand kept slots free after it
+/// had gone, and the next tenant's requests waited for them (or, without
+/// a line, were refused) while they sat idle. A tenant that is gone claims
+/// nothing: the next tenant's four requests all run at once.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn a_tenant_gone_keeps_no_slots_idle() {
+    let inside = Arc::new(Inside::default());
+    let layer = ConcurrencyLimitLayer::builder("gone")
+        .global(NonZeroUsize::new(4).unwrap())
+        .fair_share([KeyPart::Tenant])
+        .wait(8, Duration::from_secs(4))
+        .build()
+        .unwrap();
+    let svc = limited(&layer, &inside);
+    let burst: Vec<_> = (0..4)
+        .map(|_| {
+            let svc = svc.clone();
+            tokio::spawn(async move { send(&svc, request("b", "w1", "/")).await })
+        })
+        .collect();
+    for task in burst {
+        assert!(task.await.unwrap());
+    }
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let long: Vec<_> = (0..4)
+        .map(|_| {
+            let svc = svc.clone();
+            tokio::spawn(async move { send(&svc, request("a", "w1", "/long")).await })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let stats = layer.stats();
+    assert_eq!((stats.in_flight, stats.waiting), (4, 0), "{stats:?}");
+    for task in long {
+        assert!(task.await.unwrap());
+    }
+    assert_eq!(layer.stats().in_flight, 0);
+}
+
+/// Found in review: a tenant over its share found the global limit full
+/// and was refused as "global", without the `Retry-After` a fair-share
+/// refusal carries. Every refusal of a tenant at its share says when to
+/// come back.
+#[tokio::test(flavor = "current_thread", start_paused = true)]
+async fn refusals_at_a_share_say_when_to_come_back() {
+    let inside = Arc::new(Inside::default());
+    let svc = limited(&layer(4, true, false), &inside);
+    let until = Instant::now() + Duration::from_millis(500);
+    let quiet = closed_loop(&svc, "b", "w1", "/", 1, until);
+    let mut refusals = 0;
+    while Instant::now() < until {
+        let response = svc.clone().oneshot(request("a", "w1", "/")).await.unwrap();
+        if response.status() == StatusCode::SERVICE_UNAVAILABLE {
+            refusals += 1;
+            assert_eq!(
+                response.headers().get(http::header::RETRY_AFTER),
+                Some(&http::HeaderValue::from_static("1"))
+            );
+            tokio::time::sleep(MS).await;
+        } else {
+            // Holding its slots (their bodies unread), "a" asks for more.
+            let mut held = vec![response];
+            for _ in 0..4 {
+                let response = svc.clone().oneshot(request("a", "w1", "/")).await.unwrap();
+                if response.status() == StatusCode::SERVICE_UNAVAILABLE {
+                    refusals += 1;
+                    assert_eq!(
+                        response.headers().get(http::header::RETRY_AFTER),
+                        Some(&http::HeaderValue::from_static("1"))
+                    );
+                } else {
+                    held.push(response);
+                }
+            }
+            drop(held);
+        }
+    }
+    totals(quiet).await;
+    assert!(refusals > 0);
 }

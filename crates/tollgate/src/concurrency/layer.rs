@@ -497,20 +497,27 @@ impl ConcurrencyLimitBuilder {
     /// limit ([`fair_shares`](crate::concurrency::fair_shares)): a tenant
     /// that wants less than an equal share keeps what it wants, the rest is
     /// split by weight ([`fair_share_weight`](Self::fair_share_weight), 1
-    /// each by default). A request whose tenant already holds its share in
-    /// flight is refused with `503` and `Retry-After: 1` (a second on, the
-    /// shares are those of the demand then), or waits in the
+    /// each by default). A tenant at its share may still take the slots
+    /// that no other tenant below its share wants *now* (one with requests
+    /// in flight or waiting, or refused since its last slot): no slot is
+    /// kept idle for a tenant that is not asking. Beyond that, its request
+    /// is refused with `503` and `Retry-After: 1`, or waits in the
     /// [line](Self::wait), where a freed slot goes to a tenant below its
     /// share, and a tenant below its share finding the line full takes the
     /// place of the latest waiter of a tenant at its share.
     ///
     /// So one tenant's flood takes what the others leave, and a tenant
-    /// whose requests come and go keeps its claim between them. The global
-    /// limit is never exceeded: a tenant below its share whose slots are
-    /// still held by a flood admitted before it came waits (or is refused)
-    /// until one of them ends, as the flood is no longer admitted. At most
-    /// 10,000 tenants are told apart within two seconds; newcomers beyond
-    /// them share one claim. A request without the key's principal follows
+    /// whose requests come and go keeps its claim while it has any in
+    /// flight. The global limit is never exceeded: a tenant below its share
+    /// whose slots are held by a flood admitted before it came waits (or,
+    /// without a line, is refused, and from then on claims a slot, kept
+    /// free for it until it is admitted) until one of them ends. Give the
+    /// limit a short line so that a tenant that comes rarely is served at
+    /// once rather than on its next try. At most 1,024 tenants are told
+    /// apart within two seconds; newcomers beyond them share one claim (of
+    /// weight 1). The shares are computed again at once when demand rises
+    /// with up to 64 tenants, at most every millisecond with more, and at
+    /// least every 5 ms. A request without the key's principal follows
     /// [`when_no_principal`](Self::when_no_principal) (with `Skip`, it is
     /// held to no share). Exempt requests are neither counted nor held.
     /// This process's counts only: [`build`](Self::build) refuses it with

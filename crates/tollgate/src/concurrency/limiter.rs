@@ -52,19 +52,16 @@ struct Waiter {
 }
 
 impl SlotCounts {
-    /// Whether `ask` may be admitted now: under its key's limit, under the
-    /// global limit (for a newcomer, with room left for the demand of
-    /// higher classes; a waiter is served in the order of its class
-    /// instead, so that no slot sits idle for a class nobody of which
-    /// waits), and (when the tenants' demands exceed the global limit:
-    /// `shares`) below its tenant's fair share.
-    fn fits(
-        &self,
-        limiter: &Limiter,
-        ask: &Ask,
-        shares: Option<&Shares>,
-        newcomer: bool,
-    ) -> Result<(), Saturated> {
+    /// Whether `ask` may be admitted now: under its key's limit; with fair
+    /// share, when the tenants' demands exceed the global limit, below its
+    /// tenant's share, or else only into slots that no other tenant below
+    /// its share wants now (fair share keeps no slot idle for a tenant that
+    /// is not asking); under the global limit; and, for a newcomer with
+    /// priorities, with room left for what higher classes want now (a
+    /// tenant below its fair share is not held back for other tenants'
+    /// classes, and a waiter is served in the order of its class instead,
+    /// so that no slot sits idle for a class nobody of which waits).
+    fn fits(&self, limiter: &Limiter, ask: &Ask, newcomer: bool) -> Result<(), Saturated> {
         if let (Some(max), Some(key)) = (limiter.limits.per_key_max, ask.key.as_deref())
             && self.per_key.get(key).copied().unwrap_or(0) >= max
         {
@@ -73,28 +70,49 @@ impl SlotCounts {
         let Some(max) = self.global_max(limiter) else {
             return Ok(());
         };
+        let mut below_share = false;
+        if let Some(shares) = self.shares(limiter)
+            && ask.tenant.is_some()
+        {
+            if self.demand.at_share(ask, shares) {
+                let free = max.saturating_sub(self.global);
+                if free <= self.demand.unmet_by_others(ask, shares) {
+                    return Err(Saturated::FairShare);
+                }
+            } else {
+                below_share = true;
+            }
+        }
         if self.global >= max {
             return Err(Saturated::Global);
         }
         if newcomer
+            && !below_share
             && limiter.limits.priorities
             && self.global + self.demand.reserved_above(ask.class) >= max
         {
             return Err(Saturated::Priority);
         }
-        if shares.is_some_and(|shares| self.demand.at_share(ask, shares)) {
-            return Err(Saturated::FairShare);
-        }
         Ok(())
     }
 
-    /// The tenants' fair shares of the global limit, when the layer shares
-    /// it fairly and their demands exceed it.
-    fn shares(&self, limiter: &Limiter) -> Option<Shares> {
+    /// The tenants' fair shares of the global limit as last computed
+    /// ([`refresh`](Self::refresh)), when the layer shares it fairly and
+    /// their demands exceed it.
+    fn shares(&self, limiter: &Limiter) -> Option<&Shares> {
         if !limiter.limits.fair_share {
             return None;
         }
-        self.demand.shares(self.global_max(limiter)?)
+        self.demand.shares()
+    }
+
+    /// With fair share, computes the shares again if they may have changed.
+    fn refresh(&mut self, limiter: &Limiter) {
+        if limiter.limits.fair_share
+            && let Some(max) = self.global_max(limiter)
+        {
+            self.demand.refresh(max);
+        }
     }
 
     /// With fair share, when the line is full and `ask`'s tenant is below
@@ -102,18 +120,17 @@ impl SlotCounts {
     /// its share, to make room (so one tenant cannot fill the line either).
     fn over_share_waiter(&self, limiter: &Limiter, ask: &Ask) -> Option<usize> {
         let shares = self.shares(limiter)?;
-        if self.demand.at_share(ask, &shares) {
+        if self.demand.at_share(ask, shares) {
             return None;
         }
         self.queue
             .iter()
-            .rposition(|w| w.ask.class <= ask.class && self.demand.at_share(&w.ask, &shares))
+            .rposition(|w| w.ask.class <= ask.class && self.demand.at_share(&w.ask, shares))
     }
 
-    /// Whether a newcomer fits ([`fits`](Self::fits)), with the shares as
-    /// they are now.
+    /// Whether a newcomer fits ([`fits`](Self::fits)).
     fn fits_now(&self, limiter: &Limiter, ask: &Ask) -> Result<(), Saturated> {
-        self.fits(limiter, ask, self.shares(limiter).as_ref(), true)
+        self.fits(limiter, ask, true)
     }
 
     /// The global limit now: the adaptive one's current value, or the
@@ -441,11 +458,13 @@ impl Limiter {
         u64::try_from(self.epoch.elapsed().as_nanos()).unwrap_or(u64::MAX)
     }
 
-    /// Lets an adaptive limit see the time pass before a request is
-    /// decided (a probe may be due, or a window over); waiters that fit a
-    /// limit grown by it are handed their slots before the newcomer looks.
+    /// Lets an adaptive limit, fair shares and priorities see the time
+    /// pass before a request is decided (a probe may be due, a window over,
+    /// a remembered demand lapsed); waiters that fit a limit grown by it,
+    /// or shares moved by it, are handed their slots before the newcomer
+    /// looks.
     fn advance(self: &Arc<Self>) {
-        if self.limits.adaptive.is_none() {
+        if self.limits.adaptive.is_none() && !self.limits.shares() {
             return;
         }
         let (handed, change) = {
@@ -486,9 +505,12 @@ impl Limiter {
         counts: &mut SlotCounts,
     ) -> Vec<(oneshot::Sender<Permit>, Permit)> {
         let mut handed = Vec::new();
+        if self.limits.shares() {
+            counts.demand.advance(self.now());
+        }
         // The shares do not change while waiters become in flight (each
         // tenant's demand counts both).
-        let shares = counts.shares(self);
+        counts.refresh(self);
         // (A full global limit fits no waiter: stop looking.)
         while !counts.queue.is_empty()
             && counts
@@ -498,9 +520,7 @@ impl Limiter {
             let mut best: Option<(usize, Priority)> = None;
             for (i, waiter) in counts.queue.iter().enumerate() {
                 if best.is_none_or(|(_, class)| waiter.ask.class > class)
-                    && counts
-                        .fits(self, &waiter.ask, shares.as_ref(), false)
-                        .is_ok()
+                    && counts.fits(self, &waiter.ask, false).is_ok()
                 {
                     best = Some((i, waiter.ask.class));
                 }
@@ -543,10 +563,20 @@ impl Limiter {
     }
 
     /// `ask` arrives: with fair share or priorities, its tenant and class
-    /// note their demand (counting it once, however often it is noted).
+    /// note their demand (counting it once, however often it is noted),
+    /// and the shares are brought up to date.
     fn arrive(&self, counts: &mut SlotCounts, ask: &mut Ask) {
         if self.limits.shares() {
             counts.demand.arrive(ask, self.now());
+            counts.refresh(self);
+        }
+    }
+
+    /// `ask` is refused, or made to wait: with fair share or priorities,
+    /// its tenant and class claim what they wanted until admitted.
+    fn turned_away(&self, counts: &mut SlotCounts, ask: &Ask) {
+        if self.limits.shares() {
+            counts.demand.refused(ask);
         }
     }
 
@@ -554,7 +584,10 @@ impl Limiter {
         self.advance();
         let mut counts = self.lock();
         self.arrive(&mut counts, ask);
-        counts.fits_now(self, ask)?;
+        if let Err(full) = counts.fits_now(self, ask) {
+            self.turned_away(&mut counts, ask);
+            return Err(full);
+        }
         counts.take(self, ask);
         drop(counts);
         self.gauges();
@@ -601,6 +634,7 @@ impl Limiter {
                 _ => false,
             };
             if full == Saturated::PerKey && waiting_for_key(&counts) {
+                self.turned_away(&mut counts, &ask);
                 drop(counts);
                 return Err(self.refused(Saturated::PerKey, ask.key.as_deref()));
             }
@@ -621,6 +655,7 @@ impl Limiter {
                         displaced = Some(waiter);
                     }
                     None => {
+                        self.turned_away(&mut counts, &ask);
                         drop(counts);
                         // Refused for the limit it is over: its own key's
                         // (429) or the shared one (503).
@@ -650,16 +685,39 @@ impl Limiter {
         // Leaves the queue however the wait ends (the future may be
         // dropped while waiting).
         let _queued = LocalWaiter { limiter: &self, id };
-        match tokio::time::timeout(max_wait, granted).await {
-            Ok(Ok(permit)) => Ok(permit),
-            // Its place was given to a higher class (or a tenant below
-            // its share): the line was full.
-            Ok(Err(_)) => Err(self.refused(Saturated::Queue, shown.as_deref())),
-            Err(_) => {
-                // Timed out. Still queued: refused. Not queued any more: a
-                // slot was handed over at the last moment, and the permit
-                // it sent is in the dropped receiver, which gives it back.
-                Err(self.refused(full, shown.as_deref()))
+        let deadline = tokio::time::Instant::now().checked_add(max_wait);
+        let mut granted = granted;
+        loop {
+            // With fair share or priorities, the waiter also wakes when a
+            // period of remembered demand ends: shares that lapse may let
+            // it in, and no release or arrival may come to hand it over.
+            let lapse = self.limits.shares().then(|| {
+                let next = self.lock().demand.next_period();
+                self.epoch + Duration::from_nanos(next)
+            });
+            let wake = match (deadline, lapse) {
+                (Some(d), Some(l)) => Some(d.min(l)),
+                (d, l) => d.or(l),
+            };
+            let answer = match wake {
+                Some(wake) => tokio::time::timeout_at(wake, &mut granted).await,
+                None => Ok((&mut granted).await),
+            };
+            match answer {
+                Ok(Ok(permit)) => return Ok(permit),
+                // Its place was given to a higher class (or a tenant below
+                // its share): the line was full.
+                Ok(Err(_)) => return Err(self.refused(Saturated::Queue, shown.as_deref())),
+                Err(_) if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) => {
+                    // Timed out. Still queued: refused. Not queued any
+                    // more: a slot was handed over at the last moment, and
+                    // the permit it sent is in the dropped receiver, which
+                    // gives it back.
+                    return Err(self.refused(full, shown.as_deref()));
+                }
+                // A period ended: hand over what fits now (this waiter,
+                // perhaps), and wait on.
+                Err(_) => self.advance(),
             }
         }
     }
