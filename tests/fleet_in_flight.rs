@@ -579,6 +579,8 @@ async fn waiters_are_served_in_arrival_order_and_at_once() {
 struct SlowAsks {
     store: RedisStore,
     calls: std::sync::atomic::AtomicUsize,
+    /// Acquires Redis has answered (before their late replies).
+    answered: std::sync::atomic::AtomicUsize,
     /// The `n`th acquire's delay before it reaches Redis.
     delays: Vec<Duration>,
     /// The `n`th acquire's delay after Redis answered it.
@@ -598,6 +600,8 @@ impl LeaseStore for SlowAsks {
         Box::pin(async move {
             tokio::time::sleep(delay).await;
             let answer = self.store.acquire(request, id).await;
+            self.answered
+                .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             tokio::time::sleep(late).await;
             answer
         })
@@ -631,6 +635,7 @@ async fn waiters_keep_their_arrival_order_whatever_order_their_asks_are_answered
     let slow = SlowAsks {
         store,
         calls: Default::default(),
+        answered: Default::default(),
         late_replies: vec![],
         // The holder's ask, the first's (answered at ~350 ms), the
         // second's (~350 ms); the third's (at 150 ms) and every later ask
@@ -710,6 +715,7 @@ async fn a_waiter_put_behind_an_earlier_arrival_does_not_poll_ahead_of_it() {
     let slow = SlowAsks {
         store: store.clone(),
         calls: Default::default(),
+        answered: Default::default(),
         late_replies: vec![],
         // First's first ask, answered at ~450 ms; everything else at once.
         delays: vec![Duration::from_millis(450)],
@@ -750,6 +756,7 @@ async fn a_waiter_refused_for_the_limit_in_all_does_not_let_those_behind_ask() {
     let slow = SlowAsks {
         store: store.clone(),
         calls: Default::default(),
+        answered: Default::default(),
         late_replies: vec![],
         // Second's first ask and its first poll at once; the next ask
         // (third's, passed the turn, before the fix; second's next poll
@@ -977,6 +984,7 @@ async fn a_waiter_refused_by_its_key_does_not_let_the_same_key_ask() {
     let slow = Arc::new(SlowAsks {
         store: store.clone(),
         calls: Default::default(),
+        answered: Default::default(),
         late_replies: vec![],
         // A1's first ask and first poll at once; the next ask 200 ms late.
         delays: vec![Duration::ZERO, Duration::ZERO, Duration::from_millis(200)],
@@ -1006,6 +1014,7 @@ async fn a_full_line_refuses_the_later_arrival_whatever_order_the_asks_are_answe
     let slow = SlowAsks {
         store: store.clone(),
         calls: Default::default(),
+        answered: Default::default(),
         late_replies: vec![],
         delays: vec![Duration::ZERO, Duration::from_millis(300)],
     };
@@ -1068,6 +1077,7 @@ async fn making_room_in_a_full_line_hands_no_turn_past_the_earlier_arrival() {
     let slow = SlowAsks {
         store: store.clone(),
         calls: Default::default(),
+        answered: Default::default(),
         late_replies: vec![],
         // X's first ask, B's; then the next (W's, were the turn handed to
         // it; else X's poll at ~700 ms) reaches Redis 200 ms late.
@@ -1408,6 +1418,7 @@ async fn a_slot_freed_while_a_first_ask_is_out_reaches_it_at_once() {
     let slow = SlowAsks {
         store: store.clone(),
         calls: Default::default(),
+        answered: Default::default(),
         delays: vec![],
         late_replies: vec![Duration::ZERO, Duration::from_millis(350)],
     };
@@ -1473,6 +1484,7 @@ async fn a_newcomer_does_not_ask_beside_the_waiter_a_freed_slot_reached() {
     let slow = SlowAsks {
         store: store.clone(),
         calls: Default::default(),
+        answered: Default::default(),
         // W0's ask, W's, N's (answered ~340 ms late, after W0 ended), and
         // W's ask on the turn W0's end handed it (200 ms on its way).
         delays: vec![
@@ -1486,14 +1498,27 @@ async fn a_newcomer_does_not_ask_beside_the_waiter_a_freed_slot_reached() {
     let limit = |leases: Arc<dyn LeaseStore>| {
         per_address("reached", 1, leases, Duration::from_millis(1000)).global(n(2))
     };
-    let other = Arrivals::new(&holding_app(limit(Arc::new(store.clone())), |_, _| 1500));
-    let here = Arrivals::new(&holding_app(limit(Arc::new(slow)), |_, _| 300));
+    // The other instance's asks reach Redis at once; counted, so that the
+    // arrivals below go in order however busy the machine is (they were
+    // 20 ms apart, and under load W0's ask came after W's).
+    let remote = Arc::new(SlowAsks {
+        store: store.clone(),
+        calls: Default::default(),
+        answered: Default::default(),
+        delays: vec![],
+        late_replies: vec![],
+    });
+    let slow = Arc::new(slow);
+    let other = Arrivals::new(&holding_app(limit(remote.clone()), |_, _| 1500));
+    let here = Arrivals::new(&holding_app(limit(slow.clone()), |_, _| 300));
+    let answered =
+        |store: &SlowAsks, n: usize| store.answered.load(std::sync::atomic::Ordering::SeqCst) >= n;
     let w0 = here.send_from("W0", W);
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    wait_until(|| answered(&slow, 1)).await;
     let w = here.send_from("W", W);
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    wait_until(|| answered(&slow, 2)).await;
     let r = other.send_from("R", R);
-    tokio::time::sleep(Duration::from_millis(20)).await;
+    wait_until(|| answered(&remote, 1)).await;
     let n = here.send_from("N", N);
     for t in [w0, w, r, n] {
         assert_eq!(t.await.unwrap(), StatusCode::OK);
@@ -1518,6 +1543,7 @@ async fn a_turn_handed_to_nobody_before_the_newcomer_joins_is_not_lost() {
     let slow = SlowAsks {
         store: store.clone(),
         calls: Default::default(),
+        answered: Default::default(),
         delays: vec![],
         // F's first ask, H's, N's (answered 400 ms late); the rest at once.
         late_replies: vec![Duration::ZERO, Duration::ZERO, Duration::from_millis(400)],
@@ -1546,4 +1572,13 @@ async fn a_turn_handed_to_nobody_before_the_newcomer_joins_is_not_lost() {
     let n_end = finished.iter().find(|(name, _)| *name == "N").unwrap().1;
     // H ends at ~340 ms, N's reply comes at ~460 ms: N should end ~560 ms.
     assert!(n_end < Duration::from_millis(900), "{finished:?}");
+}
+
+/// Waits (at most 10 s) until `done` holds, looking every millisecond.
+async fn wait_until(mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(std::time::Instant::now() < deadline, "waited 10 s in vain");
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
 }

@@ -61,7 +61,16 @@ impl SlotCounts {
     /// tenant below its fair share is not held back for other tenants'
     /// classes, and a waiter is served in the order of its class instead,
     /// so that no slot sits idle for a class nobody of which waits).
-    fn fits(&self, limiter: &Limiter, ask: &Ask, newcomer: bool) -> Result<(), Saturated> {
+    ///
+    /// `unmet`: what all tenants claim below their shares, if already
+    /// summed (a pass over the line sums it once, not per waiter).
+    fn fits(
+        &self,
+        limiter: &Limiter,
+        ask: &Ask,
+        newcomer: bool,
+        unmet: Option<u64>,
+    ) -> Result<(), Saturated> {
         if let (Some(max), Some(key)) = (limiter.limits.per_key_max, ask.key.as_deref())
             && self.per_key.get(key).copied().unwrap_or(0) >= max
         {
@@ -76,7 +85,8 @@ impl SlotCounts {
         {
             if self.demand.at_share(ask, shares) {
                 let free = max.saturating_sub(self.global);
-                if free <= self.demand.unmet_by_others(ask, shares) {
+                let total = unmet.unwrap_or_else(|| self.demand.unmet_total(shares));
+                if free <= self.demand.unmet_by_others(ask, shares, total) {
                     return Err(Saturated::FairShare);
                 }
             } else {
@@ -130,7 +140,7 @@ impl SlotCounts {
 
     /// Whether a newcomer fits ([`fits`](Self::fits)).
     fn fits_now(&self, limiter: &Limiter, ask: &Ask) -> Result<(), Saturated> {
-        self.fits(limiter, ask, true)
+        self.fits(limiter, ask, true, None)
     }
 
     /// The global limit now: the adaptive one's current value, or the
@@ -517,10 +527,15 @@ impl Limiter {
                 .global_max(self)
                 .is_none_or(|max| counts.global < max)
         {
+            // Summed once per slot handed, not per waiter (found in review:
+            // a line of 1,000 beside 1,000 tenants cost 70 ms a request).
+            let unmet = counts
+                .shares(self)
+                .map(|shares| counts.demand.unmet_total(shares));
             let mut best: Option<(usize, Priority)> = None;
             for (i, waiter) in counts.queue.iter().enumerate() {
                 if best.is_none_or(|(_, class)| waiter.ask.class > class)
-                    && counts.fits(self, &waiter.ask, false).is_ok()
+                    && counts.fits(self, &waiter.ask, false, unmet).is_ok()
                 {
                     best = Some((i, waiter.ask.class));
                 }

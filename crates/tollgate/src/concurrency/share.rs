@@ -347,28 +347,49 @@ impl Demand {
         )
     }
 
-    /// Whether `ask`'s tenant holds its share (or more) of `shares`.
+    /// Whether `ask`'s tenant holds its share (or more) of `shares`. A
+    /// tenant the shares do not know yet (computed, with many tenants, up
+    /// to a millisecond before it came) is below its share (found in
+    /// review: it was read as a share of 0 and refused).
     pub(crate) fn at_share(&self, ask: &Ask, shares: &Shares) -> bool {
         let Some(tenant) = ask.tenant.as_deref() else {
             return false;
         };
-        let held = self.tenants.get(tenant).map_or(0, |t| t.count.in_flight);
-        u64::from(held) >= shares.get(tenant).copied().unwrap_or(0)
+        let (Some(t), Some(&share)) = (self.tenants.get(tenant), shares.get(tenant)) else {
+            return false;
+        };
+        u64::from(t.count.in_flight) >= share
     }
 
-    /// The slots the tenants other than `ask`'s claim below their shares
-    /// (only tenants with requests in flight or waiting, or refused since
-    /// they last got a slot): what a tenant at its share must leave free.
-    pub(crate) fn unmet_by_others(&self, ask: &Ask, shares: &Shares) -> usize {
-        let period = self.period;
-        let mine = ask.tenant.as_deref();
-        let unmet: u64 = self
-            .tenants
+    /// What `tenant` claims below its share (a tenant the shares do not
+    /// know yet: below its demand).
+    fn unmet_of(&self, tenant: &str, t: &Tenant, shares: &Shares) -> u64 {
+        let share = shares
+            .get(tenant)
+            .copied()
+            .unwrap_or_else(|| u64::from(t.count.demand(self.period)));
+        t.count.unmet(self.period, share)
+    }
+
+    /// The slots all tenants claim below their shares (only tenants with
+    /// requests in flight or waiting, or refused since they last got a
+    /// slot).
+    pub(crate) fn unmet_total(&self, shares: &Shares) -> u64 {
+        self.tenants
             .iter()
-            .filter(|(k, _)| Some(&***k) != mine)
-            .map(|(k, t)| t.count.unmet(period, shares.get(k).copied().unwrap_or(0)))
-            .sum();
-        usize::try_from(unmet).unwrap_or(usize::MAX)
+            .map(|(k, t)| self.unmet_of(k, t, shares))
+            .sum()
+    }
+
+    /// `total` ([`unmet_total`](Self::unmet_total)) less what `ask`'s own
+    /// tenant claims: the slots a tenant at its share must leave free.
+    pub(crate) fn unmet_by_others(&self, ask: &Ask, shares: &Shares, total: u64) -> usize {
+        let own = ask
+            .tenant
+            .as_deref()
+            .and_then(|k| Some(self.unmet_of(k, self.tenants.get(k)?, shares)))
+            .unwrap_or(0);
+        usize::try_from(total.saturating_sub(own)).unwrap_or(usize::MAX)
     }
 
     /// How many tenants are told apart now.
@@ -495,10 +516,32 @@ mod tests {
         assert_eq!(shares["zz"], 0);
         assert!(d.at_share(&victim, &shares));
         // ...but nobody else wants a slot now: none need be left free.
-        assert_eq!(d.unmet_by_others(&victim, &shares), 0);
+        let total = d.unmet_total(&shares);
+        assert_eq!(d.unmet_by_others(&victim, &shares, total), 0);
         let mut a0 = ask("a0", Priority::Normal);
         d.arrive(&mut a0, 1);
         d.refused(&a0);
-        assert_eq!(d.unmet_by_others(&victim, &shares), 1);
+        let total = d.unmet_total(&shares);
+        assert_eq!(d.unmet_by_others(&victim, &shares, total), 1);
+    }
+
+    /// Found in review: with more than 64 tenants the shares are computed
+    /// at most every millisecond, and a tenant arriving in between was
+    /// read as a share of 0, at its share, and refused.
+    #[test]
+    fn a_tenant_the_shares_do_not_know_yet_is_below_its_share() {
+        let mut d = Demand::default();
+        for i in 0..100 {
+            let mut a = ask(&format!("t{i}"), Priority::Normal);
+            d.arrive(&mut a, 0);
+            d.in_flight(&a, 1);
+        }
+        d.refresh(50);
+        let mut late = ask("late", Priority::Normal);
+        d.arrive(&mut late, 0);
+        d.refresh(50);
+        let shares = d.shares().unwrap();
+        assert!(!shares.contains_key("late"));
+        assert!(!d.at_share(&late, shares));
     }
 }
