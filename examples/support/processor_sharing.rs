@@ -100,7 +100,8 @@ impl ProcessorSharing {
         Self { shared }
     }
 
-    /// Changes the capacity from now on (the capacity-step benchmark).
+    /// Changes the capacity from now on (the capacity-step benchmark; the
+    /// quickstart does not).
     #[allow(dead_code)]
     pub(crate) fn set_capacity(&self, capacity: u64) {
         let mut state = self.lock();
@@ -108,12 +109,6 @@ impl ProcessorSharing {
         state.capacity = capacity.max(1);
         drop(state);
         self.shared.arrived.notify_one();
-    }
-
-    /// Requests in it now.
-    #[allow(dead_code)]
-    pub(crate) fn in_service(&self) -> usize {
-        self.lock().jobs.len()
     }
 
     /// Does `work` (the time it takes alone) here: returns when it is

@@ -59,30 +59,21 @@ pub(crate) fn refusal(config: &Config, full: Saturated) -> Answer {
             answer.policy = Some(Limit::InFlight(l.name.clone()));
             answer
         }
-        Saturated::FairShare => {
-            let mut answer = Answer::new(
-                Refusal::Overloaded,
-                "the service is at capacity and your share of it is in use; try again later",
-            );
+        Saturated::FairShare | Saturated::Priority | Saturated::Global | Saturated::Queue => {
+            let (detail, retry_after) = match full {
+                Saturated::FairShare => (
+                    "the service is at capacity and your share of it is in use; try again later",
+                    Some(SHARES_MOVE),
+                ),
+                Saturated::Priority => (
+                    "the service is at capacity for requests of this priority; try again later",
+                    Some(SHARES_MOVE),
+                ),
+                _ => ("the service is at capacity; try again later", None),
+            };
+            let mut answer = Answer::new(Refusal::Overloaded, detail);
             answer.policy = Some(Limit::InFlight(l.name.clone()));
-            answer.retry_after = Some(SHARES_MOVE);
-            answer
-        }
-        Saturated::Priority => {
-            let mut answer = Answer::new(
-                Refusal::Overloaded,
-                "the service is at capacity for requests of this priority; try again later",
-            );
-            answer.policy = Some(Limit::InFlight(l.name.clone()));
-            answer.retry_after = Some(SHARES_MOVE);
-            answer
-        }
-        Saturated::Global | Saturated::Queue => {
-            let mut answer = Answer::new(
-                Refusal::Overloaded,
-                "the service is at capacity; try again later",
-            );
-            answer.policy = Some(Limit::InFlight(l.name.clone()));
+            answer.retry_after = retry_after;
             answer
         }
     }
