@@ -433,14 +433,20 @@ async fn global_refusal_holds_up_behind_even_when_a_slot_frees_mid_ask() {
 #[test]
 fn an_adaptive_limit_cannot_be_shared() {
     let store: Arc<dyn LeaseStore> = Arc::new(MemoryLeases::default());
-    let err = ConcurrencyLimitLayer::builder("line")
+    let config = tollgate::concurrency::AdaptiveConfig::default();
+    let global = ConcurrencyLimitLayer::builder("line")
+        .shared(store.clone())
+        .adaptive(config);
+    let per_key = ConcurrencyLimitLayer::builder("line")
         .shared(store)
-        .adaptive(tollgate::concurrency::AdaptiveConfig::default())
-        .build()
-        .unwrap_err();
-    assert!(
-        err.to_string()
-            .contains("a shared (fleet-wide) limit keeps a fixed"),
-        "{err}"
-    );
+        .global(NonZeroUsize::new(8).unwrap())
+        .per_key_adaptive(config, [KeyPart::Account]);
+    for builder in [global, per_key] {
+        let err = builder.build().unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("a shared (fleet-wide) limit keeps a fixed"),
+            "{err}"
+        );
+    }
 }

@@ -68,6 +68,8 @@ enum LimitProblem {
     NoBound,
     #[error("both a fixed global limit and an adaptive one: give it one of them")]
     TwoGlobalLimits,
+    #[error("both a fixed per-key limit and an adaptive one: give it one of them")]
+    TwoPerKeyLimits,
     #[error(
         "an adaptive limit is this process's own: a shared (fleet-wide) limit keeps a fixed \
          global bound"
@@ -103,6 +105,7 @@ impl InvalidLimit {
             LimitProblem::Name(_)
             | LimitProblem::NoBound
             | LimitProblem::TwoGlobalLimits
+            | LimitProblem::TwoPerKeyLimits
             | LimitProblem::AdaptiveShared
             | LimitProblem::AdaptiveDryRun
             | LimitProblem::NothingToShare
@@ -159,6 +162,7 @@ impl fmt::Debug for ConcurrencyLimitLayer {
             .field("name", &l.name)
             .field("global", &l.global_max)
             .field("per_key", &l.per_key_max)
+            .field("per_key_adaptive", &l.per_key_adaptive.is_some())
             .field("key", &self.config.key)
             .field("waiting", &l.waiting)
             .field("shared", &self.config.lease_store.is_some())
@@ -182,6 +186,7 @@ impl ConcurrencyLimitLayer {
                 log_level: tracing::Level::DEBUG,
                 dry_run: false,
                 adaptive: None,
+                per_key_adaptive: None,
                 failure_when: None,
                 fair_share: false,
                 priorities: false,
@@ -268,9 +273,10 @@ impl ConcurrencyLimitBuilder {
     ///
     /// [`InvalidLimit`] when the name is not a valid limit name, the limit
     /// has no bound (none of [`global`](Self::global),
-    /// [`adaptive`](Self::adaptive) and [`per_key`](Self::per_key): it
-    /// would limit nothing), it has both a fixed and an adaptive global
-    /// limit, an adaptive limit is [shared](Self::shared) or
+    /// [`adaptive`](Self::adaptive), [`per_key`](Self::per_key) and
+    /// [`per_key_adaptive`](Self::per_key_adaptive): it would limit
+    /// nothing), it has both a fixed and an adaptive global limit or
+    /// per-key limit, an adaptive limit is [shared](Self::shared) or
     /// [dry-run](Self::dry_run), [fair share](Self::fair_share) or
     /// [priorities](Self::priority) are asked for without a global limit
     /// or with a shared one, a
@@ -285,16 +291,20 @@ impl ConcurrencyLimitBuilder {
         };
         check_name(&self.limits.name).map_err(|e| invalid(LimitProblem::Name(e)))?;
         let adaptive = self.limits.adaptive.is_some();
-        if self.limits.global_max.is_none() && self.limits.per_key_max.is_none() && !adaptive {
+        if self.limits.global_max.is_none() && !self.limits.per_key() && !adaptive {
             return Err(invalid(LimitProblem::NoBound));
         }
         if adaptive && self.limits.global_max.is_some() {
             return Err(invalid(LimitProblem::TwoGlobalLimits));
         }
-        if adaptive && self.lease_store.is_some() {
+        if self.limits.per_key_max.is_some() && self.limits.per_key_adaptive.is_some() {
+            return Err(invalid(LimitProblem::TwoPerKeyLimits));
+        }
+        let any_adaptive = adaptive || self.limits.per_key_adaptive.is_some();
+        if any_adaptive && self.lease_store.is_some() {
             return Err(invalid(LimitProblem::AdaptiveShared));
         }
-        if adaptive && self.limits.dry_run {
+        if any_adaptive && self.limits.dry_run {
             return Err(invalid(LimitProblem::AdaptiveDryRun));
         }
         if self.weight.is_some() && self.fair.is_none() {
@@ -590,11 +600,66 @@ impl ConcurrencyLimitBuilder {
     }
 
     /// At most `max` requests in flight per key built from `parts` (429
-    /// beyond), e.g. `[KeyPart::Account]`.
+    /// beyond), e.g. `[KeyPart::Account]`. For a limit found from each
+    /// key's latency, see [`per_key_adaptive`](Self::per_key_adaptive).
     pub fn per_key(self, max: NonZeroUsize, parts: impl IntoIterator<Item = KeyPart>) -> Self {
         let parts: Vec<KeyPart> = parts.into_iter().collect();
         self.edit(|b| {
             b.limits.per_key_max = Some(max.get());
+            b.key = parts;
+        })
+    }
+
+    /// A limit per key built from `parts` found from that key's own
+    /// latency, instead of a fixed [`per_key`](Self::per_key) one: each key
+    /// gets its own [`AdaptiveLimit`](crate::concurrency::AdaptiveLimit)
+    /// running `config`, fed only by the key's requests (measured as for
+    /// [`adaptive`](Self::adaptive), with the same
+    /// [failures](Self::adaptive_failure_when)); beyond its limit a
+    /// request is refused with `429` (no `RateLimit` fields and no
+    /// `Retry-After`: the number moves and no time can be promised) or
+    /// waits in the [line](Self::wait) (no more of a key's waiters than its
+    /// limit). For backends whose capacity is per key: a database shard or
+    /// a downstream account per tenant, where one tenant's slow backend
+    /// must not cut the others' limits, as it would cut a global adaptive
+    /// one.
+    ///
+    /// A key's controller starts with a probe of its floor, at the probe
+    /// limit. Controllers of 4,096 to 8,192 keys are kept: when 4,096 new
+    /// keys have been seen since a key's last request, it starts again
+    /// from a new controller (so a flood of new keys costs memory bounded
+    /// by that number, and a key seen now and then keeps what it learned).
+    /// Its moves are logged at DEBUG with the key's shape and fingerprint;
+    /// no gauge is kept per key (one per key would be a metric of unbounded
+    /// cardinality). [`build`](Self::build) refuses it together with
+    /// [`per_key`](Self::per_key), [`shared`](Self::shared) and
+    /// [`dry_run`](Self::dry_run), as for [`adaptive`](Self::adaptive). It
+    /// composes with a global limit, fixed or adaptive, and with fair
+    /// share and priorities, which share the global one.
+    ///
+    /// ```
+    /// use std::num::NonZeroUsize;
+    /// use tollgate::{ConcurrencyLimitLayer, KeyPart};
+    /// use tollgate::concurrency::AdaptiveConfig;
+    ///
+    /// // Each tenant's shard finds its own limit (2..64); the process keeps
+    /// // at most 256 in flight in all.
+    /// let config = AdaptiveConfig::builder().bounds(2, 64).build()?;
+    /// let layer = ConcurrencyLimitLayer::builder("shards")
+    ///     .per_key_adaptive(config, [KeyPart::Tenant])
+    ///     .global(NonZeroUsize::new(256).unwrap())
+    ///     .build()?;
+    /// # let _ = layer;
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn per_key_adaptive(
+        self,
+        config: AdaptiveConfig,
+        parts: impl IntoIterator<Item = KeyPart>,
+    ) -> Self {
+        let parts: Vec<KeyPart> = parts.into_iter().collect();
+        self.edit(|b| {
+            b.limits.per_key_adaptive = Some(config);
             b.key = parts;
         })
     }

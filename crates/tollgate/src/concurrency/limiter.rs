@@ -12,6 +12,7 @@ use http::StatusCode;
 use tokio::sync::oneshot;
 use tollgate_budget::{AdaptiveConfig, AdaptiveLimit, Change, Failure, Nanos, Priority, Sample};
 
+use super::key_limits::KeyLimits;
 use super::share::{Ask, Demand, Shares};
 
 /// Which limit refused.
@@ -39,6 +40,9 @@ struct SlotCounts {
     next_waiter: u64,
     /// The global limit found from latency, when it is adaptive.
     adaptive: Option<AdaptiveLimit>,
+    /// Each key's limit found from latency, when the per-key limit is
+    /// adaptive.
+    key_limits: Option<KeyLimits>,
     /// Each tenant's and class's demand, for fair share and priorities
     /// (kept only when the layer has either).
     demand: Demand,
@@ -71,7 +75,8 @@ impl SlotCounts {
         newcomer: bool,
         unmet: Option<u64>,
     ) -> Result<(), Saturated> {
-        if let (Some(max), Some(key)) = (limiter.limits.per_key_max, ask.key.as_deref())
+        if let Some(key) = ask.key.as_deref()
+            && let Some(max) = self.key_max(limiter, key)
             && self.per_key.get(key).copied().unwrap_or(0) >= max
         {
             return Err(Saturated::PerKey);
@@ -141,6 +146,15 @@ impl SlotCounts {
     /// Whether a newcomer fits ([`fits`](Self::fits)).
     fn fits_now(&self, limiter: &Limiter, ask: &Ask) -> Result<(), Saturated> {
         self.fits(limiter, ask, true, None)
+    }
+
+    /// `key`'s limit now: its adaptive one's current value, or the fixed
+    /// one.
+    fn key_max(&self, limiter: &Limiter, key: &str) -> Option<usize> {
+        match &self.key_limits {
+            Some(limits) => Some(limits.limit(key)),
+            None => limiter.limits.per_key_max,
+        }
     }
 
     /// The global limit now: the adaptive one's current value, or the
@@ -227,6 +241,8 @@ pub(crate) struct Limits {
     pub(crate) dry_run: bool,
     /// A global limit found from latency instead of `global_max`.
     pub(crate) adaptive: Option<AdaptiveConfig>,
+    /// Each key's limit found from latency instead of `per_key_max`.
+    pub(crate) per_key_adaptive: Option<AdaptiveConfig>,
     /// Which response statuses an adaptive limit counts as failures
     /// (`None`: every `5xx`).
     pub(crate) failure_when: Option<FailureWhen>,
@@ -247,6 +263,16 @@ impl std::fmt::Debug for FailureWhen {
 }
 
 impl Limits {
+    /// Whether requests are counted per key (a fixed or adaptive limit).
+    pub(crate) fn per_key(&self) -> bool {
+        self.per_key_max.is_some() || self.per_key_adaptive.is_some()
+    }
+
+    /// Whether latencies are measured: an adaptive global or per-key limit.
+    fn measured(&self) -> bool {
+        self.adaptive.is_some() || self.per_key_adaptive.is_some()
+    }
+
     /// Whether each tenant's and class's demand is kept.
     pub(crate) fn shares(&self) -> bool {
         self.fair_share || self.priorities
@@ -415,16 +441,24 @@ impl Drop for Permit {
                 counts.demand.advance(self.limiter.now());
             }
             let global = in_flight(counts.global);
-            let change = match (&self.sampled, &mut counts.adaptive) {
-                (Some((admitted, ending)), Some(adaptive)) => {
-                    let now = self.limiter.now();
-                    match ending.sample(now.saturating_sub(*admitted)) {
-                        Some(sample) => adaptive.update(now, global, sample),
-                        None => adaptive.tick(now, global),
-                    }
-                }
+            let now = self.limiter.now();
+            let sample = self
+                .sampled
+                .as_ref()
+                .map(|(admitted, ending)| ending.sample(now.saturating_sub(*admitted)));
+            let change = match (sample, &mut counts.adaptive) {
+                (Some(Some(sample)), Some(adaptive)) => adaptive.update(now, global, sample),
+                (Some(None), Some(adaptive)) => adaptive.tick(now, global),
                 _ => None,
             };
+            if let (Some(sample), Some(key)) = (sample, self.ask.key.as_deref()) {
+                let of_key = in_flight(counts.per_key.get(key).copied().unwrap_or(0));
+                if let Some(limits) = &mut counts.key_limits
+                    && let Some(change) = limits.ended(key, now, of_key, sample)
+                {
+                    self.limiter.report_key(change, key);
+                }
+            }
             (self.limiter.hand_over_all(&mut counts), change)
         };
         // Sent outside the lock: a waiter gone in the meantime gives the
@@ -453,6 +487,7 @@ impl Limiter {
             epoch: tokio::time::Instant::now(),
             counts: Mutex::new(SlotCounts {
                 adaptive: limits.adaptive.map(|c| AdaptiveLimit::new(c, 0)),
+                key_limits: limits.per_key_adaptive.map(KeyLimits::new),
                 ..SlotCounts::default()
             }),
             limits,
@@ -493,11 +528,7 @@ impl Limiter {
     }
 
     fn permit(self: &Arc<Self>, ask: Ask) -> Permit {
-        let sampled = self
-            .limits
-            .adaptive
-            .is_some()
-            .then(|| (self.now(), Arc::default()));
+        let sampled = self.limits.measured().then(|| (self.now(), Arc::default()));
         Permit {
             limiter: self.clone(),
             ask,
@@ -562,6 +593,19 @@ impl Limiter {
         );
     }
 
+    /// Logs (at debug: one line per key would crowd the info level) a
+    /// per-key adaptive limit's move.
+    fn report_key(&self, change: Change, key: &str) {
+        tracing::debug!(
+            layer = &*self.limits.name,
+            key = %crate::observe::key_shape_text(key),
+            key_fingerprint = %crate::observe::fingerprint_text(key.as_bytes()),
+            from = change.from,
+            to = change.to,
+            "adaptive per-key concurrency limit moved"
+        );
+    }
+
     /// A slot taken without checking the limits: a shared limit's lease,
     /// counted here too so that falling back to this process's counts sees
     /// it.
@@ -581,6 +625,12 @@ impl Limiter {
     /// note their demand (counting it once, however often it is noted),
     /// and the shares are brought up to date.
     fn arrive(&self, counts: &mut SlotCounts, ask: &mut Ask) {
+        if let (Some(limits), Some(key)) = (&mut counts.key_limits, ask.key.as_deref()) {
+            let of_key = in_flight(counts.per_key.get(key).copied().unwrap_or(0));
+            if let Some(change) = limits.arrive(key, self.now(), of_key) {
+                self.report_key(change, key);
+            }
+        }
         if self.limits.shares() {
             counts.demand.arrive(ask, self.now());
             counts.refresh(self);
@@ -637,12 +687,15 @@ impl Limiter {
             // One key may not have more waiters than it may have in flight:
             // its waiters cannot use a freed slot until one of its own is
             // freed, and must not fill the queue that other clients share.
-            let waiting_for_key = |counts: &SlotCounts| match (&key, self.limits.per_key_max) {
-                (Some(key), Some(max)) => {
+            let waiting_for_key = |counts: &SlotCounts| match key
+                .as_deref()
+                .and_then(|key| Some((key, counts.key_max(&self, key)?)))
+            {
+                Some((key, max)) => {
                     counts
                         .queue
                         .iter()
-                        .filter(|w| w.ask.key.as_deref() == Some(&**key))
+                        .filter(|w| w.ask.key.as_deref() == Some(key))
                         .count()
                         >= max
                 }
@@ -866,6 +919,7 @@ mod tests {
             name: "fifo".into(),
             global_max: Some(global),
             per_key_max: Some(1),
+            per_key_adaptive: None,
             waiting: Some((waiting, Duration::from_secs(60))),
             log_level: tracing::Level::DEBUG,
             dry_run: false,
@@ -1006,6 +1060,7 @@ mod tests {
             name: "classes".into(),
             global_max: Some(global),
             per_key_max: None,
+            per_key_adaptive: None,
             waiting: Some((waiting, Duration::from_secs(60))),
             log_level: tracing::Level::DEBUG,
             dry_run: false,

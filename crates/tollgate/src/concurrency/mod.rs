@@ -7,7 +7,10 @@
 //! (a client that disconnects mid-stream frees its slot).
 //!
 //! - per key (principal, client address, operation — the same key parts as
-//!   the rate-limit layer): over the limit is `429`, whose
+//!   the rate-limit layer; a fixed number, or found from each key's own
+//!   latency with
+//!   [`ConcurrencyLimitBuilder::per_key_adaptive`](crate::concurrency::ConcurrencyLimitBuilder::per_key_adaptive)):
+//!   over the limit is `429`, whose (fixed limit)
 //!   `RateLimit-Policy` names the unit `concurrent-requests`; no
 //!   `Retry-After`, since no time can be promised;
 //! - global: over the limit is `503`. The global limit is a fixed number
@@ -68,6 +71,7 @@ mod body;
 mod config;
 mod future;
 mod in_flight;
+mod key_limits;
 pub(crate) mod layer;
 mod leases;
 mod limiter;

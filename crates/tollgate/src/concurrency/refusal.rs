@@ -29,7 +29,20 @@ pub(crate) fn refusal(config: &Config, full: Saturated) -> Answer {
     let l = &config.limiter.limits;
     match full {
         Saturated::PerKey => {
-            let max = l.per_key_max.unwrap_or(0);
+            let Some(max) = l.per_key_max else {
+                // Adaptive: the number is the key's own and moves, so no
+                // quota is told.
+                let mut answer = Answer::new(
+                    Refusal::TooManyInFlight,
+                    format!(
+                        "too many of your requests are in flight at once for what their backend \
+                         takes now ({:?})",
+                        &*l.name
+                    ),
+                );
+                answer.policy = Some(Limit::InFlight(l.name.clone()));
+                return answer;
+            };
             let mut answer = Answer::new(
                 Refusal::TooManyInFlight,
                 format!(

@@ -100,7 +100,7 @@ where
                 Err(Box::new(respond(config, answer, protocol)))
             }
         };
-        let key: Option<Box<str>> = if config.limiter.limits.per_key_max.is_some() {
+        let key: Option<Box<str>> = if config.limiter.limits.per_key() {
             match key_of(&config.key) {
                 Ok(key) => key,
                 Err(refused) => return ResponseFuture::refused(*refused),
