@@ -220,7 +220,9 @@ impl AdaptiveConfigBuilder {
 
     /// How far each window's new limit is followed when it is higher
     /// (default 1/5): the limit becomes `(1 − s) × limit + s × new`; a
-    /// lower one is followed at once. In `(0, 1]`.
+    /// lower one is followed at once, and so is a higher one from a window
+    /// that filled the limit with latency within the tolerance of the
+    /// floor. In `(0, 1]`.
     pub fn smoothing(mut self, numerator: u32, denominator: u32) -> Self {
         self.smoothing = Frac::new(numerator, denominator);
         self

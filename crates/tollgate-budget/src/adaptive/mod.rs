@@ -82,7 +82,12 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///   `limit = (1 − s) × limit + s × new`; a fall is taken at once
 ///   (`limit = new`), so a backend that slowed down is relieved within a
 ///   window (smoothing falls too let latency stay at three times its
-///   floor for over a second after a backend's capacity halved). A window in which fewer than
+///   floor for over a second after a backend's capacity halved). So is a
+///   rise from a window that filled the limit with latency within the
+///   tolerance of the floor (`gradient ≥ 1`): the limit, not the backend,
+///   held the work back (after a backend's capacity came back, smoothed
+///   rises left it partly idle for most of a second; now the limit is back
+///   within 0.2 s). A window in which fewer than
 ///   half the limit were ever in flight does not raise the limit (the
 ///   backend was not asked for more, so its latency says nothing about
 ///   more). At equilibrium on a saturated backend whose latency grows
@@ -495,9 +500,14 @@ impl AdaptiveLimit {
         let limit = u128::from(self.limit);
         let target = ((limit * g) >> FRAC_BITS) + (limit << FRAC_BITS).isqrt();
         // Rises are smoothed; a fall is taken at once, so a backend that
-        // slowed down is relieved within a window.
+        // slowed down is relieved within a window. So is a rise when the
+        // limit held the work back (the window filled it) and latency
+        // stayed within the tolerance of the floor: nothing queued that
+        // is not tolerated, and a smoothed rise would leave the backend
+        // idle for a second after its capacity came back.
         let s = self.config.smoothing;
-        let smoothed = if target < limit {
+        let full = u64::from(w.busiest) >= self.limit >> FRAC_BITS;
+        let smoothed = if target < limit || (full && g >= 1 << FRAC_BITS) {
             target
         } else {
             (limit * u128::from(s.den - s.num) + target * u128::from(s.num)) / u128::from(s.den)

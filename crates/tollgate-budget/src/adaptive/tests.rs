@@ -25,8 +25,13 @@ fn probed(config: AdaptiveConfig, floor: Nanos) -> AdaptiveLimit {
 /// Feeds one window (100 ms from `start`, one sample every 10 ms) of
 /// `latency`; the window closes at the next call.
 fn window_of(limit: &mut AdaptiveLimit, start: Nanos, latency: Nanos) {
+    window_at(limit, start, latency, BUSY);
+}
+
+/// [`window_of`] with `in_flight` requests in flight at each sample.
+fn window_at(limit: &mut AdaptiveLimit, start: Nanos, latency: Nanos, in_flight: u32) {
     for i in 0..10 {
-        limit.update(start + i * 10 * MS, BUSY, Sample::Ok(latency));
+        limit.update(start + i * 10 * MS, in_flight, Sample::Ok(latency));
     }
 }
 
@@ -178,16 +183,46 @@ fn a_probe_never_raises_the_limit_and_stays_in_the_bounds() {
 }
 
 #[test]
-fn latency_at_its_floor_raises_the_limit_by_the_smoothed_gradient() {
+fn latency_at_its_floor_with_the_limit_full_raises_it_at_once() {
     let mut limit = probed(config().build().unwrap(), 10 * MS);
     window_of(&mut limit, 100 * MS, 10 * MS);
     limit.tick(200 * MS, BUSY);
+    // The limit held the work back (the window filled it) and nothing
+    // queued: gradient 5/4, new = 20 × 5/4 + √20, taken at once.
+    let sqrt20 = (20u128 << 64).isqrt();
+    assert_eq!(u128::from(fixed(&limit)), (25u128 << 32) + sqrt20);
+    assert_eq!(limit.limit(), 29);
+    // Latency within the tolerance (gradient at least 1) also rises at
+    // once: 12.5 ms over a floor of 10 is a gradient of exactly 1.
+    let before = fixed(&limit);
+    window_of(&mut limit, 200 * MS, 12_500_000);
+    limit.tick(300 * MS, BUSY);
+    let expected = u128::from(before) + (u128::from(before) << 32).isqrt();
+    assert_eq!(u128::from(fixed(&limit)), expected);
+}
+
+#[test]
+fn a_rise_is_smoothed_when_the_window_did_not_fill_the_limit_or_latency_queued() {
+    // 19 in flight at most (the finished one counted): below the limit of 20.
+    let mut limit = probed(config().build().unwrap(), 10 * MS);
+    window_at(&mut limit, 100 * MS, 10 * MS, 18);
+    limit.tick(200 * MS, 18);
     // gradient 5/4: new = 20 × 5/4 + √20; limit = 4/5 × 20 + 1/5 × new.
     let sqrt20 = (20u128 << 64).isqrt();
     let new = (25u128 << 32) + sqrt20;
     let expected = ((20u128 << 32) * 4 + new) / 5;
     assert_eq!(u128::from(fixed(&limit)), expected);
     assert_eq!(limit.limit(), 21);
+    // A full window whose latency queued beyond the tolerance (13 ms:
+    // gradient 12.5/13) but whose target is still above the limit (the
+    // queue allowance): smoothed.
+    let before = u128::from(fixed(&limit));
+    window_of(&mut limit, 200 * MS, 13 * MS);
+    limit.tick(300 * MS, BUSY);
+    let g = (12_500_000u128 << 32) / 13_000_000;
+    let target = ((before * g) >> 32) + (before << 32).isqrt();
+    assert!(target > before);
+    assert_eq!(u128::from(fixed(&limit)), (before * 4 + target) / 5);
 }
 
 #[test]
@@ -373,9 +408,11 @@ fn moves_are_reported_against_the_last_report() {
         limit.update(300 * MS, BUSY, Sample::Failed(Failure::Error)),
         Some(Change { from: 81, to: 72 })
     );
-    // 72 → 72 (a window's growth is under a unit): nothing.
-    window_of(&mut limit, 400 * MS, 10 * MS);
-    assert_eq!(limit.tick(500 * MS, BUSY), None);
+    // 72 → 78 (a smoothed rise: the window did not fill the limit) is 8%:
+    // nothing.
+    window_at(&mut limit, 400 * MS, 10 * MS, 60);
+    assert_eq!(limit.tick(500 * MS, 60), None);
+    assert_eq!(limit.limit(), 78);
 }
 
 #[test]
