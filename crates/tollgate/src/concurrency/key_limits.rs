@@ -4,10 +4,15 @@
 //! The controllers live in two generations: a key seen is looked up in the
 //! current one (moved there from the previous one if it was there, or made
 //! afresh); when the current generation is full, it becomes the previous
-//! one and the older previous one is forgotten. So at most twice
-//! [`KEPT`] controllers are kept, a key seen at least once while [`KEPT`]
-//! other keys are first seen keeps what its controller learned, and a
-//! flood of new keys costs one map operation per request, never a sweep.
+//! one and the older previous one is forgotten, except the controllers of
+//! keys with requests in flight, which move to the new current one (found
+//! in review: a flood of new keys reset a busy key's low, protective limit
+//! to a new controller's while its requests were still in the backend).
+//! So at most twice [`KEPT`] controllers are kept besides those of keys in
+//! flight, a key seen at least once while [`KEPT`] other keys enter the
+//! current generation keeps what its controller learned, and a flood of
+//! new keys costs one map operation per request and, once per [`KEPT`]
+//! of them, one pass over the generation forgotten.
 
 use std::collections::HashMap;
 
@@ -26,6 +31,9 @@ pub(crate) struct KeyLimits {
     fresh: u32,
     /// How many to keep in a generation (`KEPT`, fewer in tests).
     kept: usize,
+    /// Controllers of keys in flight carried into the current generation
+    /// when it was made: it is full at `kept` more than those.
+    carried: usize,
 }
 
 impl KeyLimits {
@@ -40,6 +48,7 @@ impl KeyLimits {
             current: HashMap::new(),
             previous: HashMap::new(),
             kept,
+            carried: 0,
         }
     }
 
@@ -55,15 +64,26 @@ impl KeyLimits {
 
     /// A request of `key` arrives at `now`, with `in_flight` of the key's
     /// already in flight: its controller is kept (made if need be) and
-    /// sees the time pass.
-    pub(crate) fn arrive(&mut self, key: &str, now: Nanos, in_flight: u32) -> Option<Change> {
+    /// sees the time pass. `busy` says which keys have requests in flight
+    /// (their controllers are never forgotten).
+    pub(crate) fn arrive(
+        &mut self,
+        key: &str,
+        now: Nanos,
+        in_flight: u32,
+        busy: impl Fn(&str) -> bool,
+    ) -> Option<Change> {
         if !self.current.contains_key(key) {
             let limit = self
                 .previous
                 .remove(key)
                 .unwrap_or_else(|| AdaptiveLimit::new(self.config, now));
-            if self.current.len() >= self.kept {
-                self.previous = std::mem::take(&mut self.current);
+            if self.current.len() >= self.kept + self.carried {
+                let forgotten =
+                    std::mem::replace(&mut self.previous, std::mem::take(&mut self.current));
+                self.current
+                    .extend(forgotten.into_iter().filter(|(k, _)| busy(k)));
+                self.carried = self.current.len();
             }
             self.current.insert(key.into(), limit);
         }
@@ -118,7 +138,7 @@ mod tests {
     fn drive(limits: &mut KeyLimits, key: &str, mut now: Nanos, latency: Nanos) -> Nanos {
         for _ in 0..2_000 {
             let in_flight = u32::try_from(limits.limit(key)).unwrap();
-            limits.arrive(key, now, in_flight.saturating_sub(1));
+            limits.arrive(key, now, in_flight.saturating_sub(1), |_| true);
             now += latency / u64::from(in_flight.max(1));
             limits.ended(
                 key,
@@ -144,7 +164,7 @@ mod tests {
         for _ in 0..2_000 {
             for (key, grows) in [("a", false), ("b", true)] {
                 let in_flight = u32::try_from(limits.limit(key)).unwrap();
-                limits.arrive(key, now, in_flight - 1);
+                limits.arrive(key, now, in_flight - 1, |_| true);
                 let latency = if grows {
                     10 * MS * u64::from(in_flight.max(2)) / 2
                 } else {
@@ -165,12 +185,13 @@ mod tests {
         let end = drive(&mut limits, "kept", 0, 10 * MS);
         let learned = limits.limit("kept");
         assert!(learned > 3, "it learned something: {learned}");
+        let idle = |_: &str| false;
         for i in 0..1_000 {
-            limits.arrive(&format!("new{i}"), end, 0);
+            limits.arrive(&format!("new{i}"), end, 0, idle);
             assert!(limits.kept_now() <= 200);
             // Seen once per 50 new keys: never forgotten.
             if i % 50 == 0 {
-                limits.arrive("kept", end, 0);
+                limits.arrive("kept", end, 0, idle);
             }
         }
         assert_eq!(
@@ -187,5 +208,22 @@ mod tests {
         let before = limits.kept_now();
         assert_eq!(limits.ended("new0", end, 0, Some(Sample::Ok(MS))), None);
         assert_eq!(limits.kept_now(), before);
+    }
+
+    /// Found in review: a flood of new keys reset a key's learned limit
+    /// while its requests were in flight.
+    #[test]
+    fn a_key_in_flight_keeps_its_controller_through_any_flood() {
+        let mut limits = KeyLimits::keeping(config(), 100);
+        let end = drive(&mut limits, "busy", 0, 10 * MS);
+        let learned = limits.limit("busy");
+        assert!(learned > 3, "it learned something: {learned}");
+        let busy = |k: &str| k == "busy";
+        for i in 0..1_000 {
+            limits.arrive(&format!("new{i}"), end, 0, busy);
+            // Two generations, and the busy key carried.
+            assert!(limits.kept_now() <= 201);
+        }
+        assert_eq!(limits.limit("busy"), learned);
     }
 }

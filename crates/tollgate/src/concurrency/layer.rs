@@ -625,10 +625,17 @@ impl ConcurrencyLimitBuilder {
     /// one.
     ///
     /// A key's controller starts with a probe of its floor, at the probe
-    /// limit. Controllers of 4,096 to 8,192 keys are kept: when 4,096 new
-    /// keys have been seen since a key's last request, it starts again
-    /// from a new controller (so a flood of new keys costs memory bounded
-    /// by that number, and a key seen now and then keeps what it learned).
+    /// limit, then runs at the configured initial limit. Controllers of up
+    /// to 8,192 keys are kept, besides those of keys with requests in
+    /// flight (never forgotten): a key with nothing in flight that has not
+    /// been seen while 4,096 to 8,192 other keys came (new ones, or ones
+    /// not seen for as long) starts again from a new controller. So a
+    /// flood of new keys costs bounded memory, but it can make an idle key
+    /// forget a low limit it learned: an attacker with many keys (client
+    /// addresses over IPv6) can do that, and with more than about 8,000
+    /// keys active in turn nothing is learned. Give the layer a
+    /// [`global`](Self::global) (or [adaptive](Self::adaptive)) limit too:
+    /// it is the bound that holds whatever the keys do.
     /// Its moves are logged at DEBUG with the key's shape and fingerprint;
     /// no gauge is kept per key (one per key would be a metric of unbounded
     /// cardinality). [`build`](Self::build) refuses it together with

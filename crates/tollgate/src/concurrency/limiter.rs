@@ -434,7 +434,7 @@ impl Permit {
 
 impl Drop for Permit {
     fn drop(&mut self) {
-        let (handed, change) = {
+        let (handed, change, key_moved) = {
             let mut counts = self.limiter.lock();
             counts.give_back(&self.limiter, &self.ask);
             if self.limiter.limits.shares() {
@@ -451,15 +451,14 @@ impl Drop for Permit {
                 (Some(None), Some(adaptive)) => adaptive.tick(now, global),
                 _ => None,
             };
+            let mut key_moved = None;
             if let (Some(sample), Some(key)) = (sample, self.ask.key.as_deref()) {
                 let of_key = in_flight(counts.per_key.get(key).copied().unwrap_or(0));
-                if let Some(limits) = &mut counts.key_limits
-                    && let Some(change) = limits.ended(key, now, of_key, sample)
-                {
-                    self.limiter.report_key(change, key);
+                if let Some(limits) = &mut counts.key_limits {
+                    key_moved = limits.ended(key, now, of_key, sample);
                 }
             }
-            (self.limiter.hand_over_all(&mut counts), change)
+            (self.limiter.hand_over_all(&mut counts), change, key_moved)
         };
         // Sent outside the lock: a waiter gone in the meantime gives the
         // permit straight back, which locks again.
@@ -468,6 +467,9 @@ impl Drop for Permit {
         }
         if let Some(change) = change {
             self.limiter.report(change);
+        }
+        if let (Some(change), Some(key)) = (key_moved, self.ask.key.as_deref()) {
+            self.limiter.report_key(change, key);
         }
         self.limiter.gauges();
     }
@@ -621,20 +623,41 @@ impl Limiter {
         self.permit(ask)
     }
 
-    /// `ask` arrives: with fair share or priorities, its tenant and class
+    /// `ask` arrives. With a per-key adaptive limit, its key's controller
+    /// sees the time pass (kept, or made), and if that raised the key's
+    /// limit, waiters that fit now are handed their slots before the
+    /// newcomer looks. With fair share or priorities, its tenant and class
     /// note their demand (counting it once, however often it is noted),
     /// and the shares are brought up to date.
-    fn arrive(&self, counts: &mut SlotCounts, ask: &mut Ask) {
+    ///
+    /// What is handed over, and the key's move, are acted on when the
+    /// returned [`Arrived`] is dropped: declare it before the lock's guard,
+    /// so that the guard is dropped first.
+    fn arrive<'a>(self: &'a Arc<Self>, counts: &mut SlotCounts, ask: &mut Ask) -> Arrived<'a> {
+        let mut arrived = Arrived {
+            limiter: self,
+            handed: Vec::new(),
+            moved: None,
+        };
+        let mut grew = false;
+        let per_key = &counts.per_key;
         if let (Some(limits), Some(key)) = (&mut counts.key_limits, ask.key.as_deref()) {
-            let of_key = in_flight(counts.per_key.get(key).copied().unwrap_or(0));
-            if let Some(change) = limits.arrive(key, self.now(), of_key) {
-                self.report_key(change, key);
-            }
+            let of_key = in_flight(per_key.get(key).copied().unwrap_or(0));
+            let before = limits.limit(key);
+            let busy = |k: &str| per_key.contains_key(k);
+            arrived.moved = limits
+                .arrive(key, self.now(), of_key, busy)
+                .map(|change| (change, key.into()));
+            grew = limits.limit(key) > before;
+        }
+        if grew && !counts.queue.is_empty() {
+            arrived.handed = self.hand_over_all(counts);
         }
         if self.limits.shares() {
             counts.demand.arrive(ask, self.now());
             counts.refresh(self);
         }
+        arrived
     }
 
     /// `ask` is refused, or made to wait: with fair share or priorities,
@@ -647,8 +670,9 @@ impl Limiter {
 
     pub(crate) fn try_acquire(self: &Arc<Self>, ask: &mut Ask) -> Result<Permit, Saturated> {
         self.advance();
+        let _arrived;
         let mut counts = self.lock();
-        self.arrive(&mut counts, ask);
+        _arrived = self.arrive(&mut counts, ask);
         if let Err(full) = counts.fits_now(self, ask) {
             self.turned_away(&mut counts, ask);
             return Err(full);
@@ -672,8 +696,9 @@ impl Limiter {
         };
         let (id, full, granted, shown, displaced) = {
             self.advance();
+            let _arrived;
             let mut counts = self.lock();
-            self.arrive(&mut counts, &mut ask);
+            _arrived = self.arrive(&mut counts, &mut ask);
             let full = match counts.fits_now(&self, &ask) {
                 Ok(()) => {
                     counts.take(&self, &ask);
@@ -885,6 +910,27 @@ impl Limiter {
             releases_abandoned: 0,
             bodies_stalled: 0,
             global_limit: counts.global_max(self),
+        }
+    }
+}
+
+/// What an arrival leaves to do outside the lock: permits handed to
+/// waiters (a key's limit grew), and a key's limit's move to log.
+struct Arrived<'a> {
+    limiter: &'a Arc<Limiter>,
+    handed: Vec<(oneshot::Sender<Permit>, Permit)>,
+    moved: Option<(Change, Box<str>)>,
+}
+
+impl Drop for Arrived<'_> {
+    fn drop(&mut self) {
+        // A waiter gone in the meantime gives its permit straight back,
+        // which locks again: the caller's guard must be gone.
+        for (grant, permit) in self.handed.drain(..) {
+            let _ = grant.send(permit);
+        }
+        if let Some((change, key)) = self.moved.take() {
+            self.limiter.report_key(change, &key);
         }
     }
 }
