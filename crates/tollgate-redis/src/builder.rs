@@ -286,6 +286,10 @@ impl RedisStoreBuilder {
         };
         #[cfg(not(feature = "tls"))]
         let target = self.target;
+        let pubsub = match &target {
+            Target::Single(client) => Some(client.clone()),
+            _ => None,
+        };
         let conn = match target {
             Target::Single(client) => Conn::Single(
                 ConnectionManager::new_lazy_with_config(
@@ -332,6 +336,7 @@ impl RedisStoreBuilder {
                 time: self.time,
                 split,
                 cache: cache.map(|n| OverLimitCache::new(n, self.timeout)),
+                pubsub,
             }),
         })
     }

@@ -98,6 +98,7 @@ mod connection;
 mod keys;
 mod leases;
 mod lua;
+mod policies;
 mod redact;
 mod script;
 mod sentinel;
@@ -105,6 +106,7 @@ mod store;
 
 pub use builder::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_OVER_LIMIT_CACHE, RedisStoreBuilder};
 pub use cache::CacheStats;
+pub use policies::{PolicyAnnouncements, PublishedPolicies};
 pub use redact::redact_url;
 /// The redis-rs this store is built on, for connections you hand it
 /// ([`RedisStore::with_connection_manager`]).

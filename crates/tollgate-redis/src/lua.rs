@@ -119,19 +119,34 @@ pub(crate) fn lease_script() -> &'static Script {
     &LEASES
 }
 
+pub(crate) const POLICIES_SOURCE: &str = include_str!("policies.lua");
+
+static POLICIES: LazyLock<Script> = LazyLock::new(|| Script::new(POLICIES_SOURCE));
+
+/// The fleet policy script.
+pub(crate) fn policies_script() -> &'static Script {
+    &POLICIES
+}
+
 /// Every script the store calls, to load them all (`SCRIPT LOAD`).
-pub(crate) fn sources() -> [&'static str; 3] {
-    [decide_source(), one_bucket_source(), LEASE_SOURCE]
+pub(crate) fn sources() -> [&'static str; 4] {
+    [
+        decide_source(),
+        one_bucket_source(),
+        LEASE_SOURCE,
+        POLICIES_SOURCE,
+    ]
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
-    const TEMPLATES: [(&str, &str); 3] = [
+    const TEMPLATES: [(&str, &str); 4] = [
         ("decide.lua", DECIDE_TEMPLATE),
         ("one_bucket.lua", ONE_BUCKET_TEMPLATE),
         ("leases.lua", LEASE_SOURCE),
+        ("policies.lua", POLICIES_SOURCE),
     ];
 
     /// The integer numerals in `lua`'s code (not its comments), with their

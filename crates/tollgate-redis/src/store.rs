@@ -61,6 +61,9 @@ pub(crate) struct Inner {
     pub(crate) time: TimeSource,
     pub(crate) split: bool,
     pub(crate) cache: Option<OverLimitCache>,
+    /// A store made from a URL: its client, for the policy announcements'
+    /// own connection (pub/sub).
+    pub(crate) pubsub: Option<redis::Client>,
 }
 
 impl fmt::Debug for RedisStore {

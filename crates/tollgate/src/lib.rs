@@ -118,12 +118,17 @@
 //! - `metrics`: counters and histograms through the `metrics` facade.
 //! - `client`: `Retry-After` parsing and a retry policy ([`client`]).
 //! - `redis`: the Redis store for fleets, re-exported as `tollgate::redis`.
+//! - `serde`: policies as data (`rate_limit::PolicySet`,
+//!   `RulesHandle::apply`); with `redis`, one policy set for a fleet
+//!   (`redis::FleetPolicies`).
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;
 #[cfg(feature = "client")]
 pub mod client;
 pub mod concurrency;
+#[cfg(all(feature = "redis", feature = "serde"))]
+mod fleet_policies;
 pub mod guide;
 pub mod identity;
 mod observe;

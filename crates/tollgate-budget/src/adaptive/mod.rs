@@ -167,17 +167,18 @@ const MAX_LATENCY: Nanos = 1 << 48;
 /// assert_eq!(limit.floor(), Some(10 * MS));
 /// assert_eq!(limit.limit(), 20);
 ///
-/// // Latency at its floor: the limit grows, one window at a time.
-/// for i in 11..=40 {
-///     limit.update(10 * i * MS, 19, Sample::Ok(10 * MS));
-/// }
+/// // Latency at its floor with the limit full: the limit grows, one window
+/// // at a time, and moves of more than a tenth are reported.
+/// let moves: Vec<_> = (11..=40)
+///     .filter_map(|i| limit.update(10 * i * MS, limit.limit() - 1, Sample::Ok(10 * MS)))
+///     .collect();
 /// assert!(limit.limit() > 20);
+/// assert_eq!(moves[0].from, 20);
 ///
-/// // A failure cuts it by a tenth, and the move is reported.
+/// // A failure cuts it by a tenth.
 /// let before = limit.limit();
-/// let change = limit.update(400 * MS, 20, Sample::Failed(Failure::Error));
-/// assert!(limit.limit() < before);
-/// assert!(change.is_some());
+/// limit.update(400 * MS, 20, Sample::Failed(Failure::Error));
+/// assert_eq!(limit.limit(), before * 9 / 10);
 /// # Ok::<(), tollgate_budget::InvalidAdaptiveLimit>(())
 /// ```
 ///

@@ -52,6 +52,8 @@ impl<St> Clone for Config<St> {
         Self {
             store: self.store.clone(),
             rules: self.rules.clone(),
+            // Shared with the rules it goes with.
+            applied: self.applied.clone(),
             resolver: self.resolver.clone(),
             on_store_error: self.on_store_error.clone(),
             headers_on_admitted: self.headers_on_admitted,
@@ -73,6 +75,9 @@ pub(crate) struct Config<St> {
     /// the rules makes a new set, so that services already made (and
     /// handles already taken) keep theirs.
     pub(crate) rules: RuleSet,
+    /// What [`RulesHandle::apply`](super::RulesHandle::apply) has put in
+    /// force, shared by every handle of the layer.
+    pub(crate) applied: Arc<std::sync::Mutex<super::handle::Applied>>,
     pub(crate) resolver: ClientIpResolver,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) headers_on_admitted: bool,

@@ -2,13 +2,29 @@
 //! fresh budget.
 
 use std::fmt;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use tollgate_budget::{DynStore, Policy, Store};
 
 use super::Rule;
 use super::config::{RuleSet, check, check_together};
+#[cfg(feature = "serde")]
+use super::data::{InvalidPolicySet, Place, PolicySet};
 use super::invalid::InvalidRule;
+#[cfg(feature = "serde")]
+use super::plans::Entry;
+
+/// What [`RulesHandle::apply`] has put in force: the rules it started
+/// from (the layer's, as built or [replaced](RulesHandle::replace)), and
+/// the set.
+#[derive(Debug, Default)]
+pub(crate) struct Applied {
+    /// `None` until a set is applied.
+    #[cfg(feature = "serde")]
+    base: Option<Arc<Vec<Rule>>>,
+    #[cfg(feature = "serde")]
+    set: PolicySet,
+}
 
 /// Replaces the rules (or one policy) of a [`RateLimitLayer`](crate::RateLimitLayer)
 /// while it serves, from [`RateLimitLayer::rules_handle`](crate::RateLimitLayer::rules_handle).
@@ -40,6 +56,7 @@ use super::invalid::InvalidRule;
 /// ```
 pub struct RulesHandle<St> {
     rules: RuleSet,
+    applied: Arc<Mutex<Applied>>,
     store: Arc<St>,
     fallback: Option<Arc<dyn DynStore>>,
 }
@@ -48,6 +65,7 @@ impl<St> Clone for RulesHandle<St> {
     fn clone(&self) -> Self {
         Self {
             rules: self.rules.clone(),
+            applied: self.applied.clone(),
             store: self.store.clone(),
             fallback: self.fallback.clone(),
         }
@@ -63,25 +81,167 @@ impl<St> fmt::Debug for RulesHandle<St> {
 }
 
 impl<St: Store> RulesHandle<St> {
-    pub(crate) fn new(rules: RuleSet, store: Arc<St>, fallback: Option<Arc<dyn DynStore>>) -> Self {
+    pub(crate) fn new(
+        rules: RuleSet,
+        applied: Arc<Mutex<Applied>>,
+        store: Arc<St>,
+        fallback: Option<Arc<dyn DynStore>>,
+    ) -> Self {
         Self {
             rules,
+            applied,
             store,
             fallback,
         }
     }
 
+    fn applied(&self) -> MutexGuard<'_, Applied> {
+        self.applied.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
     /// Replaces every rule, in order, once each is checked as
     /// [`RateLimitBuilder::build`](super::RateLimitBuilder::build) checks
-    /// them. On an error the rules are unchanged.
+    /// them. On an error the rules are unchanged. These rules are in
+    /// force as given: a set [applied](Self::apply) before is forgotten
+    /// (apply it again to put it on top of them).
     pub fn replace(&self, rules: impl IntoIterator<Item = Rule>) -> Result<(), InvalidRule> {
         let rules: Vec<Rule> = rules.into_iter().collect();
         check_together(&rules)?;
         for rule in &rules {
             self.check(rule)?;
         }
+        let mut applied = self.applied();
+        *applied = Applied::default();
         self.rules.store(Arc::new(rules));
         Ok(())
+    }
+
+    /// Puts a [`PolicySet`] (policies as data) in force on top of the
+    /// layer's rules as built (or [replaced](Self::replace)): each rule
+    /// whose own policy has a name the set names gets the set's default
+    /// policy, plans, tenants' and accounts' overrides, as
+    /// [`Rule::plan`], [`Rule::for_tenant`] and [`Rule::for_account`] would
+    /// give them, in the rule's unit; what the set leaves out stays as
+    /// built. A set replaces the one applied before: a change it no longer
+    /// has goes back to the rules as built, and changes made since with
+    /// [`set_policy`](Self::set_policy) or [`set_plan`](Self::set_plan)
+    /// are dropped. Keys carry what they spent over to the new numbers, as
+    /// with [`set_policy`](Self::set_policy). Returns how many rules the
+    /// set changed. Checked whole first (numbers, names, the store); on an
+    /// error nothing changes.
+    ///
+    /// ```
+    /// use tollgate::rate_limit::PolicySet;
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer, Rule};
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let export = Policy::token_bucket("export", 3, Rate::per_second(1))?;
+    /// let layer = RateLimitLayer::builder(MemoryStore::new())
+    ///     .rule(Rule::per_account(export))
+    ///     .build()?;
+    /// let handle = layer.rules_handle();
+    /// let set = PolicySet::from_json(
+    ///     r#"{"rules": {"export": {"plans": {"pro": {"capacity": 6, "refill": {"per_second": 2}}}}}}"#,
+    /// )?;
+    /// assert_eq!(handle.apply(&set)?, 1);
+    /// // A rule the set names must exist.
+    /// let typo = PolicySet::from_json(r#"{"rules": {"exprot": {}}}"#)?;
+    /// assert_eq!(
+    ///     handle.apply(&typo).unwrap_err().to_string(),
+    ///     "rules.exprot: no rule has a policy of this name",
+    /// );
+    /// # Ok(()) }
+    /// ```
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidPolicySet`] naming the field: a policy the builder would
+    /// refuse, a rule name no rule has, a policy the layer's store (or
+    /// fallback store) cannot hold.
+    #[cfg(feature = "serde")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
+    pub fn apply(&self, set: &PolicySet) -> Result<usize, InvalidPolicySet> {
+        let mut applied = self.applied();
+        let base = applied
+            .base
+            .clone()
+            .unwrap_or_else(|| self.rules.load_full());
+        let (next, changed) = self.with_set(&base, set)?;
+        applied.base = Some(base);
+        applied.set = set.clone();
+        self.rules.store(Arc::new(next));
+        Ok(changed)
+    }
+
+    /// Whether [`apply`](Self::apply) would take `set`, without applying
+    /// it (for checking a set before publishing it to a fleet).
+    ///
+    /// # Errors
+    ///
+    /// What [`apply`](Self::apply) would answer.
+    #[cfg(feature = "serde")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
+    pub fn check_set(&self, set: &PolicySet) -> Result<(), InvalidPolicySet> {
+        let applied = self.applied();
+        let base = applied
+            .base
+            .clone()
+            .unwrap_or_else(|| self.rules.load_full());
+        self.with_set(&base, set).map(|_| ())
+    }
+
+    /// `base` with `set` in force, every changed rule checked against the
+    /// store; and how many rules changed.
+    #[cfg(feature = "serde")]
+    fn with_set(
+        &self,
+        base: &[Rule],
+        set: &PolicySet,
+    ) -> Result<(Vec<Rule>, usize), InvalidPolicySet> {
+        set.validate()?;
+        let mut next: Vec<Rule> = base.to_vec();
+        let mut changed = 0;
+        for (name, policies) in &set.rules {
+            let mut found = false;
+            for rule in next.iter_mut().filter(|r| r.policy().name() == name) {
+                found = true;
+                let mut edited = rule.clone();
+                policies.each(name, |place, path, data| {
+                    let policy = data.policy(name, &path)?;
+                    edited = match place {
+                        Place::Default => edited.clone().with_default_policy(policy),
+                        Place::Plan(plan) => {
+                            edited.clone().with_entry_policy(Entry::Plan(plan), policy)
+                        }
+                        Place::Tenant(tenant) => edited
+                            .clone()
+                            .with_entry_policy(Entry::Tenant(tenant), policy),
+                        Place::Account(tenant, account) => edited
+                            .clone()
+                            .with_entry_policy(Entry::Account(tenant, account), policy),
+                    };
+                    Ok(())
+                })?;
+                self.check(&edited)
+                    .map_err(|e| InvalidPolicySet::new(format!("rules.{name}"), e))?;
+                *rule = edited;
+                changed += 1;
+            }
+            if !found {
+                return Err(InvalidPolicySet::new(
+                    format!("rules.{name}"),
+                    "no rule has a policy of this name",
+                ));
+            }
+        }
+        Ok((next, changed))
+    }
+
+    /// The set last [applied](Self::apply) (empty before any, and after
+    /// [`replace`](Self::replace)).
+    #[cfg(feature = "serde")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
+    pub fn applied_set(&self) -> PolicySet {
+        self.applied().set.clone()
     }
 
     /// Makes `policy` the policy of every rule whose own (default) policy

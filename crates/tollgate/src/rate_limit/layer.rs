@@ -67,6 +67,7 @@ impl<St: Store> RateLimitLayer<St> {
             config: Config {
                 store: Arc::new(store),
                 rules: RuleSet::default(),
+                applied: Arc::default(),
                 resolver: ClientIpResolver::peer_only(),
                 on_store_error: OnStoreError::FailClosed,
                 headers_on_admitted: true,
@@ -94,6 +95,7 @@ impl<St: Store> RateLimitLayer<St> {
         };
         RulesHandle::new(
             self.config.rules.clone(),
+            self.config.applied.clone(),
             self.config.store.clone(),
             fallback,
         )
@@ -154,6 +156,7 @@ impl<St: Store> RateLimitBuilder<St> {
             }
         }
         self.config.rules = Arc::new(ArcSwap::from_pointee(self.rules));
+        self.config.applied = Arc::default();
         Ok(RateLimitLayer {
             config: Arc::new(self.config),
         })

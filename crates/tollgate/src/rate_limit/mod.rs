@@ -173,6 +173,8 @@
 //! ```
 
 pub(crate) mod config;
+#[cfg(feature = "serde")]
+mod data;
 pub(crate) mod exempt;
 mod future;
 pub(crate) mod handle;
@@ -185,6 +187,11 @@ pub(crate) mod rule;
 pub(crate) mod service;
 mod shaping;
 
+#[cfg(feature = "serde")]
+#[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
+pub use data::{
+    AlgorithmName, Every, InitialData, InvalidPolicySet, PolicyData, PolicySet, RulePolicies, Span,
+};
 pub(crate) use exempt::Exemption;
 pub(crate) use exempt::any_matches;
 pub use future::ResponseFuture;

@@ -448,10 +448,16 @@ impl Rule {
     /// The same rule with `policy` for `plan`, given or not before
     /// ([`RulesHandle::set_plan`](crate::RulesHandle::set_plan)); `policy`
     /// is this rule's budget (checked by the caller).
-    pub(crate) fn with_plan_policy(mut self, plan: &str, policy: Policy) -> Self {
+    pub(crate) fn with_plan_policy(self, plan: &str, policy: Policy) -> Self {
+        self.with_entry_policy(Entry::Plan(plan), policy)
+    }
+
+    /// The same rule with `policy` for `entry` (a plan, tenant or
+    /// account), given or not before; `policy` is this rule's budget
+    /// (checked by the caller).
+    pub(crate) fn with_entry_policy(mut self, entry: Entry<'_>, policy: Policy) -> Self {
         let policy = self.in_rule_unit(policy);
-        Arc::make_mut(self.plans.get_or_insert_with(Default::default))
-            .set(Entry::Plan(plan), policy);
+        Arc::make_mut(self.plans.get_or_insert_with(Default::default)).set(entry, policy);
         self
     }
 

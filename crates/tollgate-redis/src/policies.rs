@@ -1,0 +1,186 @@
+//! The fleet's policy set in Redis (`policies.lua`): one hash,
+//! `PREFIX:policies`, holding a version that only rises and the set's
+//! text, written together and announced on the channel `PREFIX:policies`
+//! (pub/sub). The store knows the set only as text: what it means is the
+//! layer's (`tollgate`'s `FleetPolicies` reads and applies it).
+
+use std::pin::Pin;
+use std::task::{Context, Poll};
+
+use tollgate_budget::{StoreError, StoreErrorKind};
+
+use crate::lua::{self, POLICIES_SOURCE};
+use crate::store::RedisStore;
+
+/// A published policy set: its version and text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublishedPolicies {
+    /// Raised by one at every publication.
+    pub version: u64,
+    /// The set as it was published.
+    pub text: String,
+}
+
+/// Versions announced on the policy channel, as they come (pub/sub): see
+/// [`RedisStore::policy_announcements`].
+pub struct PolicyAnnouncements {
+    stream: redis::aio::PubSubStream,
+}
+
+impl std::fmt::Debug for PolicyAnnouncements {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PolicyAnnouncements")
+            .finish_non_exhaustive()
+    }
+}
+
+impl PolicyAnnouncements {
+    /// The next announced version; `None` when the subscription ended
+    /// (the connection was lost: subscribe again). An announcement that is
+    /// not a version is skipped.
+    pub async fn next(&mut self) -> Option<u64> {
+        loop {
+            let message =
+                std::future::poll_fn(|cx: &mut Context<'_>| poll_next(&mut self.stream, cx))
+                    .await?;
+            if let Ok(version) = message.get_payload::<u64>() {
+                return Some(version);
+            }
+        }
+    }
+}
+
+fn poll_next(
+    stream: &mut redis::aio::PubSubStream,
+    cx: &mut Context<'_>,
+) -> Poll<Option<redis::Msg>> {
+    futures_core::Stream::poll_next(Pin::new(stream), cx)
+}
+
+impl RedisStore {
+    /// The key of the fleet's policy set, and the channel its versions are
+    /// announced on (the same name).
+    pub fn policies_key(&self) -> String {
+        format!("{}:policies", self.inner.prefix)
+    }
+
+    /// The Lua source of the policy script (read, publish, restore), for
+    /// operators who audit it.
+    pub fn policies_script_source() -> &'static str {
+        POLICIES_SOURCE
+    }
+
+    async fn policies_call<T: redis::FromRedisValue>(
+        &self,
+        op: &str,
+        text: &str,
+        version: u64,
+    ) -> Result<T, StoreError> {
+        let key = self.policies_key();
+        let mut invocation = lua::policies_script().prepare_invoke();
+        invocation
+            .key(&key)
+            .arg(op)
+            .arg(text)
+            .arg(version)
+            .arg(&key);
+        let eval = || {
+            let mut cmd = redis::cmd("EVAL");
+            cmd.arg(POLICIES_SOURCE)
+                .arg(1)
+                .arg(&key)
+                .arg(op)
+                .arg(text)
+                .arg(version)
+                .arg(&key);
+            cmd
+        };
+        self.run::<T>(&invocation, eval, self.deadline()).await
+    }
+
+    /// The policy set published last, if any.
+    ///
+    /// # Errors
+    ///
+    /// The store's error; a version that is not a number is a protocol
+    /// error.
+    pub async fn published_policies(&self) -> Result<Option<PublishedPolicies>, StoreError> {
+        let (version, text): (Option<String>, Option<String>) =
+            self.policies_call("read", "", 0).await?;
+        let Some(version) = version else {
+            return Ok(None);
+        };
+        let version = version.parse::<u64>().map_err(|_| {
+            StoreError::new(
+                StoreErrorKind::Protocol,
+                format!(
+                    "{}: version {version:?} is not a number",
+                    self.policies_key()
+                ),
+            )
+        })?;
+        Ok(Some(PublishedPolicies {
+            version,
+            text: text.unwrap_or_default(),
+        }))
+    }
+
+    /// Publishes `text` as the next version of the fleet's policy set,
+    /// written with its version in one step and announced; returns the
+    /// version.
+    ///
+    /// # Errors
+    ///
+    /// The store's error: then nothing was published, unless the error is
+    /// [uncertain](StoreErrorKind::Uncertain) (no answer in time: it may
+    /// have been).
+    pub async fn publish_policies(&self, text: &str) -> Result<u64, StoreError> {
+        self.policies_call("publish", text, 0).await
+    }
+
+    /// Writes `text` back as `version` when Redis has no set or an older
+    /// version (it lost the set, say in a restart without persistence),
+    /// and announces it; `true` if it wrote. Every instance may call it:
+    /// the newest version wins, and no version goes down.
+    ///
+    /// # Errors
+    ///
+    /// The store's error.
+    pub async fn restore_policies(&self, version: u64, text: &str) -> Result<bool, StoreError> {
+        let written: u64 = self.policies_call("restore", text, version).await?;
+        Ok(written != 0)
+    }
+
+    /// Subscribes to the announcements of new versions, on a connection of
+    /// its own. `None` for a store that was not made from a URL (a cluster,
+    /// Sentinel, a connection given to it): watch with
+    /// [`published_policies`](Self::published_policies) alone.
+    ///
+    /// # Errors
+    ///
+    /// Connecting or subscribing failed.
+    pub async fn policy_announcements(&self) -> Option<Result<PolicyAnnouncements, StoreError>> {
+        let client = self.inner.pubsub.as_ref()?;
+        let subscribe = async {
+            let mut pubsub = client.get_async_pubsub().await?;
+            pubsub.subscribe(self.policies_key()).await?;
+            Ok::<_, redis::RedisError>(PolicyAnnouncements {
+                stream: pubsub.into_on_message(),
+            })
+        };
+        Some(
+            match tokio::time::timeout(self.inner.connect_timeout, subscribe).await {
+                Ok(Ok(announcements)) => Ok(announcements),
+                Ok(Err(e)) => Err(StoreError::new(
+                    StoreErrorKind::Unavailable,
+                    "subscribing to the policy announcements failed",
+                )
+                .with_source(e)),
+                Err(_) => Err(StoreError::new(
+                    StoreErrorKind::Unavailable,
+                    "subscribing to the policy announcements timed out",
+                )),
+            },
+        )
+    }
+}

@@ -1,0 +1,262 @@
+//! One policy set for a fleet, on a private `redis-server`: instances in
+//! this process, each with its own connections, its own layer and its own
+//! `FleetPolicies`, as separate processes would have.
+//!
+//! - a set published through one instance is in force on the others
+//!   within a second (measured over 20 changes: median and worst printed),
+//!   and admits its numbers there;
+//! - an instance started afterwards starts with it;
+//! - a bad set changes nothing anywhere: refused before publishing, or,
+//!   written to Redis behind the fleet's back, kept out and counted by
+//!   every instance;
+//! - Redis down: publishing fails clearly and changes nothing; Redis
+//!   restarted with the set lost: the instances keep theirs and write it
+//!   back.
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::time::{Duration, Instant};
+
+use http::{Request, Response, StatusCode};
+use tollgate::identity::PeerAddr;
+use tollgate::rate_limit::PolicySet;
+use tollgate::redis::{FleetPolicies, PublishError};
+use tollgate::{Policy, Principal, Rate, RateLimitLayer, RedisStore, Rule};
+use tollgate_testkit::{RedisServer, or_skip};
+use tower::{Layer, Service, ServiceExt};
+
+struct Instance {
+    layer: RateLimitLayer<RedisStore>,
+    fleet: FleetPolicies<RedisStore>,
+}
+
+async fn instance(url: &str) -> Instance {
+    let store = RedisStore::builder(url)
+        .unwrap()
+        .prefix("fleet-test")
+        .build()
+        .unwrap();
+    let export = Policy::token_bucket("export", 3, Rate::per_minute(1)).unwrap();
+    let layer = RateLimitLayer::builder(store.clone())
+        .rule(Rule::per_account(export))
+        .build()
+        .unwrap();
+    let fleet = FleetPolicies::start(store, layer.rules_handle())
+        .await
+        .unwrap();
+    Instance { layer, fleet }
+}
+
+/// How many of 20 requests of a fresh `account` (at once) `instance`
+/// admits.
+async fn admits(instance: &Instance, account: &str) -> usize {
+    let inner = tower::service_fn(|_req: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    });
+    let mut svc = instance.layer.layer(inner);
+    let mut n = 0;
+    for _ in 0..20 {
+        let mut req = Request::new(String::new());
+        let peer: SocketAddr = "192.0.2.1:1000".parse().unwrap();
+        req.extensions_mut().insert(PeerAddr(peer));
+        req.extensions_mut()
+            .insert(Principal::new("acme".to_owned(), account.to_owned()));
+        let response = svc.ready().await.unwrap().call(req).await.unwrap();
+        if response.status() == StatusCode::OK {
+            n += 1;
+        }
+    }
+    n
+}
+
+fn capacity(n: u64) -> PolicySet {
+    PolicySet::from_json(&format!(
+        r#"{{"rules": {{"export": {{"policy": {{"capacity": {n}, "refill": {{"per_minute": 1}}}}}}}}}}"#
+    ))
+    .unwrap()
+}
+
+/// Waits (real time, at most `limit`) until `instance` runs `version`;
+/// how long it took.
+async fn until_version(instance: &Instance, version: u64, limit: Duration) -> Duration {
+    let start = Instant::now();
+    while instance.fleet.version() < version {
+        assert!(
+            start.elapsed() < limit,
+            "version {version} not in force after {limit:?} (runs {})",
+            instance.fleet.version()
+        );
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+    start.elapsed()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_published_set_is_in_force_on_every_instance_within_a_second() {
+    let redis = or_skip!(RedisServer::start());
+    let url = redis.url();
+    let (a, b, c) = (
+        instance(&url).await,
+        instance(&url).await,
+        instance(&url).await,
+    );
+    assert_eq!(
+        (a.fleet.version(), b.fleet.version(), c.fleet.version()),
+        (0, 0, 0)
+    );
+    assert_eq!(admits(&c, "before").await, 3, "the rules as built");
+
+    // 20 changes through A, alternating 6 and 4; each measured from the
+    // publish's answer to the change in force on B and on C.
+    let mut times = Vec::new();
+    for i in 0..20u64 {
+        let n = if i % 2 == 0 { 6 } else { 4 };
+        let version = a.fleet.publish(&capacity(n)).await.unwrap();
+        assert_eq!(version, i + 1);
+        assert_eq!(
+            a.fleet.version(),
+            version,
+            "in force on the publisher at once"
+        );
+        let published = Instant::now();
+        for other in [&b, &c] {
+            until_version(other, version, Duration::from_secs(1)).await;
+            times.push(published.elapsed());
+        }
+        assert_eq!(admits(&c, &format!("fresh-{i}")).await, n as usize);
+    }
+    times.sort_unstable();
+    eprintln!(
+        "propagation over {} (change, instance) pairs: median {:?}, worst {:?}",
+        times.len(),
+        times[times.len() / 2],
+        times[times.len() - 1]
+    );
+
+    // Started afterwards: the set in force before it serves.
+    let d = instance(&url).await;
+    assert_eq!(d.fleet.version(), 20);
+    assert_eq!(admits(&d, "late").await, 4);
+    assert_eq!(d.fleet.set(), capacity(4));
+
+    // A bad set: refused before publishing, nothing changes anywhere.
+    let bad = PolicySet::from_json(r#"{"rules": {"exprot": {}}}"#).unwrap();
+    match a.fleet.publish(&bad).await {
+        Err(PublishError::Invalid(e)) => {
+            assert_eq!(
+                e.to_string(),
+                "rules.exprot: no rule has a policy of this name"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    // Written to Redis behind the fleet's back (another version's code, a
+    // hand edit): every instance keeps its set, counts it once, and says
+    // which version it runs.
+    redis
+        .query(&[
+            "HSET",
+            "fleet-test:policies",
+            "version",
+            "21",
+            "set",
+            r#"{"rules": {"export": {"policy": {"capacity": 0}}}}"#,
+        ])
+        .unwrap();
+    redis
+        .query(&["PUBLISH", "fleet-test:policies", "21"])
+        .unwrap();
+    for (i, instance) in [&a, &b, &c, &d].into_iter().enumerate() {
+        let start = Instant::now();
+        while instance.fleet.stats().refused == 0 {
+            assert!(start.elapsed() < Duration::from_secs(2), "not refused");
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(instance.fleet.version(), 20);
+        assert_eq!(admits(instance, &format!("after-bad-{i}")).await, 4);
+    }
+    // Read again and again (every half second): still counted once.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    assert_eq!(a.fleet.stats().refused, 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_fails_a_publish_and_a_lost_set_is_written_back() {
+    let mut redis = or_skip!(RedisServer::start());
+    let url = redis.url();
+    let (a, b) = (instance(&url).await, instance(&url).await);
+    let version = a.fleet.publish(&capacity(6)).await.unwrap();
+    until_version(&b, version, Duration::from_secs(1)).await;
+
+    redis.kill();
+    match a.fleet.publish(&capacity(2)).await {
+        Err(PublishError::Store(e)) => eprintln!("publishing with Redis down: {e}"),
+        other => panic!("{other:?}"),
+    }
+    assert_eq!((a.fleet.version(), b.fleet.version()), (version, version));
+    assert_eq!(a.fleet.set(), capacity(6), "nothing changed");
+    // The watchers fail to read meanwhile, and count it.
+    let start = Instant::now();
+    while b.fleet.stats().read_errors == 0 {
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "no read error seen"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+
+    // Restarted without persistence: the set is gone. The instances keep
+    // theirs and write it back, at the version they run.
+    redis.restart();
+    let start = Instant::now();
+    loop {
+        if let Ok(held) = redis.query(&["HGET", "fleet-test:policies", "version"])
+            && held == version.to_string()
+        {
+            break;
+        }
+        assert!(start.elapsed() < Duration::from_secs(5), "not written back");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(a.fleet.stats().restored + b.fleet.stats().restored >= 1);
+    assert_eq!((a.fleet.version(), b.fleet.version()), (version, version));
+    // And the fleet goes on from there.
+    let next = b.fleet.publish(&capacity(5)).await.unwrap();
+    assert_eq!(next, version + 1);
+    until_version(&a, next, Duration::from_secs(1)).await;
+    assert_eq!(admits(&a, "after-restart").await, 5);
+}
+
+/// A store made from a connection of the application's own has no
+/// announcements: the periodic check alone brings the change, within a
+/// second (half a second by default).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_announcements_the_periodic_check_brings_the_change() {
+    let redis = or_skip!(RedisServer::start());
+    let url = redis.url();
+    let a = instance(&url).await;
+    let client = tollgate::redis::redis::Client::open(url.as_str()).unwrap();
+    let manager = tollgate::redis::redis::aio::ConnectionManager::new(client)
+        .await
+        .unwrap();
+    let store = RedisStore::with_connection_manager(manager)
+        .prefix("fleet-test")
+        .build()
+        .unwrap();
+    assert!(store.policy_announcements().await.is_none());
+    let export = Policy::token_bucket("export", 3, Rate::per_minute(1)).unwrap();
+    let layer = RateLimitLayer::builder(store.clone())
+        .rule(Rule::per_account(export))
+        .build()
+        .unwrap();
+    let polled = Instance {
+        fleet: FleetPolicies::start(store, layer.rules_handle())
+            .await
+            .unwrap(),
+        layer,
+    };
+    let version = a.fleet.publish(&capacity(7)).await.unwrap();
+    let took = until_version(&polled, version, Duration::from_secs(1)).await;
+    eprintln!("by the periodic check alone: {took:?}");
+    assert_eq!(admits(&polled, "polled").await, 7);
+}
