@@ -54,6 +54,18 @@
 //!   refilled 2 per second, *shaped* up to 2 s with at most 4 waiting per
 //!   account: a burst is released 0.5 s apart instead of refused, and what
 //!   would wait longer is refused at once with `Retry-After`;
+//! - with `--admin-token TOKEN`: `PUT /admin/policies/{rule}` and
+//!   `PUT /admin/policies/{rule}/plans/{plan}` (body: one policy as data,
+//!   e.g. `{"capacity": 6, "refill": {"per_second": 2}}`, the name from the
+//!   path) make it that rule's default policy or its plan's;
+//!   `GET /admin/policies` answers `{"version": N, "set": {...}}`.
+//!   `Authorization: Bearer TOKEN` or 401 (which spends the address's
+//!   `login-failures` budget); an unknown rule 404; a bad body 400 naming
+//!   the field; Redis failing 503. Charged to the address like any route.
+//!   With `--store` the set is the fleet's: published to every quickstart
+//!   on that Redis (in force within a second; one started later starts
+//!   with it), and followed by every quickstart with `--store`, token or
+//!   not; without, this process's;
 //! - admitted requests get 200 and a short text body.
 //!
 //! Flags: `--exempt CIDR` (repeatable) lets clients in those networks skip
@@ -63,7 +75,8 @@
 //! `--log-refusals LEVEL` (`error`, `warn`, `info`, `debug`, `trace`; off by
 //! default) logs every refusal of both layers on stderr at that level, as
 //! an operator would see it: policy, key shape, key fingerprint, never the
-//! key.
+//! key; `--admin-token TOKEN` (at least 8 visible ASCII characters) turns
+//! on the admin routes.
 //!
 //! Demo authentication (a stand-in for real authentication, not a pattern to
 //! copy): `Authorization: Bearer KEY` with `alice-key-1` or `alice-key-2` is
@@ -110,16 +123,29 @@ const SLOW_BODY_IDLE: Duration = Duration::from_secs(5);
 
 /// The routes whose 401s spend the address's `login-failures` budget: the
 /// login route, and every route that needs a principal.
-const GUESSED: [&str; 6] = ["/login", "/export", "/upload", "/slow", "/shaped", "/work"];
+/// The admin routes' 401s (a wrong token) spend it too.
+const GUESSED: [&str; 9] = [
+    "/login",
+    "/export",
+    "/upload",
+    "/slow",
+    "/shaped",
+    "/work",
+    "/admin/policies",
+    "/admin/policies/{rule}",
+    "/admin/policies/{rule}/plans/{plan}",
+];
 
 /// How many requests `/work`'s simulated backend serves at full speed.
 const WORK_CAPACITY: u64 = 16;
 
+#[path = "support/admin.rs"]
+mod admin;
 #[path = "support/processor_sharing.rs"]
 mod processor_sharing;
 use processor_sharing::ProcessorSharing;
 
-const USAGE: &str = "usage: quickstart [--addr HOST:PORT] [--trust-proxy CIDR]... [--exempt CIDR]... [--dry-run] [--log-refusals LEVEL] [--store redis://HOST:PORT|rediss://HOST:PORT] [--redis-ca FILE] [--redis-cert FILE --redis-key FILE] [--demo]";
+const USAGE: &str = "usage: quickstart [--addr HOST:PORT] [--trust-proxy CIDR]... [--exempt CIDR]... [--dry-run] [--log-refusals LEVEL] [--store redis://HOST:PORT|rediss://HOST:PORT] [--redis-ca FILE] [--redis-cert FILE --redis-key FILE] [--admin-token TOKEN] [--demo]";
 
 struct Args {
     addr: SocketAddr,
@@ -135,6 +161,8 @@ struct Args {
     /// A client certificate and its key, for a TLS Redis that asks for one.
     redis_cert: Option<Vec<u8>>,
     redis_key: Option<Vec<u8>>,
+    /// Turns on the admin routes, for `Authorization: Bearer TOKEN`.
+    admin_token: Option<String>,
     demo: bool,
 }
 
@@ -146,6 +174,10 @@ struct Options {
     log_refusals: Option<tracing::Level>,
     /// With `--store`: where `/slow`'s in-flight leases are shared.
     leases: Option<Arc<dyn LeaseStore>>,
+    /// With `--store`: where the fleet's policy set is kept.
+    redis: Option<RedisStore>,
+    /// With `--admin-token`: the token of the admin routes.
+    admin_token: Option<String>,
 }
 
 /// A CIDR, or a bare address as its single-address network.
@@ -167,6 +199,7 @@ fn parse_args() -> Result<Args, String> {
         redis_ca: None,
         redis_cert: None,
         redis_key: None,
+        admin_token: None,
         demo: false,
     };
     let mut it = std::env::args().skip(1);
@@ -219,6 +252,15 @@ fn parse_args() -> Result<Args, String> {
                 } else {
                     args.redis_key = Some(pem);
                 }
+            }
+            "--admin-token" => {
+                let v = it.next().ok_or("--admin-token needs a token")?;
+                if v.len() < 8 || !v.bytes().all(|b| b.is_ascii_graphic()) {
+                    return Err(
+                        "--admin-token: at least 8 visible ASCII characters, no spaces".into(),
+                    );
+                }
+                args.admin_token = Some(v);
             }
             "--demo" => args.demo = true,
             "-h" | "--help" => {
@@ -360,7 +402,10 @@ async fn slow(uri: Uri) -> Result<axum::response::Response, (StatusCode, String)
     Ok(axum::response::Response::new(axum::body::Body::new(body)))
 }
 
-fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std::error::Error>> {
+async fn app(
+    options: Options,
+    store: Arc<dyn DynStore>,
+) -> Result<Router, Box<dyn std::error::Error>> {
     let per_ip = Policy::token_bucket("per-ip", 5, Rate::per_second(1))?;
     let export = Policy::token_bucket("export", 3, Rate::per_second(2))?;
     // The `pro` plan's numbers for the same budget: a principal that
@@ -485,6 +530,15 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
         ))
         .route_layer(work_limit);
 
+    // With `--store`, every quickstart on that Redis follows one policy
+    // set (loaded now, before serving; followed while it runs). With
+    // `--admin-token`, the admin routes change it.
+    let policies = admin::Policies::start(limits.rules_handle(), options.redis).await;
+    let admin_routes = match options.admin_token {
+        Some(token) => admin::routes(token, policies),
+        None => Router::new(),
+    };
+
     Ok(Router::new()
         .route("/", get(|| async { "hello from tollgate\n" }))
         .route("/healthz", get(|| async { "ok\n" }))
@@ -497,6 +551,7 @@ fn app(options: Options, store: Arc<dyn DynStore>) -> Result<Router, Box<dyn std
             "/upload",
             post(|body: Bytes| async move { format!("uploaded {} bytes\n", body.len()) }),
         )
+        .merge(admin_routes)
         .layer(limits)
         .layer(middleware::from_fn(demo_auth)))
 }
@@ -584,8 +639,10 @@ async fn main() -> ExitCode {
         dry_run: args.dry_run,
         log_refusals: args.log_refusals,
         leases,
+        redis: redis.clone(),
+        admin_token: args.admin_token,
     };
-    let app = match app(options, store) {
+    let app = match app(options, store).await {
         Ok(app) => app,
         Err(e) => {
             eprintln!("bad configuration: {e}");

@@ -82,6 +82,14 @@
 //! - `store_unavailable`: a shared limit's lease store failed and the layer
 //!   fails closed (`503`; never in `tollgate_dry_run_refused_total`, a
 //!   dry-run layer refuses it too).
+//!
+//! The fleet's policy set (`redis::FleetPolicies`, features `redis` and
+//! `serde`):
+//!
+//! | Metric | Type, unit | Labels | Moves when |
+//! |---|---|---|---|
+//! | `tollgate_fleet_policies_version` | gauge | — | features `redis` and `serde`: the version of the fleet's policy set this process runs ([`FleetPolicies`](crate::redis::FleetPolicies)); each version put in force is also logged at INFO, "fleet policies: version in force" with `key` and `version` |
+//! | `tollgate_fleet_policies_errors_total` | counter | `reason` | features `redis` and `serde`: `invalid`, a published set this process cannot apply (once per version; logged at ERROR with the error and the version it runs), or `unreachable`, a read of the published set that failed (logged at ERROR once per spell); a set written back to a Redis that had lost it is logged at WARN |
 
 use std::sync::OnceLock;
 use std::sync::atomic::{AtomicU64, Ordering};
