@@ -260,3 +260,93 @@ async fn without_announcements_the_periodic_check_brings_the_change() {
     eprintln!("by the periodic check alone: {took:?}");
     assert_eq!(admits(&polled, "polled").await, 7);
 }
+
+/// Publishing under load: a client spends one account's budget on B (a
+/// request every 5 ms) while A publishes a higher and then a lower limit.
+/// Across the fleet, what is admitted in any interval stays within the
+/// envelope of the most generous policy published (capacity 10 plus 5 a
+/// second), and lowering gives no burst: the debt carried over holds B
+/// at nothing for the rest of the run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn publishing_under_load_keeps_the_fleets_envelope_and_lowering_gives_no_burst() {
+    let redis = or_skip!(RedisServer::start());
+    let url = redis.url();
+    let (a, b) = (instance(&url).await, instance(&url).await);
+    let per_second = |capacity: u64, rate: u64| {
+        PolicySet::from_json(&format!(
+            r#"{{"rules": {{"export": {{"policy": {{"capacity": {capacity}, "refill": {{"per_second": {rate}}}}}}}}}}}"#
+        ))
+        .unwrap()
+    };
+    // Start from 3 refilled 2 a second (published: the instances' own
+    // rules refill 1 a minute).
+    let first = a.fleet.publish(&per_second(3, 2)).await.unwrap();
+    until_version(&b, first, Duration::from_secs(1)).await;
+
+    let inner = tower::service_fn(|_req: Request<String>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    });
+    let svc = b.layer.layer(inner);
+    let start = Instant::now();
+    let client = tokio::spawn(async move {
+        let mut svc = svc;
+        let mut admitted = Vec::new();
+        while start.elapsed() < Duration::from_secs(6) {
+            let mut req = Request::new(String::new());
+            let peer: SocketAddr = "192.0.2.1:1000".parse().unwrap();
+            req.extensions_mut().insert(PeerAddr(peer));
+            req.extensions_mut()
+                .insert(Principal::new("acme".to_owned(), "alice".to_owned()));
+            let response = svc.ready().await.unwrap().call(req).await.unwrap();
+            if response.status() == StatusCode::OK {
+                admitted.push(start.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        admitted
+    });
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let high = a.fleet.publish(&per_second(10, 5)).await.unwrap();
+    until_version(&b, high, Duration::from_secs(1)).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let low = a.fleet.publish(&per_second(2, 1)).await.unwrap();
+    until_version(&b, low, Duration::from_secs(1)).await;
+    let lowered = start.elapsed();
+    let admitted = client.await.unwrap();
+
+    // The envelope of the most generous policy: in every interval between
+    // two admissions, at most 10 + 5/s × its length (+1: both ends count).
+    for (i, from) in admitted.iter().enumerate() {
+        for (j, to) in admitted.iter().enumerate().skip(i) {
+            // (count - 11) × 1000 <= 5 × the interval in ms, in integers.
+            let count = i128::try_from(j - i + 1).unwrap();
+            let ms = i128::try_from((*to - *from).as_millis()).unwrap();
+            assert!(
+                (count - 11) * 1000 <= 5 * ms,
+                "{} admitted between {from:?} and {to:?}",
+                j - i + 1
+            );
+        }
+    }
+    // After lowering: the bucket of 10 was spent, so 2 refilled 1 a second
+    // starts 8 in debt: nothing for the 1.x s left of the run.
+    let after: Vec<_> = admitted.iter().filter(|t| **t > lowered).collect();
+    assert!(after.is_empty(), "admitted after lowering: {after:?}");
+    // And the higher limit was used: more than the first 2 s gave.
+    let first_two = admitted
+        .iter()
+        .filter(|t| **t < Duration::from_secs(2))
+        .count();
+    let next_two = admitted
+        .iter()
+        .filter(|t| (Duration::from_secs(2)..Duration::from_secs(4)).contains(t))
+        .count();
+    eprintln!(
+        "admitted: {first_two} in the first 2 s, {next_two} in the next 2 s, {} after lowering",
+        after.len()
+    );
+    assert!(
+        next_two > first_two,
+        "{next_two} under the higher limit, {first_two} before"
+    );
+}

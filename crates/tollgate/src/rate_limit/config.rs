@@ -21,6 +21,17 @@ use crate::response::Shape;
 /// end.
 pub(crate) type RuleSet = Arc<ArcSwap<Vec<Rule>>>;
 
+/// What [`RulesHandle::apply`](super::RulesHandle::apply) has put in
+/// force: the rules it started from, and the set.
+#[derive(Debug, Default)]
+pub(crate) struct Applied {
+    /// `None` until a set is applied.
+    #[cfg(feature = "serde")]
+    pub(crate) base: Option<Arc<Vec<Rule>>>,
+    #[cfg(feature = "serde")]
+    pub(crate) set: super::data::PolicySet,
+}
+
 /// What the layer does when the store fails or times out.
 #[derive(Clone, Default)]
 #[non_exhaustive]
@@ -77,7 +88,7 @@ pub(crate) struct Config<St> {
     pub(crate) rules: RuleSet,
     /// What [`RulesHandle::apply`](super::RulesHandle::apply) has put in
     /// force, shared by every handle of the layer.
-    pub(crate) applied: Arc<std::sync::Mutex<super::handle::Applied>>,
+    pub(crate) applied: Arc<std::sync::Mutex<Applied>>,
     pub(crate) resolver: ClientIpResolver,
     pub(crate) on_store_error: OnStoreError,
     pub(crate) headers_on_admitted: bool,

@@ -7,24 +7,12 @@ use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use tollgate_budget::{DynStore, Policy, Store};
 
 use super::Rule;
-use super::config::{RuleSet, check, check_together};
+use super::config::{Applied, RuleSet, check, check_together};
 #[cfg(feature = "serde")]
 use super::data::{InvalidPolicySet, Place, PolicySet};
 use super::invalid::InvalidRule;
 #[cfg(feature = "serde")]
 use super::plans::Entry;
-
-/// What [`RulesHandle::apply`] has put in force: the rules it started
-/// from (the layer's, as built or [replaced](RulesHandle::replace)), and
-/// the set.
-#[derive(Debug, Default)]
-pub(crate) struct Applied {
-    /// `None` until a set is applied.
-    #[cfg(feature = "serde")]
-    base: Option<Arc<Vec<Rule>>>,
-    #[cfg(feature = "serde")]
-    set: PolicySet,
-}
 
 /// Replaces the rules (or one policy) of a [`RateLimitLayer`](crate::RateLimitLayer)
 /// while it serves, from [`RateLimitLayer::rules_handle`](crate::RateLimitLayer::rules_handle).
@@ -117,13 +105,14 @@ impl<St: Store> RulesHandle<St> {
     }
 
     /// Puts a [`PolicySet`] (policies as data) in force on top of the
-    /// layer's rules as built (or [replaced](Self::replace)): each rule
-    /// whose own policy has a name the set names gets the set's default
-    /// policy, plans, tenants' and accounts' overrides, as
+    /// layer's rules as they were when the first set was applied (as
+    /// built, [replaced](Self::replace), or changed in code before then):
+    /// each rule whose own policy has a name the set names gets the set's
+    /// default policy, plans, tenants' and accounts' overrides, as
     /// [`Rule::plan`], [`Rule::for_tenant`] and [`Rule::for_account`] would
-    /// give them, in the rule's unit; what the set leaves out stays as
-    /// built. A set replaces the one applied before: a change it no longer
-    /// has goes back to the rules as built, and changes made since with
+    /// give them, in the rule's unit; what the set leaves out stays as it
+    /// was. A set replaces the one applied before: a change it no longer
+    /// has goes back to those rules, and changes made in between with
     /// [`set_policy`](Self::set_policy) or [`set_plan`](Self::set_plan)
     /// are dropped. Keys carry what they spent over to the new numbers, as
     /// with [`set_policy`](Self::set_policy). Returns how many rules the
