@@ -536,7 +536,15 @@ async fn app(
     let policies = admin::Policies::start(limits.rules_handle(), options.redis).await;
     let admin_routes = match options.admin_token {
         Some(token) => admin::routes(token, policies),
-        None => Router::new(),
+        None => {
+            // Kept for as long as the process runs: dropping it would
+            // stop following the fleet (found in review).
+            tokio::spawn(async move {
+                let _following = policies;
+                std::future::pending::<()>().await;
+            });
+            Router::new()
+        }
     };
 
     Ok(Router::new()

@@ -13,25 +13,26 @@
 //! - `GET /admin/policies`: `{"version": N, "set": {...}}`, the set in
 //!   force.
 //!
-//! `Authorization: Bearer TOKEN` or `401`; a rule no rule has, `404`; a
-//! body that is not a valid policy, `400` with the error naming the field;
-//! Redis failing, `503`. A `PUT` answers with the new version and set.
-//! Two `PUT`s at once on two instances: the later one's set wins (each is
-//! the set its instance had, with its own change).
+//! `Authorization: Bearer TOKEN` or `401` (checked before the body is
+//! read); a rule no rule has, `404`; a body that is not a valid policy,
+//! `400` with the error naming the field; Redis failing, `503`. A `PUT`
+//! answers with the new version and set. A `PUT` changes the set published
+//! last (compare and publish): `PUT`s at once on several instances all
+//! take effect, and a published set this instance cannot apply (a rule it
+//! does not have, in the middle of a deploy) is `400`, not overwritten.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::{Path, State};
+use axum::extract::{Path, Request, State};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, put};
-use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 use tokio::sync::{Mutex, OnceCell};
 use tollgate::RedisStore;
 use tollgate::RulesHandle;
-use tollgate::rate_limit::PolicySet;
+use tollgate::rate_limit::{PolicyData, PolicySet};
 use tollgate::redis::{FleetPolicies, PublishError};
 use tollgate::store::DynStore;
 
@@ -43,11 +44,9 @@ pub(crate) struct Policies {
     handle: RulesHandle<Store>,
     /// With `--store`: the fleet's set, once Redis has answered.
     fleet: Option<Arc<OnceCell<FleetPolicies<Store>>>>,
-    /// Without `--store`: the version of the set in force here.
+    /// Without `--store`: the version of the set in force here (held
+    /// while a change is made, so that changes go one at a time).
     local: Arc<Mutex<u64>>,
-    /// One change at a time in this process, each made on the set in
-    /// force.
-    edits: Arc<Mutex<()>>,
 }
 
 impl Policies {
@@ -89,7 +88,6 @@ impl Policies {
             handle,
             fleet,
             local: Arc::default(),
-            edits: Arc::default(),
         }
     }
 
@@ -104,26 +102,28 @@ impl Policies {
         }
     }
 
-    /// Puts `set` in force: published to the fleet, or applied here.
-    async fn change(&self, set: &PolicySet) -> Result<u64, Response> {
+    /// Makes `change` to the set and puts the result in force: the
+    /// fleet's set published last, changed and published if nothing was
+    /// published in between; or this process's, applied here. Returns the
+    /// version and the set.
+    async fn change(&self, change: impl Fn(&mut PolicySet)) -> Result<(u64, PolicySet), Response> {
         match &self.fleet {
             Some(cell) => {
                 let fleet = cell.get().ok_or_else(unavailable)?;
-                match fleet.publish(set).await {
-                    Ok(version) => Ok(version),
-                    Err(PublishError::Invalid(e)) => {
-                        Err(problem(StatusCode::BAD_REQUEST, &e.to_string()))
-                    }
-                    Err(e) => Err(problem(StatusCode::SERVICE_UNAVAILABLE, &e.to_string())),
-                }
+                fleet.publish_change(change).await.map_err(|e| match e {
+                    PublishError::Invalid(e) => problem(StatusCode::BAD_REQUEST, &e.to_string()),
+                    e => problem(StatusCode::SERVICE_UNAVAILABLE, &e.to_string()),
+                })
             }
             None => {
                 let mut version = self.local.lock().await;
+                let mut set = self.handle.applied_set();
+                change(&mut set);
                 self.handle
-                    .apply(set)
+                    .apply(&set)
                     .map_err(|e| problem(StatusCode::BAD_REQUEST, &e.to_string()))?;
                 *version += 1;
-                Ok(*version)
+                Ok((*version, set))
             }
         }
     }
@@ -170,21 +170,24 @@ pub(crate) fn routes(token: String, policies: Policies) -> Router {
         .with_state(admin)
 }
 
-/// `401` unless the request carries the token (compared in time that does
-/// not depend on where a guess goes wrong); `None` when it does.
+/// `401` unless the request carries the token (`Bearer`, in any case);
+/// `None` when it does. Compared in time that depends on the token's
+/// length only, not on where a guess goes wrong or how long it is.
 fn unauthorized(admin: &Admin, headers: &HeaderMap) -> Option<Response> {
     let given = headers
         .get(http::header::AUTHORIZATION)
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+        .map(|v| v.as_bytes())
+        .and_then(|v| {
+            let (scheme, rest) = v.split_at_checked(7)?;
+            scheme.eq_ignore_ascii_case(b"bearer ").then_some(rest)
+        })
         .unwrap_or_default();
     let expected = admin.token.as_bytes();
-    let same = given.len() == expected.len()
-        && given
-            .iter()
-            .zip(expected)
-            .fold(0u8, |diff, (a, b)| diff | (a ^ b))
-            == 0;
-    if same {
+    let mut diff = u8::from(given.len() != expected.len());
+    for (i, e) in expected.iter().enumerate() {
+        diff |= e ^ given.get(i).copied().unwrap_or(0);
+    }
+    if diff == 0 {
         return None;
     }
     let mut response = problem(
@@ -220,31 +223,27 @@ async fn show(State(admin): State<Admin>, headers: HeaderMap) -> Response {
 async fn put_default(
     State(admin): State<Admin>,
     Path(rule): Path<String>,
-    headers: HeaderMap,
-    body: Bytes,
+    req: Request,
 ) -> Response {
-    edit(admin, rule, None, headers, body).await
+    edit(admin, rule, None, req).await
 }
 
 async fn put_plan(
     State(admin): State<Admin>,
     Path((rule, plan)): Path<(String, String)>,
-    headers: HeaderMap,
-    body: Bytes,
+    req: Request,
 ) -> Response {
-    edit(admin, rule, Some(plan), headers, body).await
+    edit(admin, rule, Some(plan), req).await
 }
 
-/// The set in force with `body` as `rule`'s default policy (or its
+/// The largest body a `PUT` reads: one policy is a few dozen bytes.
+const MAX_BODY: usize = 16 * 1024;
+
+/// The set with the request's body as `rule`'s default policy (or its
 /// `plan`'s), put in force.
-async fn edit(
-    admin: Admin,
-    rule: String,
-    plan: Option<String>,
-    headers: HeaderMap,
-    body: Bytes,
-) -> Response {
-    if let Some(refused) = unauthorized(&admin, &headers) {
+async fn edit(admin: Admin, rule: String, plan: Option<String>, req: Request) -> Response {
+    // The token before anything else: no body is read for a stranger.
+    if let Some(refused) = unauthorized(&admin, req.headers()) {
         return refused;
     }
     if !admin
@@ -259,51 +258,48 @@ async fn edit(
             &format!("no rule has a policy named {rule:?}"),
         );
     }
-    // The body is one policy: parsed as a value first, so that it cannot
-    // add anything else to the set.
-    let policy: serde_json::Value = match serde_json::from_slice(&body) {
-        Ok(value @ serde_json::Value::Object(_)) => value,
-        Ok(_) => {
+    let body = match axum::body::to_bytes(req.into_body(), MAX_BODY).await {
+        Ok(body) => body,
+        Err(_) => {
             return problem(
-                StatusCode::BAD_REQUEST,
-                "the body is a JSON object: one policy",
+                StatusCode::PAYLOAD_TOO_LARGE,
+                &format!("a policy is at most {MAX_BODY} bytes"),
             );
+        }
+    };
+    let place = match &plan {
+        None => format!("rules.{rule}.policy"),
+        Some(plan) => format!("rules.{rule}.plans.{plan:?}"),
+    };
+    // One policy and nothing else: the body is read as a policy, so it
+    // cannot add anything else to the set.
+    let text = String::from_utf8_lossy(&body);
+    let policy = match PolicyData::from_json(&text) {
+        Ok(policy) => policy,
+        Err(e) if e.path().is_empty() => {
+            return problem(StatusCode::BAD_REQUEST, &format!("{place}: {}", e.reason()));
         }
         Err(e) => {
             return problem(
                 StatusCode::BAD_REQUEST,
-                &format!("the body is not JSON: {e}"),
+                &format!("{place}.{}: {}", e.path(), e.reason()),
             );
         }
     };
-    let entry = match &plan {
-        None => serde_json::json!({ "policy": policy }),
-        Some(plan) => serde_json::json!({ "plans": { plan: policy } }),
-    };
-    let change =
-        match PolicySet::from_json(&serde_json::json!({ "rules": { &rule: entry } }).to_string()) {
-            Ok(change) => change,
-            Err(e) => return problem(StatusCode::BAD_REQUEST, &e.to_string()),
-        };
-    let Some(changed) = change.rules.get(&rule) else {
-        return problem(StatusCode::BAD_REQUEST, "no policy in the body");
-    };
-    let _one_at_a_time = admin.policies.edits.lock().await;
-    let (_, mut set) = match admin.policies.current().await {
-        Ok(current) => current,
-        Err(refused) => return refused,
-    };
-    let into = set.rules.entry(rule).or_default();
-    match &plan {
-        None => into.policy = changed.policy,
-        Some(plan) => {
-            if let Some(policy) = changed.plans.get(plan) {
-                into.plans.insert(plan.clone(), *policy);
+    let result = admin
+        .policies
+        .change(|set| {
+            let into = set.rules.entry(rule.clone()).or_default();
+            match &plan {
+                None => into.policy = Some(policy),
+                Some(plan) => {
+                    into.plans.insert(plan.clone(), policy);
+                }
             }
-        }
-    }
-    match admin.policies.change(&set).await {
-        Ok(version) => answer(version, &set),
+        })
+        .await;
+    match result {
+        Ok((version, set)) => answer(version, &set),
         Err(refused) => refused,
     }
 }

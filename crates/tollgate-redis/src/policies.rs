@@ -98,44 +98,63 @@ impl RedisStore {
         self.run::<T>(&invocation, eval, self.deadline()).await
     }
 
-    /// The policy set published last, if any.
+    /// The policy set published last, if any. A version that is not a
+    /// number (written by hand) reads as version 0: a set that any
+    /// instance running a version writes back over
+    /// ([`restore_policies`](Self::restore_policies)), and any publication
+    /// replaces.
     ///
     /// # Errors
     ///
-    /// The store's error; a version that is not a number is a protocol
-    /// error.
+    /// The store's error.
     pub async fn published_policies(&self) -> Result<Option<PublishedPolicies>, StoreError> {
         let (version, text): (Option<String>, Option<String>) =
             self.policies_call("read", "", 0).await?;
         let Some(version) = version else {
             return Ok(None);
         };
-        let version = version.parse::<u64>().map_err(|_| {
-            StoreError::new(
-                StoreErrorKind::Protocol,
-                format!(
-                    "{}: version {version:?} is not a number",
-                    self.policies_key()
-                ),
-            )
-        })?;
         Ok(Some(PublishedPolicies {
-            version,
+            version: version.parse::<u64>().unwrap_or(0),
             text: text.unwrap_or_default(),
         }))
     }
 
     /// Publishes `text` as the next version of the fleet's policy set,
     /// written with its version in one step and announced; returns the
-    /// version.
+    /// version: one above both the version held and `running` (the version
+    /// the caller runs), so that no version goes down, even on a Redis
+    /// that lost the set.
     ///
     /// # Errors
     ///
     /// The store's error: then nothing was published, unless the error is
     /// [uncertain](StoreErrorKind::Uncertain) (no answer in time: it may
     /// have been).
-    pub async fn publish_policies(&self, text: &str) -> Result<u64, StoreError> {
-        self.policies_call("publish", text, 0).await
+    pub async fn publish_policies(&self, text: &str, running: u64) -> Result<u64, StoreError> {
+        let (_, version): (u8, u64) = self.policies_call("publish", text, running).await?;
+        Ok(version)
+    }
+
+    /// Publishes `text` as version `after + 1` only if the version held is
+    /// still `after` (the one the change was made on): `Ok(Ok(version))`,
+    /// or `Ok(Err(held))` when another publication came first (nothing
+    /// written: read again, and make the change again).
+    ///
+    /// # Errors
+    ///
+    /// As [`publish_policies`](Self::publish_policies).
+    pub async fn publish_policies_after(
+        &self,
+        text: &str,
+        after: u64,
+    ) -> Result<Result<u64, u64>, StoreError> {
+        let (written, version): (u8, u64) =
+            self.policies_call("publish_after", text, after).await?;
+        Ok(if written == 1 {
+            Ok(version)
+        } else {
+            Err(version)
+        })
     }
 
     /// Writes `text` back as `version` when Redis has no set or an older

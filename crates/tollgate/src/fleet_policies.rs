@@ -117,7 +117,15 @@ pub enum PublishError {
     /// instance, this one too, applies it when it reads it).
     #[error("publishing the policy set failed: {0}")]
     Store(#[from] StoreError),
+    /// [`publish_change`](FleetPolicies::publish_change): other
+    /// publications came first every time it tried; nothing was published.
+    #[error("the policy set kept changing while the change was made; nothing was published")]
+    Conflict,
 }
+
+/// How many times [`FleetPolicies::publish_change`] makes its change again
+/// when another publication came first.
+const CHANGE_TRIES: usize = 5;
 
 struct Shared<St> {
     store: RedisStore,
@@ -214,11 +222,70 @@ impl<St: Store + Send + Sync + 'static> FleetPolicies<St> {
         self.shared.handle.check_set(set)?;
         let text = set.to_json();
         let mut state = self.shared.state.lock().await;
-        let version = self.shared.store.publish_policies(&text).await?;
+        // Above the version held and the one in force here: a Redis that
+        // lost the set cannot make a publication go back in versions.
+        let version = self
+            .shared
+            .store
+            .publish_policies(&text, state.version)
+            .await?;
         if version > state.version {
             self.shared.apply(&mut state, version, text, set);
         }
         Ok(version)
+    }
+
+    /// Changes the set *published last* with `change` and publishes the
+    /// result, if no other publication came in between (compare and
+    /// publish: a change made on a set older than the published one, or
+    /// made at the same time on another instance, is made again on the
+    /// newer set, up to five times); returns the version and the set.
+    /// Changes made this way on several instances at once all take
+    /// effect. A published set this instance cannot apply (say it names a
+    /// rule this instance does not have) is not changed here:
+    /// [`PublishError::Invalid`].
+    ///
+    /// # Errors
+    ///
+    /// [`PublishError`]; [`PublishError::Conflict`] after five tries.
+    pub async fn publish_change(
+        &self,
+        change: impl Fn(&mut PolicySet),
+    ) -> Result<(u64, PolicySet), PublishError> {
+        let shared = &self.shared;
+        for _ in 0..CHANGE_TRIES {
+            let published = shared.store.published_policies().await?;
+            let after = published.as_ref().map_or(0, |p| p.version);
+            if after < self.version() {
+                // Redis lost the set (or holds a broken one): put the one
+                // in force here back first, then change that.
+                let state = shared.state.lock().await;
+                shared
+                    .store
+                    .restore_policies(state.version, &state.text)
+                    .await?;
+                continue;
+            }
+            // A published text that is not a set at all (written by hand)
+            // is replaced by the change made on the set in force here.
+            let mut set = published
+                .and_then(|p| PolicySet::from_json(&p.text).ok())
+                .unwrap_or_else(|| shared.handle.applied_set());
+            change(&mut set);
+            shared.handle.check_set(&set)?;
+            let text = set.to_json();
+            let mut state = shared.state.lock().await;
+            match shared.store.publish_policies_after(&text, after).await? {
+                Ok(version) => {
+                    if version > state.version {
+                        shared.apply(&mut state, version, text, &set);
+                    }
+                    return Ok((version, set));
+                }
+                Err(_newer) => continue,
+            }
+        }
+        Err(PublishError::Conflict)
     }
 
     /// The version in force here (0: none published yet).

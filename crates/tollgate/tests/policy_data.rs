@@ -276,3 +276,28 @@ fn the_guides_examples_are_the_same_valid_set() {
         (1, 1, 1)
     );
 }
+
+/// Found in review: a list read as a set (every field in order), a key
+/// given twice (the last one winning), and names quoted in one error and
+/// not in another.
+#[test]
+fn lists_and_keys_given_twice_are_refused_and_names_are_quoted_alike() {
+    for (json, expected) in [
+        ("[]", "a list, where an object or a number goes"),
+        (
+            r#"{"rules": {"export": {"policy": [3, {"per_second": 1}]}}}"#,
+            "rules.export.policy: a list, where an object or a number goes",
+        ),
+        (
+            r#"{"rules": {"export": {"plans": {"x": {"capacity": 0, "refill": {"per_second": 1}}, "x": {"capacity": 5, "refill": {"per_second": 1}}}}}}"#,
+            "rules.export.plans: \"x\" is given twice",
+        ),
+        (
+            r#"{"rules": {"export": {"plans": {"a.b": {"capacity": "3"}}}}}"#,
+            "rules.export.plans.\"a.b\".capacity: invalid type",
+        ),
+    ] {
+        let err = PolicySet::from_json(json).unwrap_err().to_string();
+        assert!(err.starts_with(expected), "{json}: {err}");
+    }
+}

@@ -45,7 +45,7 @@ use tollgate_budget::{Initial, Policy, Rate};
 #[non_exhaustive]
 pub struct PolicySet {
     /// Each rule's policies, by the name of the rule's policy.
-    #[serde(default)]
+    #[serde(default, deserialize_with = "unique")]
     pub rules: BTreeMap<String, RulePolicies>,
 }
 
@@ -60,15 +60,27 @@ pub struct RulePolicies {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy: Option<PolicyData>,
     /// Policies by plan ([`Rule::plan`](crate::Rule::plan)).
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "BTreeMap::is_empty",
+        deserialize_with = "unique"
+    )]
     pub plans: BTreeMap<String, PolicyData>,
     /// Policies by tenant ([`Rule::for_tenant`](crate::Rule::for_tenant)).
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "BTreeMap::is_empty",
+        deserialize_with = "unique"
+    )]
     pub tenants: BTreeMap<String, PolicyData>,
     /// Policies by account, as `tenant/account`
     /// ([`Rule::for_account`](crate::Rule::for_account); the tenant is
     /// what comes before the first `/`).
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    #[serde(
+        default,
+        skip_serializing_if = "BTreeMap::is_empty",
+        deserialize_with = "unique"
+    )]
     pub accounts: BTreeMap<String, PolicyData>,
 }
 
@@ -169,12 +181,22 @@ pub enum Span {
 
 /// Why a [`PolicySet`] was refused: the field, as a dotted path from the
 /// set (`rules.export.plans.pro.capacity`), and the rule it broke.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("{path}: {reason}")]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct InvalidPolicySet {
     path: String,
     reason: String,
 }
+
+impl fmt::Display for InvalidPolicySet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.path.as_str() {
+            "" => f.write_str(&self.reason),
+            path => write!(f, "{path}: {}", self.reason),
+        }
+    }
+}
+
+impl std::error::Error for InvalidPolicySet {}
 
 impl InvalidPolicySet {
     pub(crate) fn new(path: impl Into<String>, reason: impl fmt::Display) -> Self {
@@ -198,21 +220,19 @@ impl InvalidPolicySet {
 impl PolicySet {
     /// Reads a set from JSON and checks every policy in it
     /// ([`validate`](Self::validate)); a syntax or type error names its
-    /// field too.
+    /// field too. The set and every policy in it are JSON objects (a list
+    /// is refused, not read field by field), and a key given twice is an
+    /// error, not the last one winning.
     ///
     /// # Errors
     ///
     /// [`InvalidPolicySet`] for JSON that is not a policy set, or a
     /// policy that is not valid.
     pub fn from_json(json: &str) -> Result<Self, InvalidPolicySet> {
-        let mut de = serde_json::Deserializer::from_str(json);
-        let set: Self = serde_path_to_error::deserialize(&mut de).map_err(|e| {
-            let path = e.path().to_string();
-            let path = if path == "." { String::new() } else { path };
-            InvalidPolicySet::new(path, e.into_inner())
-        })?;
-        de.end()
-            .map_err(|e| InvalidPolicySet::new("", format!("after the set: {e}")))?;
+        let value: serde_json::Value = serde_json::from_str(json)
+            .map_err(|e| InvalidPolicySet::new("", format!("not JSON: {e}")))?;
+        no_lists(&value, "")?;
+        let set: Self = from_json_at(json, "")?;
         set.validate()?;
         Ok(set)
     }
@@ -237,6 +257,87 @@ impl PolicySet {
         }
         Ok(())
     }
+}
+
+/// Reads `T` from `json`, a type error named by its field's path after
+/// `prefix` (each segment as [`segment`] writes it).
+pub(crate) fn from_json_at<T: serde::de::DeserializeOwned>(
+    json: &str,
+    prefix: &str,
+) -> Result<T, InvalidPolicySet> {
+    let mut de = serde_json::Deserializer::from_str(json);
+    let read = serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let mut path = prefix.to_owned();
+        for part in e.path().iter() {
+            let text = match part {
+                serde_path_to_error::Segment::Map { key } => segment(key),
+                serde_path_to_error::Segment::Seq { index } => index.to_string(),
+                serde_path_to_error::Segment::Enum { variant } => segment(variant),
+                serde_path_to_error::Segment::Unknown => "?".to_owned(),
+            };
+            if !path.is_empty() {
+                path.push('.');
+            }
+            path.push_str(&text);
+        }
+        InvalidPolicySet::new(path, e.into_inner())
+    })?;
+    de.end()
+        .map_err(|e| InvalidPolicySet::new(prefix, format!("after the JSON: {e}")))?;
+    Ok(read)
+}
+
+/// Refuses a list anywhere in `value`: the format has none, and `serde`
+/// would read one as the fields of a struct, in order.
+fn no_lists(value: &serde_json::Value, path: &str) -> Result<(), InvalidPolicySet> {
+    match value {
+        serde_json::Value::Array(_) => Err(InvalidPolicySet::new(
+            path,
+            "a list, where an object or a number goes",
+        )),
+        serde_json::Value::Object(map) => map.iter().try_for_each(|(key, v)| {
+            let at = match path {
+                "" => segment(key),
+                _ => format!("{path}.{}", segment(key)),
+            };
+            no_lists(v, &at)
+        }),
+        _ => Ok(()),
+    }
+}
+
+/// Reads a map, refusing a key given twice (rather than keeping the last).
+fn unique<'de, D, V>(deserializer: D) -> Result<BTreeMap<String, V>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+    V: Deserialize<'de>,
+{
+    struct Unique<V>(std::marker::PhantomData<V>);
+
+    impl<'de, V: Deserialize<'de>> serde::de::Visitor<'de> for Unique<V> {
+        type Value = BTreeMap<String, V>;
+
+        fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+            f.write_str("an object, each key once")
+        }
+
+        fn visit_map<A: serde::de::MapAccess<'de>>(
+            self,
+            mut map: A,
+        ) -> Result<Self::Value, A::Error> {
+            let mut read = BTreeMap::new();
+            while let Some(key) = map.next_key::<String>()? {
+                if read.contains_key(&key) {
+                    return Err(serde::de::Error::custom(format!("{key:?} is given twice")));
+                }
+                let value = map.next_value()?;
+                read.insert(key, value);
+            }
+            Ok(read)
+        }
+    }
+
+    deserializer.deserialize_map(Unique(std::marker::PhantomData))
 }
 
 /// Where in a rule's policies a [`PolicyData`] goes.
@@ -286,7 +387,7 @@ impl RulePolicies {
 
 /// A map key as a path segment: as it is when it is a plain name, quoted
 /// otherwise (so that a key with a dot cannot be read as two segments).
-fn segment(key: &str) -> String {
+pub(crate) fn segment(key: &str) -> String {
     let plain = !key.is_empty()
         && key
             .bytes()
@@ -299,6 +400,24 @@ fn segment(key: &str) -> String {
 }
 
 impl PolicyData {
+    /// Reads one policy from JSON (an object: a list is refused, and so
+    /// is a field given twice or a field no policy has); a syntax or type
+    /// error names its field. Its numbers are checked when the set it goes
+    /// into is ([`PolicySet::validate`]).
+    ///
+    /// # Errors
+    ///
+    /// [`InvalidPolicySet`], its path relative to the policy.
+    pub fn from_json(json: &str) -> Result<Self, InvalidPolicySet> {
+        let value: serde_json::Value = serde_json::from_str(json)
+            .map_err(|e| InvalidPolicySet::new("", format!("not JSON: {e}")))?;
+        if !value.is_object() {
+            return Err(InvalidPolicySet::new("", "a policy is a JSON object"));
+        }
+        no_lists(&value, "")?;
+        from_json_at(json, "")
+    }
+
     /// The policy named `name` these numbers make, as the builder makes
     /// it; errors say `path` and the field.
     pub(crate) fn policy(&self, name: &str, path: &str) -> Result<Policy, InvalidPolicySet> {

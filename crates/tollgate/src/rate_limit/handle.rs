@@ -210,14 +210,15 @@ impl<St: Store> RulesHandle<St> {
                     };
                     Ok(())
                 })?;
-                self.check(&edited)
-                    .map_err(|e| InvalidPolicySet::new(format!("rules.{name}"), e))?;
+                self.check(&edited).map_err(|e| {
+                    InvalidPolicySet::new(format!("rules.{}", super::data::segment(name)), e)
+                })?;
                 *rule = edited;
                 changed += 1;
             }
             if !found {
                 return Err(InvalidPolicySet::new(
-                    format!("rules.{name}"),
+                    format!("rules.{}", super::data::segment(name)),
                     "no rule has a policy of this name",
                 ));
             }
