@@ -441,18 +441,19 @@ impl Drop for Permit {
                 counts.demand.advance(self.limiter.now());
             }
             let global = in_flight(counts.global);
-            let now = self.limiter.now();
-            let sample = self
-                .sampled
-                .as_ref()
-                .map(|(admitted, ending)| ending.sample(now.saturating_sub(*admitted)));
-            let change = match (sample, &mut counts.adaptive) {
-                (Some(Some(sample)), Some(adaptive)) => adaptive.update(now, global, sample),
-                (Some(None), Some(adaptive)) => adaptive.tick(now, global),
+            // The clock is read only for a measured permit (an adaptive
+            // limit): releasing under a fixed limit stays a count.
+            let measured = self.sampled.as_ref().map(|(admitted, ending)| {
+                let now = self.limiter.now();
+                (now, ending.sample(now.saturating_sub(*admitted)))
+            });
+            let change = match (measured, &mut counts.adaptive) {
+                (Some((now, Some(sample))), Some(adaptive)) => adaptive.update(now, global, sample),
+                (Some((now, None)), Some(adaptive)) => adaptive.tick(now, global),
                 _ => None,
             };
             let mut key_moved = None;
-            if let (Some(sample), Some(key)) = (sample, self.ask.key.as_deref()) {
+            if let (Some((now, sample)), Some(key)) = (measured, self.ask.key.as_deref()) {
                 let of_key = in_flight(counts.per_key.get(key).copied().unwrap_or(0));
                 if let Some(limits) = &mut counts.key_limits {
                     key_moved = limits.ended(key, now, of_key, sample);
