@@ -58,7 +58,9 @@
 //!   `PUT /admin/policies/{rule}/plans/{plan}` (body: one policy as data,
 //!   e.g. `{"capacity": 6, "refill": {"per_second": 2}}`, the name from the
 //!   path) make it that rule's default policy or its plan's;
-//!   `GET /admin/policies` answers `{"version": N, "set": {...}}`.
+//!   `GET /admin/policies` answers `{"version": N, "set": {...},
+//!   "mismatched": [...]}` (policies another quickstart on the same Redis
+//!   charges under other numbers).
 //!   `Authorization: Bearer TOKEN` or 401 (which spends the address's
 //!   `login-failures` budget); an unknown rule 404; a bad body 400 naming
 //!   the field; Redis failing 503. Charged to the address like any route.

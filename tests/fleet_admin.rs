@@ -289,6 +289,8 @@ async fn no_put_is_lost_or_erases_another() {
     assert_eq!(json["version"], 2, "{}", shown.body);
     assert_eq!(json["set"]["rules"]["export"]["policy"]["capacity"], 6);
     assert_eq!(json["set"]["rules"]["upload"]["policy"]["capacity"], 2048);
+    // Every quickstart runs the same numbers: none differs.
+    assert_eq!(json["mismatched"], serde_json::json!([]), "{}", shown.body);
 
     // Redis restarted without persistence: a PUT at once continues above
     // the version in force, and stays.

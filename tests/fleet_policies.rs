@@ -353,3 +353,141 @@ async fn publishing_under_load_keeps_the_fleets_envelope_and_lowering_gives_no_b
         "{next_two} under the higher limit, {first_two} before"
     );
 }
+
+/// Log lines written by this test's tasks (a current-thread runtime: every
+/// task runs on the thread the subscriber is the default of).
+#[derive(Clone, Default)]
+struct Logged(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+
+impl std::io::Write for Logged {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(buf);
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Logged {
+    /// How many lines have `level` and contain every one of `words`.
+    fn lines(&self, level: &str, words: &[&str]) -> usize {
+        let text = String::from_utf8(self.0.lock().unwrap().clone()).unwrap();
+        text.lines()
+            .filter(|l| l.contains(level) && words.iter().all(|w| l.contains(w)))
+            .count()
+    }
+}
+
+/// The issue's own case: plan "pro" changed on B only, while A and B
+/// charge one budget on one Redis. Both count it and log it once per
+/// budget and period, however many requests they serve meanwhile; both
+/// stop once they agree again. Agreeing instances, and a publication that
+/// reaches both, count nothing.
+#[tokio::test]
+async fn instances_charging_one_budget_under_different_numbers_count_and_log_it() {
+    let logged = Logged::default();
+    let writer = logged.clone();
+    let subscriber = tracing_subscriber::fmt()
+        .with_writer(move || writer.clone())
+        .with_ansi(false)
+        .with_max_level(tracing::Level::INFO)
+        .finish();
+    let _guard = tracing::subscriber::set_default(subscriber);
+    let redis = or_skip!(RedisServer::start());
+    let url = redis.url();
+    let reports =
+        |capacity| Policy::token_bucket("reports", capacity, Rate::per_minute(1)).unwrap();
+    const PERIOD: Duration = Duration::from_millis(100);
+    let start = || async {
+        let store = RedisStore::builder(&url)
+            .unwrap()
+            .prefix("numbers-test")
+            .build()
+            .unwrap();
+        let layer = RateLimitLayer::builder(store.clone())
+            .rule(Rule::per_account(reports(3)).plan("pro", reports(10)))
+            .build()
+            .unwrap();
+        let fleet = FleetPolicies::builder(store, layer.rules_handle())
+            .compare_numbers_every(PERIOD)
+            .start()
+            .await
+            .unwrap();
+        Instance { layer, fleet }
+    };
+    let (a, b) = (start().await, start().await);
+    // The same numbers, then a publication both apply: nothing counted.
+    tokio::time::sleep(Duration::from_millis(1200)).await;
+    let five = PolicySet::from_json(
+        r#"{"rules": {"reports": {"policy": {"capacity": 5, "refill": {"per_minute": 1}}}}}"#,
+    )
+    .unwrap();
+    let version = a.fleet.publish(&five).await.unwrap();
+    until_version(&b, version, Duration::from_secs(1)).await;
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(
+        (a.fleet.stats().mismatched, b.fleet.stats().mismatched),
+        (0, 0)
+    );
+    assert!(a.fleet.mismatched().is_empty() && b.fleet.mismatched().is_empty());
+
+    // B alone changes plan "pro": within a second or two both see it.
+    b.layer.rules_handle().set_plan("pro", reports(20)).unwrap();
+    let changed = Instant::now();
+    while a.fleet.mismatched().is_empty() || b.fleet.mismatched().is_empty() {
+        assert!(
+            changed.elapsed() < Duration::from_secs(10),
+            "not seen: A {:?}, B {:?}",
+            a.fleet.mismatched(),
+            b.fleet.mismatched()
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    eprintln!("mismatch seen by both after {:?}", changed.elapsed());
+    assert_eq!(a.fleet.mismatched(), ["reports"]);
+    assert_eq!(b.fleet.mismatched(), ["reports"]);
+
+    // Counted per period, not per request: 300 requests on B meanwhile.
+    let (a0, b0) = (a.fleet.stats().mismatched, b.fleet.stats().mismatched);
+    let measuring = Instant::now();
+    for i in 0..15 {
+        admits(&b, &format!("busy-{i}")).await;
+    }
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let periods = u64::try_from(measuring.elapsed().as_millis() / PERIOD.as_millis()).unwrap();
+    let (da, db) = (
+        a.fleet.stats().mismatched - a0,
+        b.fleet.stats().mismatched - b0,
+    );
+    eprintln!("over {periods} periods: A counted {da}, B {db}");
+    assert!(da >= 1 && db >= 1, "still counted: {da} {db}");
+    assert!(
+        da <= periods + 2 && db <= periods + 2,
+        "{da} {db} in {periods} periods"
+    );
+    let warnings = logged.lines("WARN", &["policy=\"reports\"", "other numbers"]);
+    let counted = a.fleet.stats().mismatched + b.fleet.stats().mismatched;
+    assert!(
+        warnings >= 2 && u64::try_from(warnings).unwrap() <= counted,
+        "{warnings} warnings for {counted} counted"
+    );
+
+    // B back to A's numbers: both stop counting, and say so.
+    b.layer.rules_handle().set_plan("pro", reports(10)).unwrap();
+    let fixed = Instant::now();
+    while !a.fleet.mismatched().is_empty() || !b.fleet.mismatched().is_empty() {
+        assert!(fixed.elapsed() < Duration::from_secs(10), "still differing");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let settled = (a.fleet.stats().mismatched, b.fleet.stats().mismatched);
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    assert_eq!(
+        (a.fleet.stats().mismatched, b.fleet.stats().mismatched),
+        settled
+    );
+    assert_eq!(
+        logged.lines("INFO", &["policy=reports", "same numbers again"]),
+        2
+    );
+}

@@ -10,8 +10,9 @@
 //!   default policy of the rules whose policy is named `{rule}`;
 //! - `PUT /admin/policies/{rule}/plans/{plan}`: the policy of plan
 //!   `{plan}` in those rules;
-//! - `GET /admin/policies`: `{"version": N, "set": {...}}`, the set in
-//!   force.
+//! - `GET /admin/policies`: `{"version": N, "set": {...}, "mismatched":
+//!   [...]}`, the set in force, and the policies another quickstart on the
+//!   same Redis charges under other numbers (with `--store`).
 //!
 //! `Authorization: Bearer TOKEN` or `401` (checked before the body is
 //! read); a rule no rule has, `404`; a body that is not a valid policy,
@@ -99,6 +100,15 @@ impl Policies {
                 None => Err(unavailable()),
             },
             None => Ok((*self.local.lock().await, self.handle.applied_set())),
+        }
+    }
+
+    /// The policies another quickstart on the same Redis charges under
+    /// other numbers (none without `--store`).
+    fn mismatched(&self) -> Vec<String> {
+        match self.fleet.as_ref().and_then(|cell| cell.get()) {
+            Some(fleet) => fleet.mismatched(),
+            None => Vec::new(),
         }
     }
 
@@ -215,7 +225,18 @@ async fn show(State(admin): State<Admin>, headers: HeaderMap) -> Response {
         return refused;
     }
     match admin.policies.current().await {
-        Ok((version, set)) => answer(version, &set),
+        Ok((version, set)) => {
+            let body = serde_json::json!({
+                "version": version,
+                "set": set,
+                "mismatched": admin.policies.mismatched(),
+            });
+            (
+                [(http::header::CONTENT_TYPE, "application/json")],
+                body.to_string(),
+            )
+                .into_response()
+        }
         Err(refused) => refused,
     }
 }

@@ -33,7 +33,7 @@ pub(crate) fn redis_key(prefix: &str, charge: &Charge) -> String {
     key.push_str(":{");
     push_escaped(&mut key, &text);
     key.push_str("}:");
-    key.push_str(&fingerprint(charge.policy()));
+    key.push_str(&budget(charge.policy()));
     key
 }
 
@@ -41,7 +41,7 @@ pub(crate) fn redis_key(prefix: &str, charge: &Charge) -> String {
 /// apart by. Names are `[A-Za-z0-9._-]`; a unit of your own is `o.` and its
 /// name escaped like a key component, so that it can never read as one of
 /// the built-in units.
-fn fingerprint(policy: &Policy) -> String {
+pub(crate) fn budget(policy: &Policy) -> String {
     let unit = match policy.unit() {
         Unit::Other(name) => format!("o.{}", tollgate_budget::Key::new(&**name)),
         built_in => built_in.as_str().to_owned(),

@@ -106,7 +106,7 @@ mod store;
 
 pub use builder::{DEFAULT_CONNECT_TIMEOUT, DEFAULT_OVER_LIMIT_CACHE, RedisStoreBuilder};
 pub use cache::CacheStats;
-pub use policies::{PolicyAnnouncements, PublishedPolicies};
+pub use policies::{NumbersCompared, PolicyAnnouncements, PublishedPolicies};
 pub use redact::redact_url;
 /// The redis-rs this store is built on, for connections you hand it
 /// ([`RedisStore::with_connection_manager`]).

@@ -3,7 +3,8 @@
 --
 -- KEYS[1]  the hash of the set: field "version" (an integer, only ever
 --          raised) and field "set" (its text)
--- ARGV[1]  "read", "publish", "publish_after" or "restore"
+-- ARGV[1]  "read", "publish", "publish_after" or "restore" ("numbers",
+--          on another key, is described where it is handled)
 -- ARGV[2]  publish, publish_after, restore: the set's text
 -- ARGV[3]  publish: the version the caller runs (the new version is above
 --          it and above the one held); publish_after: the version the
@@ -22,6 +23,68 @@
 local op = ARGV[1]
 if op == "read" then
   return redis.call("HMGET", KEYS[1], "version", "set")
+end
+if op == "numbers" then
+  -- Which numbers each instance charges a budget under, to see instances
+  -- that charge one budget under different numbers.
+  --
+  -- KEYS[1]  the hash of numbers: field "BUDGET\nINSTANCE", value
+  --          "AT SINCE FINGERPRINT LABEL" (server milliseconds: when the
+  --          instance last said so, and since when it has had these
+  --          numbers; the fingerprint of its numbers; a label, its fleet
+  --          version)
+  -- ARGV[2]  this instance; ARGV[3] after how many ms without a word an
+  --          instance is gone; ARGV[4] how many ms numbers must have been
+  --          in force on both sides before a difference counts (a
+  --          publication still on its way is no mismatch)
+  -- ARGV[5..] triples: budget, fingerprint, label
+  --
+  -- Writes this instance's numbers, drops instances gone quiet, and
+  -- replies per budget given, in order: {how many other instances charge
+  -- it under other numbers, the label of one of them or false}.
+  local t = redis.call("TIME")
+  local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+  local me, quiet, settle = ARGV[2], tonumber(ARGV[3]), tonumber(ARGV[4])
+  local function parse(v)
+    local at, since, fp, label = string.match(v, "^(%d+) (%d+) (%S+) ?(.*)$")
+    if at == nil then return nil end
+    return tonumber(at), tonumber(since), fp, label
+  end
+  local ours, order = {}, {}
+  for i = 5, #ARGV - 2, 3 do
+    local budget, fp, label = ARGV[i], ARGV[i + 1], ARGV[i + 2]
+    local field = budget .. "\n" .. me
+    local since = now
+    local old = redis.call("HGET", KEYS[1], field)
+    if old then
+      local _, s, f = parse(old)
+      if f == fp then since = s end
+    end
+    redis.call("HSET", KEYS[1], field, now .. " " .. since .. " " .. fp .. " " .. label)
+    ours[budget] = {fp = fp, since = since, others = 0, label = false}
+    order[#order + 1] = budget
+  end
+  local all = redis.call("HGETALL", KEYS[1])
+  for i = 1, #all, 2 do
+    local budget, who = string.match(all[i], "^(.*)\n(.*)$")
+    local at, since, fp, label = parse(all[i + 1])
+    if budget == nil or at == nil or at < now - quiet then
+      redis.call("HDEL", KEYS[1], all[i])
+    elseif who ~= me then
+      local o = ours[budget]
+      if o ~= nil and fp ~= o.fp and o.since <= now - settle and since <= now - settle then
+        o.others = o.others + 1
+        o.label = label
+      end
+    end
+  end
+  redis.call("PEXPIRE", KEYS[1], 2 * quiet)
+  local reply = {}
+  for _, budget in ipairs(order) do
+    reply[#reply + 1] = ours[budget].others
+    reply[#reply + 1] = ours[budget].label
+  end
+  return reply
 end
 local held = tonumber(redis.call("HGET", KEYS[1], "version") or "")
 if held == nil or held ~= math.floor(held) or held < 0 then

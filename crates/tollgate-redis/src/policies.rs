@@ -3,11 +3,16 @@
 //! text, written together and announced on the channel `PREFIX:policies`
 //! (pub/sub). The store knows the set only as text: what it means is the
 //! layer's (`tollgate`'s `FleetPolicies` reads and applies it).
+//!
+//! Beside it, `PREFIX:policies:numbers` holds which numbers each instance
+//! charges each budget under, so that instances charging one budget under
+//! different numbers see it ([`RedisStore::compare_numbers`]).
 
 use std::pin::Pin;
 use std::task::{Context, Poll};
+use std::time::Duration;
 
-use tollgate_budget::{StoreError, StoreErrorKind};
+use tollgate_budget::{Policy, StoreError, StoreErrorKind};
 
 use crate::lua::{self, POLICIES_SOURCE};
 use crate::store::RedisStore;
@@ -19,6 +24,16 @@ pub struct PublishedPolicies {
     pub version: u64,
     /// The set as it was published.
     pub text: String,
+}
+
+/// What [`RedisStore::compare_numbers`] found for one budget.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct NumbersCompared {
+    /// How many other instances charge the budget under other numbers.
+    pub others: u64,
+    /// The label of one of them, if any.
+    pub label: Option<String>,
 }
 
 /// Versions announced on the policy channel, as they come (pub/sub): see
@@ -77,25 +92,70 @@ impl RedisStore {
         version: u64,
     ) -> Result<T, StoreError> {
         let key = self.policies_key();
-        let mut invocation = lua::policies_script().prepare_invoke();
-        invocation
-            .key(&key)
-            .arg(op)
-            .arg(text)
-            .arg(version)
-            .arg(&key);
-        let eval = || {
-            let mut cmd = redis::cmd("EVAL");
-            cmd.arg(POLICIES_SOURCE)
-                .arg(1)
-                .arg(&key)
-                .arg(op)
-                .arg(text)
-                .arg(version)
-                .arg(&key);
-            cmd
-        };
+        let version = version.to_string();
+        let args = [op, text, &version, &key];
+        // Not `policies_script_call(..).await`: one more nested future
+        // took callers' futures past the compiler's query depth.
+        let (invocation, eval) = policies_invocation(&key, &args);
         self.run::<T>(&invocation, eval, self.deadline()).await
+    }
+
+    /// The policy script on `key` with `args` (EVALSHA, then EVAL when the
+    /// script is not loaded).
+    async fn policies_script_call<T: redis::FromRedisValue>(
+        &self,
+        key: &str,
+        args: &[&str],
+    ) -> Result<T, StoreError> {
+        let (invocation, eval) = policies_invocation(key, args);
+        self.run::<T>(&invocation, eval, self.deadline()).await
+    }
+
+    /// The key of the numbers each instance charges its budgets under
+    /// ([`compare_numbers`](Self::compare_numbers)).
+    pub fn numbers_key(&self) -> String {
+        format!("{}:policies:numbers", self.inner.prefix)
+    }
+
+    /// Says which numbers `instance` charges each budget of `numbers`
+    /// under (a policy, and a fingerprint of every number this instance
+    /// may charge that policy's budget under: its plans and overrides
+    /// too), and compares them with what the other instances on this
+    /// Redis said; answers per budget, in order, how many other instances
+    /// charge it under other numbers. An instance that has said nothing
+    /// for `quiet` is gone; a difference counts only once both sides have
+    /// had their numbers for `settle` (a publication still on its way is
+    /// no mismatch). `label` (say, the fleet version the instance runs;
+    /// no spaces) comes back with a mismatch, to tell the operator which
+    /// instance differs.
+    ///
+    /// # Errors
+    ///
+    /// The store's error.
+    pub async fn compare_numbers(
+        &self,
+        instance: &str,
+        label: &str,
+        numbers: &[(Policy, String)],
+        quiet: Duration,
+        settle: Duration,
+    ) -> Result<Vec<NumbersCompared>, StoreError> {
+        let key = self.numbers_key();
+        let quiet = quiet.as_millis().max(1).to_string();
+        let settle = settle.as_millis().to_string();
+        let budgets: Vec<String> = numbers
+            .iter()
+            .map(|(policy, _)| crate::keys::budget(policy))
+            .collect();
+        let mut args: Vec<&str> = vec!["numbers", instance, &quiet, &settle];
+        for (budget, (_, fingerprint)) in budgets.iter().zip(numbers) {
+            args.extend([budget.as_str(), fingerprint.as_str(), label]);
+        }
+        let reply: Vec<(u64, Option<String>)> = self.policies_script_call(&key, &args).await?;
+        Ok(reply
+            .into_iter()
+            .map(|(others, label)| NumbersCompared { others, label })
+            .collect())
     }
 
     /// The policy set published last, if any. A version that is not a
@@ -202,4 +262,29 @@ impl RedisStore {
             },
         )
     }
+}
+
+/// The policy script on `key` with `args`: its EVALSHA invocation, and
+/// the EVAL to send when the script is not loaded.
+fn policies_invocation<'a>(
+    key: &'a str,
+    args: &'a [&'a str],
+) -> (
+    redis::ScriptInvocation<'static>,
+    impl Fn() -> redis::Cmd + 'a,
+) {
+    let mut invocation = lua::policies_script().prepare_invoke();
+    invocation.key(key);
+    for arg in args {
+        invocation.arg(*arg);
+    }
+    let eval = move || {
+        let mut cmd = redis::cmd("EVAL");
+        cmd.arg(POLICIES_SOURCE).arg(1).arg(key);
+        for arg in args {
+            cmd.arg(*arg);
+        }
+        cmd
+    };
+    (invocation, eval)
 }

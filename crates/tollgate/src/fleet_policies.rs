@@ -8,13 +8,19 @@
 //! [`DEFAULT_CHECK_EVERY`], in case an announcement is lost. Each instance
 //! applies a newer version with [`RulesHandle::apply`], so a set means the
 //! same on every instance built from the same code.
+//!
+//! Every instance also says, every [`DEFAULT_COMPARE_EVERY`], which
+//! numbers it charges each budget under, and compares them with the other
+//! instances' ([`RedisStore::compare_numbers`]): instances that charge one
+//! budget under different numbers (a change made on one instance only, a
+//! set one instance refused, a rolled-back deploy) each count and log it.
 
 use std::fmt;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use tollgate_budget::{Store, StoreError};
+use tollgate_budget::{Policy, Store, StoreError};
 use tollgate_redis::{PublishedPolicies, RedisStore};
 
 use crate::RulesHandle;
@@ -24,6 +30,12 @@ use crate::rate_limit::{InvalidPolicySet, PolicySet};
 /// comes: half a second, so that a lost announcement delays a change by
 /// at most that.
 pub const DEFAULT_CHECK_EVERY: Duration = Duration::from_millis(500);
+
+/// How often an instance compares the numbers it charges each budget
+/// under with the other instances' ([`FleetPolicies`]): every five
+/// seconds, and at once after it applies a version. A mismatch is counted
+/// and logged once per budget and period, never per request.
+pub const DEFAULT_COMPARE_EVERY: Duration = Duration::from_secs(5);
 
 /// One [`PolicySet`] for a fleet: published by any instance
 /// ([`publish`](Self::publish)), applied by every instance on the same
@@ -41,7 +53,25 @@ pub const DEFAULT_CHECK_EVERY: Duration = Duration::from_millis(500);
 /// ([`RedisStore::restore_policies`]: the newest version wins, and no
 /// version goes down), logs a warning and counts it.
 ///
-/// The watcher task stops when the last clone is dropped.
+/// # Mismatched numbers
+///
+/// Each instance charges a budget under the numbers it has for it (the
+/// rule's policy, plans and overrides). When two instances on one Redis
+/// have different numbers for one budget for longer than a publication
+/// takes to arrive (two checks), both count it
+/// ([`FleetPolicyStats::mismatched`], and
+/// `tollgate_fleet_policies_mismatched_total{policy}` with the `metrics`
+/// feature) and log a warning naming the policy, once per budget and
+/// [period](FleetPoliciesBuilder::compare_numbers_every) while it lasts,
+/// and an info line when they agree again; [`mismatched`](Self::mismatched)
+/// names the budgets. Meanwhile the budget is charged by both: each
+/// charge first carries what the key has spent over to the charging
+/// instance's numbers ([`carry_over`](crate::store::algorithm::carry_over)),
+/// so nothing spent is forgotten in either direction, and what a key is
+/// admitted in any interval is at most the larger capacity plus each
+/// policy's rate over the time: the more generous numbers bound it.
+///
+/// The watcher tasks stop when the last clone is dropped.
 ///
 /// ```no_run
 /// use tollgate::rate_limit::PolicySet;
@@ -55,6 +85,8 @@ pub const DEFAULT_CHECK_EVERY: Duration = Duration::from_millis(500);
 ///     .build()?;
 /// // Before serving: the fleet's current set is in force.
 /// let fleet = FleetPolicies::start(store, layer.rules_handle()).await?;
+/// // Or with periods of your own:
+/// // FleetPolicies::builder(store, handle).check_every(..).start().await?
 /// // Later, on any instance: every instance applies it within a second.
 /// let set = PolicySet::from_json(
 ///     r#"{"rules": {"export": {"policy": {"capacity": 6, "refill": {"per_second": 2}}}}}"#,
@@ -66,6 +98,26 @@ pub const DEFAULT_CHECK_EVERY: Duration = Duration::from_millis(500);
 pub struct FleetPolicies<St> {
     shared: Arc<Shared<St>>,
     _watcher: Arc<Watcher>,
+}
+
+/// Starts a [`FleetPolicies`] with periods of your own
+/// ([`FleetPolicies::builder`]).
+#[must_use = "a builder does nothing until `start`"]
+pub struct FleetPoliciesBuilder<St> {
+    store: RedisStore,
+    handle: RulesHandle<St>,
+    check_every: Duration,
+    compare_every: Duration,
+}
+
+impl<St> fmt::Debug for FleetPoliciesBuilder<St> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("FleetPoliciesBuilder")
+            .field("key", &self.store.policies_key())
+            .field("check_every", &self.check_every)
+            .field("compare_every", &self.compare_every)
+            .finish_non_exhaustive()
+    }
 }
 
 impl<St> Clone for FleetPolicies<St> {
@@ -102,6 +154,10 @@ pub struct FleetPolicyStats {
     /// Times this instance wrote its set back to a Redis that had lost it
     /// (or held an older version).
     pub restored: u64,
+    /// Comparisons in which another instance charged one of this
+    /// instance's budgets under other numbers, counted once per budget
+    /// and period.
+    pub mismatched: u64,
 }
 
 /// Why [`FleetPolicies::publish`] published nothing.
@@ -138,6 +194,16 @@ struct Shared<St> {
     refused: AtomicU64,
     read_errors: AtomicU64,
     restored: AtomicU64,
+    mismatched: AtomicU64,
+    /// This instance, as it names itself among the others.
+    instance: String,
+    check_every: Duration,
+    compare_every: Duration,
+    /// Budgets another instance charges under other numbers, by policy
+    /// name, at the last comparison.
+    differing: Mutex<Vec<String>>,
+    /// Compare at once (after a version is applied).
+    compare_now: tokio::sync::Notify,
 }
 
 #[derive(Default)]
@@ -151,12 +217,73 @@ struct State {
     unreachable: bool,
 }
 
-/// Stops the watcher task when the last [`FleetPolicies`] is dropped.
-struct Watcher(tokio::task::JoinHandle<()>);
+/// Stops the watcher tasks when the last [`FleetPolicies`] is dropped.
+struct Watcher(Vec<tokio::task::JoinHandle<()>>);
 
 impl Drop for Watcher {
     fn drop(&mut self) {
-        self.0.abort();
+        for task in &self.0 {
+            task.abort();
+        }
+    }
+}
+
+impl<St: Store + Send + Sync + 'static> FleetPoliciesBuilder<St> {
+    /// Reads the published version every `every` when no announcement
+    /// comes (default [`DEFAULT_CHECK_EVERY`]). A mismatch must last two
+    /// of these before it counts.
+    pub fn check_every(mut self, every: Duration) -> Self {
+        self.check_every = every.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Compares the numbers this instance charges each budget under with
+    /// the other instances' every `every` (default
+    /// [`DEFAULT_COMPARE_EVERY`]): the period a mismatch is counted and
+    /// logged once in. An instance silent for three periods is gone.
+    pub fn compare_numbers_every(mut self, every: Duration) -> Self {
+        self.compare_every = every.max(Duration::from_millis(1));
+        self
+    }
+
+    /// Reads the fleet's set and applies it, then watches; see
+    /// [`FleetPolicies::start`].
+    ///
+    /// # Errors
+    ///
+    /// Redis could not be read: nothing was applied, and nothing watches.
+    pub async fn start(self) -> Result<FleetPolicies<St>, StoreError> {
+        let shared = Arc::new(Shared {
+            store: self.store,
+            handle: self.handle,
+            state: tokio::sync::Mutex::default(),
+            version: AtomicU64::new(0),
+            applied: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            read_errors: AtomicU64::new(0),
+            restored: AtomicU64::new(0),
+            mismatched: AtomicU64::new(0),
+            instance: instance_name(),
+            check_every: self.check_every,
+            compare_every: self.compare_every,
+            differing: Mutex::default(),
+            compare_now: tokio::sync::Notify::new(),
+        });
+        let published = shared.store.published_policies().await?;
+        {
+            let mut state = shared.state.lock().await;
+            shared.take(&mut state, published).await;
+        }
+        let watching = shared.clone();
+        let comparing = shared.clone();
+        let tasks = vec![
+            tokio::spawn(async move { watching.watch().await }),
+            tokio::spawn(async move { comparing.compare().await }),
+        ];
+        Ok(FleetPolicies {
+            shared,
+            _watcher: Arc::new(Watcher(tasks)),
+        })
     }
 }
 
@@ -172,41 +299,19 @@ impl<St: Store + Send + Sync + 'static> FleetPolicies<St> {
     ///
     /// Redis could not be read: nothing was applied, and nothing watches.
     pub async fn start(store: RedisStore, handle: RulesHandle<St>) -> Result<Self, StoreError> {
-        Self::start_checking_every(store, handle, DEFAULT_CHECK_EVERY).await
+        Self::builder(store, handle).start().await
     }
 
-    /// [`start`](Self::start), reading the version every `every` when no
-    /// announcement comes.
-    ///
-    /// # Errors
-    ///
-    /// As [`start`](Self::start).
-    pub async fn start_checking_every(
-        store: RedisStore,
-        handle: RulesHandle<St>,
-        every: Duration,
-    ) -> Result<Self, StoreError> {
-        let shared = Arc::new(Shared {
+    /// A [`FleetPolicies`] with periods of your own: how often it reads the
+    /// published version, and how often it compares numbers with the
+    /// other instances.
+    pub fn builder(store: RedisStore, handle: RulesHandle<St>) -> FleetPoliciesBuilder<St> {
+        FleetPoliciesBuilder {
             store,
             handle,
-            state: tokio::sync::Mutex::default(),
-            version: AtomicU64::new(0),
-            applied: AtomicU64::new(0),
-            refused: AtomicU64::new(0),
-            read_errors: AtomicU64::new(0),
-            restored: AtomicU64::new(0),
-        });
-        let published = shared.store.published_policies().await?;
-        {
-            let mut state = shared.state.lock().await;
-            shared.take(&mut state, published).await;
+            check_every: DEFAULT_CHECK_EVERY,
+            compare_every: DEFAULT_COMPARE_EVERY,
         }
-        let watching = shared.clone();
-        let watcher = tokio::spawn(async move { watching.watch(every).await });
-        Ok(Self {
-            shared,
-            _watcher: Arc::new(Watcher(watcher)),
-        })
     }
 
     /// Publishes `set` to the fleet, once this instance has checked it
@@ -298,6 +403,16 @@ impl<St: Store + Send + Sync + 'static> FleetPolicies<St> {
         self.shared.handle.applied_set()
     }
 
+    /// The policies (by name) that another instance charged under other
+    /// numbers at the last comparison; empty when the fleet agrees.
+    pub fn mismatched(&self) -> Vec<String> {
+        self.shared
+            .differing
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone()
+    }
+
     /// What it has done.
     pub fn stats(&self) -> FleetPolicyStats {
         let s = &self.shared;
@@ -307,13 +422,15 @@ impl<St: Store + Send + Sync + 'static> FleetPolicies<St> {
             refused: s.refused.load(Ordering::Relaxed),
             read_errors: s.read_errors.load(Ordering::Relaxed),
             restored: s.restored.load(Ordering::Relaxed),
+            mismatched: s.mismatched.load(Ordering::Relaxed),
         }
     }
 }
 
 impl<St: Store + Send + Sync + 'static> Shared<St> {
-    /// Wakes on every announcement and every `every`, and reads.
-    async fn watch(&self, every: Duration) {
+    /// Wakes on every announcement and every check period, and reads.
+    async fn watch(&self) {
+        let every = self.check_every;
         let mut announcements = None;
         loop {
             if announcements.is_none() {
@@ -434,6 +551,7 @@ impl<St: Store + Send + Sync + 'static> Shared<St> {
         state.text = text;
         self.version.store(version, Ordering::Relaxed);
         self.applied.fetch_add(1, Ordering::Relaxed);
+        self.compare_now.notify_one();
         #[cfg(feature = "metrics")]
         metrics::gauge!("tollgate_fleet_policies_version").set(version as f64);
         tracing::info!(
@@ -441,5 +559,175 @@ impl<St: Store + Send + Sync + 'static> Shared<St> {
             version,
             "fleet policies: version in force"
         );
+    }
+}
+
+impl<St: Store + Send + Sync + 'static> Shared<St> {
+    /// Compares numbers every period, and at once after an apply.
+    async fn compare(&self) {
+        loop {
+            self.compare_once().await;
+            // Woken by an apply, or the period over: either way, compare.
+            let _ = tokio::time::timeout(self.compare_every, self.compare_now.notified()).await;
+        }
+    }
+
+    async fn compare_once(&self) {
+        let numbers = budget_numbers(&self.handle.rules());
+        let version = self.version.load(Ordering::Relaxed).to_string();
+        // Gone after three silent periods; a difference counts once both
+        // sides have held their numbers for two checks (a publication
+        // reaches every instance within one).
+        let quiet = self.compare_every * 3;
+        let settle = self.check_every * 2;
+        let found = match self
+            .store
+            .compare_numbers(&self.instance, &version, &numbers, quiet, settle)
+            .await
+        {
+            Ok(found) => found,
+            // The version check reports Redis being unreachable.
+            Err(error) => {
+                tracing::debug!(%error, "fleet policies: comparing numbers failed");
+                return;
+            }
+        };
+        let mut differing = Vec::new();
+        for ((policy, _), seen) in numbers.iter().zip(found) {
+            if seen.others == 0 {
+                continue;
+            }
+            self.mismatched.fetch_add(1, Ordering::Relaxed);
+            #[cfg(feature = "metrics")]
+            metrics::counter!(
+                "tollgate_fleet_policies_mismatched_total",
+                "policy" => policy.name().to_owned()
+            )
+            .increment(1);
+            tracing::warn!(
+                policy = policy.name(),
+                unit = policy.unit().as_str(),
+                others = seen.others,
+                other_version = seen.label.as_deref().unwrap_or(""),
+                version = %version,
+                "fleet policies: other instances charge this budget under other numbers; \
+                 each charge carries what was spent over to the charging instance's numbers"
+            );
+            differing.push(policy.name().to_owned());
+        }
+        let mut held = self
+            .differing
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        for name in held.iter().filter(|name| !differing.contains(name)) {
+            tracing::info!(
+                policy = %name,
+                version = %version,
+                "fleet policies: the fleet charges this budget under the same numbers again"
+            );
+        }
+        *held = differing;
+    }
+}
+
+/// Per budget (one policy name and unit), its policy and a fingerprint of
+/// every number the rules may charge it under.
+fn budget_numbers(rules: &[crate::Rule]) -> Vec<(Policy, String)> {
+    let mut texts: Vec<(Policy, String)> = Vec::new();
+    for rule in rules {
+        let text = rule.numbers_text();
+        match texts.iter_mut().find(|(p, _)| p.same_budget(rule.policy())) {
+            Some((_, all)) => {
+                all.push_str(" | ");
+                all.push_str(&text);
+            }
+            None => texts.push((rule.policy().clone(), text)),
+        }
+    }
+    texts
+        .into_iter()
+        .map(|(policy, text)| (policy, format!("{:016x}", fnv1a(text.as_bytes()))))
+        .collect()
+}
+
+/// FNV-1a, 64 bits: the same on every build (unlike the standard hasher),
+/// so that instances built apart compare alike.
+fn fnv1a(bytes: &[u8]) -> u64 {
+    bytes.iter().fold(0xcbf2_9ce4_8422_2325, |hash, &b| {
+        (hash ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3)
+    })
+}
+
+/// A name for this instance among the others: its process id and a random
+/// part (hosts share process ids).
+fn instance_name() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
+    hasher.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    format!("{}-{:016x}", std::process::id(), hasher.finish())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Rate, Rule};
+
+    fn export(capacity: u64, rate: Rate) -> Policy {
+        Policy::token_bucket("export", capacity, rate).unwrap()
+    }
+
+    fn fingerprint(rule: Rule) -> String {
+        budget_numbers(&[rule]).remove(0).1
+    }
+
+    #[test]
+    fn a_fingerprint_is_of_the_numbers_not_of_how_they_were_written() {
+        let ab = Rule::per_account(export(3, Rate::per_second(2)))
+            .plan("a", export(5, Rate::per_second(1)))
+            .plan("b", export(7, Rate::per_second(1)));
+        let ba = Rule::per_account(export(3, Rate::per_minute(120)))
+            .plan("b", export(7, Rate::per_second(1)))
+            .plan("a", export(5, Rate::new(1000, Duration::from_secs(1000))));
+        assert_eq!(fingerprint(ab.clone()), fingerprint(ba));
+        let other_plan = Rule::per_account(export(3, Rate::per_second(2)))
+            .plan("a", export(5, Rate::per_second(1)))
+            .plan("b", export(8, Rate::per_second(1)));
+        assert_ne!(fingerprint(ab.clone()), fingerprint(other_plan));
+        // A plan under another name, an override instead of a plan: other.
+        let renamed = Rule::per_account(export(3, Rate::per_second(2)))
+            .plan("a", export(5, Rate::per_second(1)))
+            .plan("c", export(7, Rate::per_second(1)));
+        assert_ne!(fingerprint(ab.clone()), fingerprint(renamed));
+        let tenant = Rule::per_account(export(3, Rate::per_second(2)))
+            .plan("a", export(5, Rate::per_second(1)))
+            .for_tenant("b", export(7, Rate::per_second(1)));
+        assert_ne!(fingerprint(ab), fingerprint(tenant));
+    }
+
+    #[test]
+    fn rules_of_one_budget_share_a_fingerprint_and_others_have_their_own() {
+        let upload = Policy::token_bucket("upload", 3, Rate::per_second(2)).unwrap();
+        let rules = [
+            Rule::per_account(export(3, Rate::per_second(2))).on_route("/a"),
+            Rule::per_client_ip(upload),
+            Rule::per_account(export(3, Rate::per_second(2))).on_route("/b"),
+        ];
+        let numbers = budget_numbers(&rules);
+        let names: Vec<&str> = numbers.iter().map(|(p, _)| p.name()).collect();
+        assert_eq!(names, ["export", "upload"]);
+        let one = budget_numbers(&rules[..2]);
+        assert_ne!(numbers[0].1, one[0].1, "both export rules count");
+        assert_eq!(numbers[1].1, one[1].1);
+    }
+
+    #[test]
+    fn fnv1a_matches_its_reference_values() {
+        assert_eq!(fnv1a(b""), 0xcbf2_9ce4_8422_2325);
+        assert_eq!(fnv1a(b"a"), 0xaf63_dc4c_8601_ec8c);
+        assert_eq!(fnv1a(b"foobar"), 0x8594_4171_f739_67e8);
     }
 }

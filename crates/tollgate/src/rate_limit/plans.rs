@@ -135,6 +135,30 @@ impl Plans {
             .chain(self.accounts.values().flat_map(HashMap::values))
     }
 
+    #[cfg(all(feature = "redis", feature = "serde"))]
+    /// Every policy held with where it is held (`plan NAME`, `tenant
+    /// NAME`, `account TENANT/NAME`, names debug-quoted), sorted: the same
+    /// on every instance that holds the same policies.
+    pub(crate) fn sorted(&self) -> Vec<(String, &Policy)> {
+        let mut all: Vec<(String, &Policy)> = self
+            .plans
+            .iter()
+            .map(|(plan, p)| (format!("plan {plan:?}"), p))
+            .chain(
+                self.tenants
+                    .iter()
+                    .map(|(tenant, p)| (format!("tenant {tenant:?}"), p)),
+            )
+            .chain(self.accounts.iter().flat_map(|(tenant, accounts)| {
+                accounts
+                    .iter()
+                    .map(move |(account, p)| (format!("account {tenant:?}/{account:?}"), p))
+            }))
+            .collect();
+        all.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        all
+    }
+
     /// Every policy held, to change each the same way (e.g. its unit).
     pub(crate) fn policies_mut(&mut self) -> impl Iterator<Item = &mut Policy> {
         self.plans

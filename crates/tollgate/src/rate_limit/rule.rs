@@ -9,6 +9,8 @@ use std::time::Duration;
 
 use http::request::Parts;
 use http::{Method, StatusCode};
+#[cfg(all(feature = "redis", feature = "serde"))]
+use tollgate_budget::Algorithm;
 use tollgate_budget::{Policy, Unit};
 
 use super::exempt::Exemption;
@@ -452,6 +454,23 @@ impl Rule {
         self.with_entry_policy(Entry::Plan(plan), policy)
     }
 
+    #[cfg(all(feature = "redis", feature = "serde"))]
+    /// Every number this rule may charge its budget under, as text: the
+    /// default policy's and each plan's and override's, sorted, so that
+    /// two instances with the same numbers write the same text whatever
+    /// order they were added in. For telling instances of a fleet that
+    /// charge one budget under different numbers apart.
+    pub(crate) fn numbers_text(&self) -> String {
+        let mut text = numbers(&self.policy);
+        for (place, policy) in self.plans.iter().flat_map(|p| p.sorted()) {
+            text.push_str("; ");
+            text.push_str(&place);
+            text.push(' ');
+            text.push_str(&numbers(policy));
+        }
+        text
+    }
+
     /// The same rule with `policy` for `entry` (a plan, tenant or
     /// account), given or not before; `policy` is this rule's budget
     /// (checked by the caller).
@@ -688,6 +707,28 @@ impl Rule {
                  write the full path, .on_route({matched:?}), to say so",
                 self.policy.name()
             );
+        }
+    }
+}
+
+#[cfg(all(feature = "redis", feature = "serde"))]
+/// A policy's numbers as exact integers (a refill as scaled units per
+/// nanosecond over units per token: two rates that refill alike read
+/// alike), without its name and unit.
+fn numbers(policy: &Policy) -> String {
+    match policy.algorithm() {
+        Algorithm::TokenBucket(b) => format!(
+            "token bucket {} {}/{} {:?}",
+            b.capacity(),
+            b.units_per_nanosecond(),
+            b.units_per_token(),
+            b.initial()
+        ),
+        Algorithm::FixedWindow(w) => {
+            format!("fixed window {} {}", w.limit(), w.length().as_nanos())
+        }
+        Algorithm::SlidingWindow(w) => {
+            format!("sliding window {} {}", w.limit(), w.length().as_nanos())
         }
     }
 }
