@@ -12,8 +12,9 @@
 //!   (sometimes one that can never fit), token buckets (starting full or
 //!   empty), fixed and sliding windows, plans for the principal and the
 //!   rule's policy and its plans' changed at runtime
-//!   (`RulesHandle::set_policy`, `RulesHandle::set_plan`) among up to four
-//!   policies of one name, shaping, charging by outcome
+//!   (`RulesHandle::set_policy`, `RulesHandle::set_plan`, and policy sets
+//!   written as data, `RulesHandle::apply`) among up to four policies of
+//!   one name, shaping, charging by outcome
 //!   (`charge_only_when`), dry-run, exemptions by network;
 //! - events: requests (answered at once, or held by the inner service
 //!   until the trace says how they end), their completions with a `200` or
@@ -68,6 +69,7 @@ use http_body_util::Empty;
 use num_rational::Ratio;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestRunner};
+use tollgate::rate_limit::PolicySet;
 use tollgate::store::Nanos;
 use tollgate::{
     Cost, Exemption, Initial, MemoryStore, Policy, Principal, Rate, RateLimitLayer, Rule, Store,
@@ -130,6 +132,27 @@ impl PolicySpec {
             PolicySpec::Sliding { limit, window_ms } => {
                 Policy::sliding_window(name, limit, Duration::from_millis(window_ms)).unwrap()
             }
+        }
+    }
+
+    /// The policy as data ([`PolicySet`]'s JSON form).
+    fn data(&self) -> String {
+        match *self {
+            PolicySpec::Bucket {
+                capacity,
+                amount,
+                period_ms,
+                empty,
+            } => format!(
+                r#"{{"capacity": {capacity}, "refill": {{"every": {{"amount": {amount}, "millis": {period_ms}}}}}, "initial": "{}"}}"#,
+                if empty { "empty" } else { "full" }
+            ),
+            PolicySpec::Fixed { limit, window_ms } => format!(
+                r#"{{"algorithm": "fixed_window", "limit": {limit}, "window": {{"millis": {window_ms}}}}}"#
+            ),
+            PolicySpec::Sliding { limit, window_ms } => format!(
+                r#"{{"algorithm": "sliding_window", "limit": {limit}, "window": {{"millis": {window_ms}}}}}"#
+            ),
         }
     }
 
@@ -275,6 +298,17 @@ enum Event {
     /// A rule's plan `pN` (N >= 1) becomes its `k`th policy
     /// (`RulesHandle::set_plan`).
     SetPlan(usize, usize, usize),
+    /// A policy set, written as data (JSON), applied
+    /// (`RulesHandle::apply`): rule `r`'s own policy becomes its `k`th and
+    /// its plan `pN` its `j`th, on top of the rules as they were when the
+    /// first set was applied; the set replaces the one applied before
+    /// (another rule it named goes back).
+    ApplySet {
+        rule: usize,
+        k: usize,
+        plan: usize,
+        j: usize,
+    },
 }
 
 fn event() -> impl Strategy<Value = Event> {
@@ -321,6 +355,8 @@ fn event() -> impl Strategy<Value = Event> {
         2 => (0..ACCOUNTS.len(), 0usize..4).prop_map(|(a, p)| Event::Plan(a, p)),
         3 => (0usize..3, 0usize..4).prop_map(|(r, p)| Event::SetPolicy(r, p)),
         2 => (0usize..3, 1usize..4, 0usize..4).prop_map(|(r, n, k)| Event::SetPlan(r, n, k)),
+        2 => (0usize..3, 0usize..4, 1usize..4, 0usize..4)
+            .prop_map(|(rule, k, plan, j)| Event::ApplySet { rule, k, plan, j }),
     ]
 }
 
@@ -680,6 +716,9 @@ struct Model<'c> {
     own: Vec<usize>,
     /// Each rule's policy per plan now (see `Sent::plans`).
     plans: Vec<Vec<usize>>,
+    /// `own` and `plans` when the first set was applied: what every set
+    /// is applied on top of.
+    base: Option<(Vec<usize>, Vec<Vec<usize>>)>,
     budgets: HashMap<(usize, String), Budget>,
 }
 
@@ -927,6 +966,7 @@ struct Seen {
     probes: AtomicU64,
     policy_changes: AtomicU64,
     plan_changes: AtomicU64,
+    sets_applied: AtomicU64,
     dropped: AtomicU64,
     outcome_budgets_checked: AtomicU64,
 }
@@ -946,6 +986,7 @@ impl Seen {
             ("probes after Retry-After", &self.probes),
             ("policy changes", &self.policy_changes),
             ("plans changed", &self.plan_changes),
+            ("sets applied", &self.sets_applied),
             ("dropped while waiting", &self.dropped),
             ("outcome budgets checked", &self.outcome_budgets_checked),
         ]
@@ -1292,6 +1333,42 @@ impl Drive<'_> {
                         Seen::note(&self.seen.plan_changes);
                     }
                 }
+                Event::ApplySet { rule, k, plan, j } => {
+                    let Some(spec) = self.case.rules.get(rule) else {
+                        continue;
+                    };
+                    let n = spec.policies.len();
+                    let (k, j) = (k % n, j % n);
+                    // One of the rule's plans (`p1` to `pN-1`), if it has
+                    // any: a principal on another plan gets the default.
+                    let plan = (n > 1).then(|| 1 + (plan - 1) % (n - 1));
+                    let plans = match plan {
+                        Some(plan) => {
+                            format!(r#", "plans": {{"p{plan}": {}}}"#, spec.policies[j].data())
+                        }
+                        None => String::new(),
+                    };
+                    let text = format!(
+                        r#"{{"rules": {{"r{rule}": {{"policy": {}{plans}}}}}}}"#,
+                        spec.policies[k].data()
+                    );
+                    let set = PolicySet::from_json(&text).map_err(|e| format!("{text}: {e}"))?;
+                    self.handle
+                        .apply(&set)
+                        .map_err(|e| format!("{text}: {e}"))?;
+                    let model = &mut self.model;
+                    let (own, plans) = model
+                        .base
+                        .get_or_insert_with(|| (model.own.clone(), model.plans.clone()))
+                        .clone();
+                    model.own = own;
+                    model.plans = plans;
+                    model.own[rule] = k;
+                    if let Some(plan) = plan {
+                        model.plans[rule][plan] = j;
+                    }
+                    Seen::note(&self.seen.sets_applied);
+                }
             }
             self.model.check_envelope()?;
         }
@@ -1441,6 +1518,7 @@ fn run_case(
                     .iter()
                     .map(|r| (0..r.policies.len()).collect())
                     .collect(),
+                base: None,
                 budgets: HashMap::new(),
             },
             waiting: Vec::new(),
@@ -1585,4 +1663,68 @@ fn a_held_requests_units_survive_a_detour_through_other_policies() {
     });
     assert_eq!(r, Ok(()));
     assert_eq!(seen.held.load(Ordering::Relaxed), 1, "the trace holds one");
+}
+
+/// Found by the policy sets added to this test: a failed-login charge
+/// reserved under one bucket, the key moved to other numbers (here an
+/// initially-empty twin) and back (a set applied: the same numbers as the
+/// reservation's), then settled with a `200`. The move dropped the
+/// reservation (counted as spent), so the settlement found the one made
+/// since under the same numbers and gave *its* unit back: two requests
+/// admitted at one instant that could both be kept, at capacity 1.
+/// Reservations now carry over with the key.
+#[test]
+fn a_reservation_survives_a_move_to_other_numbers_and_back() {
+    let b = |empty| PolicySpec::Bucket {
+        capacity: 1,
+        amount: 1,
+        period_ms: 100,
+        empty,
+    };
+    let held = || Event::Request {
+        peer: 0,
+        account: Some(1),
+        route: 0,
+        answer: None,
+        probe: false,
+    };
+    for back in [
+        Event::ApplySet {
+            rule: 0,
+            k: 0,
+            plan: 1,
+            j: 0,
+        },
+        Event::SetPolicy(0, 0),
+    ] {
+        let case = Case {
+            rules: vec![RuleSpec {
+                keyed: Keyed::Account,
+                policies: vec![b(false), b(true)],
+                route: None,
+                cost: 1,
+                shaping: None,
+                by_outcome: true,
+                dry_run: false,
+                exempt_peer: None,
+            }],
+            layer_dry_run: false,
+            echo: 0,
+            events: vec![
+                held(),
+                Event::SetPolicy(0, 1),
+                held(),
+                Event::UntilReleased,
+                back.clone(),
+                held(),
+                Event::Complete(200),
+                held(),
+            ],
+        };
+        let seen = Seen::default();
+        let r = run_case(&case, &seen, |clock| {
+            Arc::new(MemoryStore::builder().clock(clock).build())
+        });
+        assert_eq!(r, Ok(()), "back with {back:?}");
+    }
 }

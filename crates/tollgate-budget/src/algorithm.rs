@@ -417,8 +417,11 @@ fn settle(
             *units -= need;
             if back {
                 // Below the capacity less what was reserved, so below the
-                // capacity less what stays reserved with `need` added.
-                l.credit += need;
+                // capacity less what stays reserved with `need` added;
+                // capped there all the same, for reservations carried over
+                // into a smaller bucket (a debt: see `carry_over`).
+                let ceiling = p.cap() - (l.reserved.saturating_add(l.earlier)).min(p.cap());
+                l.credit = l.credit.saturating_add(need).min(ceiling);
             }
             Some(l.state(kept_hold(state, l.t, now)))
         }
@@ -481,6 +484,11 @@ pub const MAX_CARRIED_DEBT: Nanos = 2_000_000_000_000_000;
 ///   rate, however fast, releases new requests alongside it or repays
 ///   them before it is released. A debt that holds no request is carried
 ///   as tokens, so a raised limit admits its new room at once.
+///   Units reserved and not yet settled (charges kept only for some
+///   outcomes, [`reserve`]) carry over as reserved, the same tokens (at
+///   most the new capacity) in the same epochs: settled after the change,
+///   a charge gives back or counts its own units, never a reservation
+///   made since.
 /// - Fixed window to fixed window: the count and the window's start are
 ///   kept; the window ends at that start plus the new length.
 /// - Sliding window to sliding window of the same length: the counts are
@@ -520,6 +528,7 @@ pub fn carry_over(from: &Algorithm, state: State, to: &Algorithm, now: Nanos) ->
         }
         (Algorithm::TokenBucket(a), Algorithm::TokenBucket(b)) => {
             let carried = into_bucket(&b, a.spent(state, now), u128::from(a.denominator), now);
+            let carried = a.reservations_into(&b, state, now, carried);
             // Requests held until later (shaping): the new bucket stays
             // empty until then too, or a faster rate would release new
             // requests alongside the ones already held for that instant;
@@ -530,7 +539,7 @@ pub fn carry_over(from: &Algorithm, state: State, to: &Algorithm, now: Nanos) ->
                     level: 0,
                     prior: 1,
                     at: carried.at.max(end),
-                    ..State::default()
+                    ..carried
                 },
                 None => carried,
             })
@@ -786,6 +795,35 @@ impl TokenBucket {
     /// be given back over reserved units.
     fn reserving(&self, state: Option<State>) -> bool {
         state.is_some_and(|s| s.reserved != 0 || s.reserved_earlier != 0)
+    }
+
+    /// `into` (a state of `to`) with the reservations `s` holds at `now`
+    /// (or at its own later time) carried over: the same tokens, in `to`'s
+    /// units, at most its capacity, in the same epochs. So a charge
+    /// reserved before a change of numbers is still found when it is
+    /// settled after it: given back (once) or counted, never taken from
+    /// a reservation made since (which gave back units that request still
+    /// held: a concurrent guess let through).
+    fn reservations_into(&self, to: &TokenBucket, s: State, now: Nanos, into: State) -> State {
+        if s.reserved == 0 && s.reserved_earlier == 0 {
+            return into;
+        }
+        let l = self.reserved_level_at(s, now);
+        let tokens = |units: u64| {
+            (units / self.denominator)
+                .min(to.capacity)
+                .saturating_mul(to.denominator)
+        };
+        let (reserved, reserved_earlier) = (tokens(l.reserved), tokens(l.earlier));
+        if reserved == 0 && reserved_earlier == 0 {
+            return into;
+        }
+        State {
+            reserved,
+            reserved_earlier,
+            epoch: l.epoch,
+            ..into
+        }
     }
 
     /// Scaled units missing from the bucket at `now`: the capacity less the

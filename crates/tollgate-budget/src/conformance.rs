@@ -689,6 +689,35 @@ pub fn cases() -> Vec<Case> {
             ],
         },
         Case {
+            shaped: Vec::new(),
+            // Found by the composition test: a reservation moved to other
+            // numbers and back (a limit changed while the request was in
+            // flight, then changed back) was dropped on the way, counted
+            // as spent; settled under the numbers it was made with, it
+            // then gave back a reservation made since: two failed logins
+            // at once where the capacity is one. Reserved units carry
+            // over as reserved, the same tokens, and are found again.
+            name: "reserve-survives-a-change-and-back",
+            policies: vec![
+                tb("back", 1, Rate::new(1, Duration::from_millis(100))),
+                tb("back", 2, Rate::new(1, Duration::from_millis(100))),
+            ],
+            steps: vec![
+                // Reserved (step 3 settles it): the one unit held.
+                step(S, &[("k", 0, 1)], OK),
+                // Under a capacity of 2: one spent (reserved), one left.
+                step(S, &[("k", 1, 1)], OK),
+                // Back under 1: the unit is still reserved, so nothing
+                // fits until the reservation lapses (120 s) and a unit
+                // refills.
+                step(S + 500 * MS, &[("k", 0, 1)], denied(118_600 * MS)),
+                // Given back: its own unit, once.
+                refund(S + 500 * MS, &[("k", 0, 1)], 0),
+                step(S + 500 * MS, &[("k", 0, 1)], OK),
+                step(S + 500 * MS, &[("k", 0, 1)], denied(100 * MS)),
+            ],
+        },
+        Case {
             // A bucket with units reserved is not shaped: a shaped charge
             // is decided as unshaped until they are settled.
             name: "reserve-then-shape",

@@ -421,7 +421,8 @@ local function into_bucket(spent, per_token, q1, q2, q3)
 end
 
 -- The state written under numbers (oa, o1..o4) as read under (a, q1..q4):
--- tollgate_budget's algorithm::carry_over. Returns nothing for no state.
+-- tollgate_budget's algorithm::carry_over. Returns nothing for no state;
+-- else level, prior, era, offset and the reservations carried (c, p, k).
 local function carry(oa, o1, o2, o3, o4, level, prior, se, so, rc, rp, k, a, q1, q2, q3, q4)
   -- Brought to now under the numbers that wrote it: idle is no state.
   local ie, io
@@ -457,14 +458,26 @@ local function carry(oa, o1, o2, o3, o4, level, prior, se, so, rc, rp, k, a, q1,
       spent_units = big(o1 - bucket_level(level, se, so, o1, o2, rc, rp, k))
     end
     if a == 1 then
+      -- Reservations carry over as the same tokens in the new units (at
+      -- most the new capacity), in the same epochs, so that a charge
+      -- reserved before the change is still found when it is settled
+      -- (TokenBucket::reservations_into).
+      local kc, kp, kk = 0, 0, 0
+      if rc > 0 or rp > 0 then
+        local _, _, _, c2, p2, k2 = bucket_level(level, se, so, o1, o2, rc, rp, k)
+        local tokens = idiv(q1, q3)
+        kc = math.min(idiv(c2, o3), tokens) * q3
+        kp = math.min(idiv(p2, o3), tokens) * q3
+        if kc > 0 or kp > 0 then kk = k2 end
+      end
       -- Requests held until later keep the new bucket empty until the
       -- later of their release and the debt, and keep the hold.
       local l, p, e, o = into_bucket(spent_units, o3, q1, q2, q3)
       if he ~= nil then
         if before(e, o, he, ho) then e, o = he, ho end
-        return 0, 1, e, o
+        return 0, 1, e, o, kc, kp, kk
       end
-      return l, p, e, o
+      return l, p, e, o, kc, kp, kk
     end
     spent = least(MAX_COUNT, function(z) return bcmp(bmul(big(z), o3), spent_units) >= 0 end)
   elseif oa == 2 then
@@ -572,16 +585,23 @@ for i = 1, n do
   local carried = false
   if level ~= nil and oa ~= nil
       and not (oa == algo and o1 == p1 and o2 == p2 and o3 == p3 and o4 == p4) then
-    level, prior, se, so = carry(oa, o1, o2, o3, o4, level, prior, se, so, rc, rp, rk,
-                                 algo, p1, p2, p3, p4)
-    rc, rp, rk = 0, 0, 0
+    level, prior, se, so, rc, rp, rk = carry(oa, o1, o2, o3, o4, level, prior, se, so,
+                                             rc, rp, rk, algo, p1, p2, p3, p4)
+    if rc == nil then rc, rp, rk = 0, 0, 0 end
     carried = true
     if stored and mode == "charge" then
       -- Written as converted unless this charge writes: the key is under
       -- the new numbers from its first charge, admitted or not.
-      converted[#converted + 1] = {key, #writes, level, prior, se, so, algo, p1, p2, p3, p4}
+      converted[#converted + 1] = {key, #writes, level, prior, se, so, algo, p1, p2, p3, p4,
+                                   rc, rp, rk}
     end
   end
+  -- A settlement under numbers the key no longer has leaves it alone, as
+  -- the memory store does: the key stays under its own numbers (what was
+  -- reserved carried over with it, reserved until it lapses) until a
+  -- charge converts it. (An undo follows its own call's charge, on the
+  -- numbers that charge wrote.)
+  local unsettled = carried and not undo
   -- The state this charge finds (under its numbers): what a reservation
   -- puts back when its request is dropped.
   local found = {level, prior, se, so}
@@ -630,7 +650,7 @@ for i = 1, n do
     local held = he ~= nil and before(NE, NO, he, ho)
     if mode == "refund" or mode == "confirm" then
       ok = 1
-      if stored_level == nil then
+      if stored_level == nil or unsettled then
         -- No state: nothing to give back or settle.
       elseif undo and re == 0 and ro == 0 then
         -- A plain admission given back at once (a call charged slot by
@@ -674,7 +694,9 @@ for i = 1, n do
         end
         if c ~= nil then
           local lv = credit
-          if mode == "refund" then lv = credit + need end
+          -- Capped at the capacity less what stays reserved (reached only
+          -- by reservations carried into a smaller bucket, as a debt).
+          if mode == "refund" then lv = math.min(credit + need, cap - math.min(c + p, cap)) end
           write, idle_e, idle_o = keeping(lv, hold_prior(he, ho, te, to), c, p, nk)
         end
       end
@@ -731,7 +753,7 @@ for i = 1, n do
       ok = 1
     elseif mode == "refund" then
       ok = 1
-      if level ~= nil and re == ws_e and ro == ws_o and count >= need then
+      if level ~= nil and not unsettled and re == ws_e and ro == ws_o and count >= need then
         write = NONE
         if count > need then write = state(count - need, 0, ws_e, ws_o, algo, p1, p2, p3, p4) end
         idle_e, idle_o = ee, eo
@@ -770,7 +792,7 @@ for i = 1, n do
       ok = 1
     elseif mode == "refund" then
       ok = 1
-      if level ~= nil then
+      if level ~= nil and not unsettled then
         if re == se and ro == so and cur >= need then
           cur = cur - need
         else
@@ -946,15 +968,17 @@ for _, c in ipairs(converted) do
       redis.call("DEL", key)
     else
       local a, q1, q2 = c[7], c[8], c[9]
+      local rc, rp, rk = c[12], c[13], c[14]
       local ie, io
       if a == 1 then
-        ie, io = bucket_idle(level, prior, se, so, q1, q2, c[11], 0, 0, 0)
+        ie, io = bucket_idle(level, prior, se, so, q1, q2, c[11], rc, rp, rk)
       elseif a == 2 or level == 0 then
         ie, io = add(se, so, q2)
       else
         ie, io = add(se, so, 2 * q2)
       end
-      redis.call("SET", key, state(level, prior, se, so, a, q1, q2, c[10], c[11]), "PX", ttl(ie, io))
+      redis.call("SET", key, state(level, prior, se, so, a, q1, q2, c[10], c[11], rc, rp, rk),
+                 "PX", ttl(ie, io))
     end
   end
 end
