@@ -354,6 +354,100 @@ async fn publishing_under_load_keeps_the_fleets_envelope_and_lowering_gives_no_b
     );
 }
 
+fn reports(capacity: u64) -> Policy {
+    Policy::token_bucket("reports", capacity, Rate::per_minute(1)).unwrap()
+}
+
+/// An instance with the budget "reports" (3 a minute, 10 on plan "pro")
+/// that compares numbers every `period`.
+async fn reporting(url: &str, period: Duration) -> Instance {
+    let store = RedisStore::builder(url)
+        .unwrap()
+        .prefix("numbers-test")
+        .build()
+        .unwrap();
+    let layer = RateLimitLayer::builder(store.clone())
+        .rule(Rule::per_account(reports(3)).plan("pro", reports(10)))
+        .build()
+        .unwrap();
+    let fleet = FleetPolicies::builder(store, layer.rules_handle())
+        .compare_numbers_every(period)
+        .start()
+        .await
+        .unwrap();
+    Instance { layer, fleet }
+}
+
+/// Waits (at most 10 s) until `done`; how long it took.
+async fn until(what: &str, done: impl Fn() -> bool) -> Duration {
+    let start = Instant::now();
+    while !done() {
+        assert!(start.elapsed() < Duration::from_secs(10), "{what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    start.elapsed()
+}
+
+/// Found in review: instances comparing at different periods, an
+/// instance stopped shortly before a publication, and a record written by
+/// hand with a time far ahead. A real mismatch is seen by both instances
+/// whatever their periods; a stopped instance's record (not aged out yet)
+/// is not taken for one that runs other numbers; garbage is dropped.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mismatches_are_seen_across_periods_and_stopped_instances_are_not_mismatches() {
+    let redis = or_skip!(RedisServer::start());
+    let url = redis.url();
+    let a = reporting(&url, Duration::from_millis(100)).await;
+    let b = reporting(&url, Duration::from_millis(700)).await;
+    // C says its numbers every 3 s: its record outlives it by up to 9 s.
+    let c = reporting(&url, Duration::from_secs(3)).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    drop(c);
+    let five = PolicySet::from_json(
+        r#"{"rules": {"reports": {"policy": {"capacity": 5, "refill": {"per_minute": 1}}}}}"#,
+    )
+    .unwrap();
+    let version = a.fleet.publish(&five).await.unwrap();
+    until_version(&b, version, Duration::from_secs(1)).await;
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    assert_eq!(
+        (a.fleet.stats().mismatched, b.fleet.stats().mismatched),
+        (0, 0),
+        "the stopped instance's old numbers counted"
+    );
+
+    // A real mismatch, between a 100 ms and a 700 ms comparer.
+    b.layer.rules_handle().set_plan("pro", reports(20)).unwrap();
+    let took = until("both see it", || {
+        !a.fleet.mismatched().is_empty() && !b.fleet.mismatched().is_empty()
+    })
+    .await;
+    eprintln!("mismatch across periods seen by both after {took:?}");
+    b.layer.rules_handle().set_plan("pro", reports(10)).unwrap();
+    until("agreeing again", || {
+        a.fleet.mismatched().is_empty() && b.fleet.mismatched().is_empty()
+    })
+    .await;
+
+    // Garbage dated far ahead: dropped at the next comparison, and never
+    // a mismatch.
+    let ghost = "reports/requests\nghost";
+    redis
+        .query(&[
+            "HSET",
+            "numbers-test:policies:numbers",
+            ghost,
+            "99999999999999 0 600000 deadbeef ghostlabel",
+        ])
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let left = redis
+        .query(&["HEXISTS", "numbers-test:policies:numbers", ghost])
+        .unwrap();
+    assert_eq!(left.trim(), "0", "the ghost stays: {left:?}");
+    assert!(a.fleet.mismatched().is_empty() && b.fleet.mismatched().is_empty());
+}
+
 /// Log lines written by this test's tasks (a current-thread runtime: every
 /// task runs on the thread the subscriber is the default of).
 #[derive(Clone, Default)]
@@ -396,27 +490,8 @@ async fn instances_charging_one_budget_under_different_numbers_count_and_log_it(
     let _guard = tracing::subscriber::set_default(subscriber);
     let redis = or_skip!(RedisServer::start());
     let url = redis.url();
-    let reports =
-        |capacity| Policy::token_bucket("reports", capacity, Rate::per_minute(1)).unwrap();
     const PERIOD: Duration = Duration::from_millis(100);
-    let start = || async {
-        let store = RedisStore::builder(&url)
-            .unwrap()
-            .prefix("numbers-test")
-            .build()
-            .unwrap();
-        let layer = RateLimitLayer::builder(store.clone())
-            .rule(Rule::per_account(reports(3)).plan("pro", reports(10)))
-            .build()
-            .unwrap();
-        let fleet = FleetPolicies::builder(store, layer.rules_handle())
-            .compare_numbers_every(PERIOD)
-            .start()
-            .await
-            .unwrap();
-        Instance { layer, fleet }
-    };
-    let (a, b) = (start().await, start().await);
+    let (a, b) = (reporting(&url, PERIOD).await, reporting(&url, PERIOD).await);
     // The same numbers, then a publication both apply: nothing counted.
     tokio::time::sleep(Duration::from_millis(1200)).await;
     let five = PolicySet::from_json(
@@ -490,4 +565,113 @@ async fn instances_charging_one_budget_under_different_numbers_count_and_log_it(
         logged.lines("INFO", &["policy=reports", "same numbers again"]),
         2
     );
+}
+
+/// Fifty changes made at once through three instances, each adding its
+/// own plan to the set published last: every one takes effect (compare and
+/// publish, made again after a pause when another came first), none is
+/// lost or erases another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fifty_changes_at_once_over_three_instances_all_take_effect() {
+    let redis = or_skip!(RedisServer::start());
+    let url = redis.url();
+    let fleet = [
+        instance(&url).await,
+        instance(&url).await,
+        instance(&url).await,
+    ];
+    let changes = (0..50).map(|i| {
+        let on = &fleet[i % 3];
+        async move {
+            on.fleet
+                .publish_change(|set| {
+                    let data = tollgate::rate_limit::PolicyData::from_json(
+                        r#"{"capacity": 2, "refill": {"per_second": 1}}"#,
+                    )
+                    .unwrap();
+                    set.rules
+                        .entry("export".into())
+                        .or_default()
+                        .plans
+                        .insert(format!("c{i}"), data);
+                })
+                .await
+        }
+    });
+    let results = futures_join_all(changes).await;
+    let failed: Vec<_> = results.iter().filter(|r| r.is_err()).collect();
+    assert!(
+        failed.is_empty(),
+        "{} of 50 failed: {failed:?}",
+        failed.len()
+    );
+    let last = results.iter().map(|r| r.as_ref().unwrap().0).max().unwrap();
+    assert_eq!(last, 50, "one version per change");
+    for on in &fleet {
+        until_version(on, last, Duration::from_secs(1)).await;
+        let plans = &on.fleet.set().rules["export"].plans;
+        assert_eq!(plans.len(), 50, "{:?}", plans.keys());
+    }
+}
+
+/// Awaits every future, concurrently (on this task).
+async fn futures_join_all<F: std::future::Future>(
+    futures: impl Iterator<Item = F>,
+) -> Vec<F::Output> {
+    let mut set = Vec::new();
+    for f in futures {
+        set.push(Box::pin(f));
+    }
+    let mut out: Vec<Option<F::Output>> = set.iter().map(|_| None).collect();
+    std::future::poll_fn(|cx| {
+        let mut pending = false;
+        for (f, slot) in set.iter_mut().zip(out.iter_mut()) {
+            if slot.is_none() {
+                match f.as_mut().poll(cx) {
+                    std::task::Poll::Ready(v) => *slot = Some(v),
+                    std::task::Poll::Pending => pending = true,
+                }
+            }
+        }
+        if pending {
+            std::task::Poll::Pending
+        } else {
+            std::task::Poll::Ready(())
+        }
+    })
+    .await;
+    out.into_iter().map(|v| v.unwrap()).collect()
+}
+
+/// Found in review: versions written by hand that Lua's `tonumber` read
+/// as numbers and Rust did not (`1e3`, `inf`, ` 12`, `0x10`) stopped every
+/// change for good. Both now read anything but up to 15 digits as no
+/// version: the instances write theirs back, and changes go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_written_by_hand_in_any_form_stops_nothing() {
+    let redis = or_skip!(RedisServer::start());
+    let url = redis.url();
+    let (a, b) = (instance(&url).await, instance(&url).await);
+    let first = a.fleet.publish(&capacity(5)).await.unwrap();
+    until_version(&b, first, Duration::from_secs(1)).await;
+    for (i, broken) in ["1e3", "inf", " 12", "0x10", "12.0", "1234567890123456"]
+        .into_iter()
+        .enumerate()
+    {
+        redis
+            .query(&["HSET", "fleet-test:policies", "version", broken])
+            .unwrap();
+        let n = 6 + u64::try_from(i).unwrap();
+        let (version, _) = a
+            .fleet
+            .publish_change(|set| *set = capacity(n))
+            .await
+            .unwrap_or_else(|e| panic!("after version {broken:?}: {e}"));
+        assert!(version > first, "{broken:?}: {version}");
+        until_version(&b, version, Duration::from_secs(1)).await;
+        assert_eq!(
+            admits(&b, &format!("hand-{i}")).await,
+            usize::try_from(n).unwrap()
+        );
+    }
 }

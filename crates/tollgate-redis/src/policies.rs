@@ -158,8 +158,9 @@ impl RedisStore {
             .collect())
     }
 
-    /// The policy set published last, if any. A version that is not a
-    /// number (written by hand) reads as version 0: a set that any
+    /// The policy set published last, if any. A version that is not up
+    /// to 15 decimal digits (written by hand: `1e3`, `inf`, ` 12`) reads
+    /// as version 0, here and in the script alike: a set that any
     /// instance running a version writes back over
     /// ([`restore_policies`](Self::restore_policies)), and any publication
     /// replaces.
@@ -174,7 +175,7 @@ impl RedisStore {
             return Ok(None);
         };
         Ok(Some(PublishedPolicies {
-            version: version.parse::<u64>().unwrap_or(0),
+            version: version_of(&version),
             text: text.unwrap_or_default(),
         }))
     }
@@ -287,4 +288,13 @@ fn policies_invocation<'a>(
         cmd
     };
     (invocation, eval)
+}
+
+/// A version as the script reads it: up to 15 decimal digits (exact in
+/// Lua's numbers), anything else none (0).
+fn version_of(text: &str) -> u64 {
+    if text.is_empty() || text.len() > 15 || !text.bytes().all(|b| b.is_ascii_digit()) {
+        return 0;
+    }
+    text.parse().unwrap_or(0)
 }

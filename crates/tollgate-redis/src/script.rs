@@ -52,7 +52,8 @@ pub(crate) fn params(policy: &Policy, cost: u64) -> Result<[u128; 6], StoreError
             let cap = u128::from(capacity) * den;
             if cap + num >= EXACT {
                 return Err(unsupported(format!(
-                    "capacity {capacity} in scaled units ({cap}) is not below 2^53"
+                    "capacity {capacity} in scaled units ({cap}) plus the refill per \
+                     nanosecond ({num}) is not below 2^53"
                 )));
             }
             if cap.div_ceil(num) > MAX_HORIZON_NS {

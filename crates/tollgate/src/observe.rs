@@ -89,7 +89,7 @@
 //! | Metric | Type, unit | Labels | Moves when |
 //! |---|---|---|---|
 //! | `tollgate_fleet_policies_version` | gauge | — | features `redis` and `serde`: the version of the fleet's policy set this process runs ([`FleetPolicies`](crate::redis::FleetPolicies)); each version put in force is also logged at INFO, "fleet policies: version in force" with `key` and `version` |
-//! | `tollgate_fleet_policies_errors_total` | counter | `reason` | features `redis` and `serde`: `invalid`, a published set this process cannot apply (once per version; logged at ERROR with the error and the version it runs), or `unreachable`, a read of the published set that failed (logged at ERROR once per spell); a set written back to a Redis that had lost it is logged at WARN |
+//! | `tollgate_fleet_policies_errors_total` | counter | `reason` | features `redis` and `serde`: `invalid`, a published set this process cannot apply (once per version; logged at ERROR with the error and the version it runs), `unreachable`, a read of the published set that failed (logged at ERROR once per spell), or `numbers`, a comparison of numbers with the other instances that failed (logged at WARN once per spell; mismatches go unseen meanwhile); a set written back to a Redis that had lost it is logged at WARN |
 //! | `tollgate_fleet_policies_mismatched_total` | counter | `policy` | features `redis` and `serde`: comparisons (every 5 s, `DEFAULT_COMPARE_EVERY`) in which another instance on the same Redis charged this policy's budget under other numbers for longer than a publication takes to arrive; counted and logged at WARN once per policy and period, never per request |
 
 use std::sync::OnceLock;

@@ -301,3 +301,24 @@ fn lists_and_keys_given_twice_are_refused_and_names_are_quoted_alike() {
         assert!(err.starts_with(expected), "{json}: {err}");
     }
 }
+
+/// Found in review: TOML (and any format with lists) read a list as a
+/// policy's fields in order; a policy, a rule's policies and a default
+/// policy are objects in every format.
+#[test]
+fn a_list_is_no_policy_in_toml_either() {
+    for toml in [
+        "[rules.export.plans]\npro = [\"token_bucket\", 6, { per_second = 2 }]\n",
+        "[rules.export]\npolicy = [\"token_bucket\", 6, { per_second = 2 }]\n",
+        "[rules]\nexport = [{ capacity = 6 }]\n",
+    ] {
+        let read = toml::from_str::<PolicySet>(toml);
+        let error = read.expect_err(toml).to_string();
+        assert!(error.contains("expected an object"), "{toml}: {error}");
+    }
+    // The objects themselves still read.
+    let set: PolicySet =
+        toml::from_str("[rules.export.plans.pro]\ncapacity = 6\nrefill = { per_second = 2 }\n")
+            .unwrap();
+    assert_eq!(set.rules["export"].plans["pro"].capacity, Some(6));
+}

@@ -57,7 +57,11 @@ pub struct PolicySet {
 pub struct RulePolicies {
     /// The rule's default policy (for no plan, other plans, and requests
     /// without a principal).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "object_or_none"
+    )]
     pub policy: Option<PolicyData>,
     /// Policies by plan ([`Rule::plan`](crate::Rule::plan)).
     #[serde(
@@ -306,7 +310,42 @@ fn no_lists(value: &serde_json::Value, path: &str) -> Result<(), InvalidPolicySe
     }
 }
 
-/// Reads a map, refusing a key given twice (rather than keeping the last).
+/// A `T` written as an object: a list is refused, in every format (`serde`
+/// would read one as `T`'s fields in order, e.g. from TOML).
+struct Object<T>(T);
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for Object<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+        struct Fields<T>(std::marker::PhantomData<T>);
+
+        impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for Fields<T> {
+            type Value = T;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("an object")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(self, map: A) -> Result<T, A::Error> {
+                T::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+            }
+        }
+
+        deserializer
+            .deserialize_map(Fields(std::marker::PhantomData))
+            .map(Object)
+    }
+}
+
+/// An optional policy, written as an object when it is given.
+fn object_or_none<'de, D>(deserializer: D) -> Result<Option<PolicyData>, D::Error>
+where
+    D: serde::Deserializer<'de>,
+{
+    Ok(Option::<Object<PolicyData>>::deserialize(deserializer)?.map(|Object(data)| data))
+}
+
+/// Reads a map, refusing a key given twice (rather than keeping the last),
+/// each value written as an object.
 fn unique<'de, D, V>(deserializer: D) -> Result<BTreeMap<String, V>, D::Error>
 where
     D: serde::Deserializer<'de>,
@@ -330,7 +369,7 @@ where
                 if read.contains_key(&key) {
                     return Err(serde::de::Error::custom(format!("{key:?} is given twice")));
                 }
-                let value = map.next_value()?;
+                let Object(value) = map.next_value()?;
                 read.insert(key, value);
             }
             Ok(read)
