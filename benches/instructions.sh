@@ -15,7 +15,10 @@
 # - HTTP (profile_layer, in process, no sockets): `send_requests`, the
 #   loop that builds each request, sends it through the app with
 #   `oneshot` and reads the status. bare / tollgate / tower_governor on
-#   `GET /`, all admitted or all refused; and the quickstart's
+#   `GET /`, all admitted or all refused (tollgate inside the router,
+#   `Router::layer`, as the others; and tollgate-front, the same rule
+#   around the router: the front door, where a refusal is answered before
+#   axum routes); and the quickstart's
 #   `POST /export` shape: bare-export (the stand-in authentication layer
 #   that inserts a Principal, no limiter) and tollgate-export (the same
 #   plus a per-address and a per-account-operation rule). "added" is over
@@ -31,10 +34,11 @@
 #
 # Fails (non-zero) if a run does not admit or refuse what it should, or a
 # function the counts rely on does not show in its profile.
-# The last three lines are, exactly:
+# The last four lines are, exactly:
 #   admitted_added_vs_tower_governor RATIO  (tollgate admitted - bare) / (tower_governor admitted - bare)
-#   refused_vs_bare RATIO                   tollgate refused / bare
+#   refused_vs_bare RATIO                   tollgate refused at the front door (around the router) / bare
 #   hot_key_instructions_vs_governor RATIO  tollgate per decision / governor per decision
+#   refused_inside_router_vs_bare RATIO     tollgate refused inside the router (Router::layer) / bare
 #
 #   bash benches/instructions.sh        # LOW=20000 HIGH=120000 by default
 set -euo pipefail
@@ -98,9 +102,9 @@ layer() {
         # Not inside echo's arguments: a failure must stop the script.
         ir=$(count "$name" "$n" \
             "$mode${refuse:+ refuse}: $admitted of $n admitted, $refused refused, 0 other" \
-            --toggle-collect=profile_layer::send_requests \
+            --toggle-collect='profile_layer::send_requests*' \
             -- "$BIN/profile_layer" "$mode" ${refuse:+"$refuse"} "$n")
-        require "$name" "$n" 'profile_layer::send_requests$'
+        require "$name" "$n" 'profile_layer::send_requests(<.*>)?$'
         echo "$name $n $ir" >> "$RESULTS"
     done
 }
@@ -126,6 +130,8 @@ layer bare bare
 layer tollgate tollgate
 layer governor governor
 layer tollgate_refused tollgate refuse
+layer tollgate_front tollgate-front
+layer tollgate_front_refused tollgate-front refuse
 layer governor_refused governor refuse
 layer bare_export bare-export
 layer tollgate_export tollgate-export
@@ -159,6 +165,8 @@ rows = [
     ("tollgate, 1 rule, all admitted", "tollgate", "bare", "governor"),
     ("tower_governor, all admitted", "governor", "bare", None),
     ("tollgate, 1 rule, all refused", "tollgate_refused", "bare", "governor_refused"),
+    ("tollgate at the front door, 1 rule, all admitted", "tollgate_front", "bare", "governor"),
+    ("tollgate at the front door, 1 rule, all refused", "tollgate_front_refused", "bare", "governor_refused"),
     ("tower_governor, all refused", "governor_refused", "bare", None),
     ("bare-export (POST /export, principal middleware)", "bare_export", None, None),
     # tower_governor has no per-account rule: no peer to compare with.
@@ -181,6 +189,7 @@ export = per["tollgate_export"] - per["bare_export"]
 print(f"added per admitted request: 1 rule {fmt(single)}, /export with 2 rules {fmt(export)} "
       f"({export / single:.2f}x); tower_governor {fmt(per['governor'] - per['bare'])}")
 print(f"admitted_added_vs_tower_governor {single / (per['governor'] - per['bare']):.3f}")
-print(f"refused_vs_bare {per['tollgate_refused'] / per['bare']:.3f}")
+print(f"refused_vs_bare {per['tollgate_front_refused'] / per['bare']:.3f}")
 print(f"hot_key_instructions_vs_governor {per['hot_tollgate'] / per['hot_governor']:.3f}")
+print(f"refused_inside_router_vs_bare {per['tollgate_refused'] / per['bare']:.3f}")
 PY

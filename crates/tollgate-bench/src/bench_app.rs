@@ -5,6 +5,9 @@
 //! Two workloads:
 //! - `GET /`, a hello-world: `bare`, behind tollgate (in-memory, per client
 //!   address) or behind tower_governor (its default peer-address key);
+//!   `tollgate-front` is tollgate's rule at the front door
+//!   ([`front_door`]): around the router, so that a refusal is answered
+//!   before axum routes, where the others sit inside it (`Router::layer`);
 //! - `POST /export`, the quickstart's multi-rule shape: a stand-in
 //!   authentication layer puts a [`Principal`] into the request (for
 //!   requests carrying [`EXPORT_AUTHORIZATION`]), and `tollgate-export`
@@ -33,7 +36,7 @@ pub const EXPORT_AUTHORIZATION: &str = "Bearer bench-key";
 pub const EXPORT_PATH: &str = "/export";
 
 /// The modes [`app`] knows, for usage messages.
-pub const MODES: &str = "bare, tollgate, governor, bare-export or tollgate-export";
+pub const MODES: &str = "bare, tollgate, tollgate-front, governor, bare-export or tollgate-export";
 
 /// Whether `mode` serves the export workload (`POST /export`, with
 /// [`EXPORT_AUTHORIZATION`]) rather than `GET /`.
@@ -47,9 +50,33 @@ pub fn is_limited(mode: &str) -> bool {
     !mode.starts_with("bare")
 }
 
-/// The app for `mode` (one of [`MODES`]), or why not.
+/// The hello-world app, with tollgate's per-address rule around it: the
+/// front door, where a request it refuses never reaches the router.
+pub type FrontDoor = tollgate::rate_limit::RateLimit<Router, MemoryStore>;
+
+/// `tollgate-front`: the hello-world [`FrontDoor`].
+pub fn front_door(refuse: bool) -> Result<FrontDoor, String> {
+    let policy = if refuse {
+        refusing("bench")
+    } else {
+        admitting("bench")
+    }?;
+    let layer = RateLimitLayer::builder(MemoryStore::new())
+        .headers_on_admitted(false)
+        .rule(Rule::per_client_ip(policy))
+        .build()
+        .map_err(|e| e.to_string())?;
+    Ok(tower::Layer::layer(&layer, hello()))
+}
+
+fn hello() -> Router {
+    Router::new().route("/", get(|| async { "hello" }))
+}
+
+/// The app for `mode` (one of [`MODES`] but `tollgate-front`: see
+/// [`front_door`]), or why not.
 pub fn app(mode: &str, refuse: bool) -> Result<Router, String> {
-    let hello = Router::new().route("/", get(|| async { "hello" }));
+    let hello = hello();
     let export = Router::new().route(EXPORT_PATH, post(|| async { "export started" }));
     match mode {
         "bare" => Ok(hello),
@@ -97,6 +124,7 @@ pub fn app(mode: &str, refuse: bool) -> Result<Router, String> {
                 // Outside the limiter, as an authentication layer goes.
                 .layer(middleware::from_fn(authenticate)))
         }
+        "tollgate-front" => Err("tollgate-front is not a router: see front_door".into()),
         other => Err(format!("unknown mode {other:?}: {MODES}")),
     }
 }

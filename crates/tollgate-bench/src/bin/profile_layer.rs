@@ -3,8 +3,9 @@
 //! (100 000 by default) through one of `bench_app`'s axum apps, with no
 //! sockets involved, so the instructions each layer adds per request can be
 //! counted exactly:
-//! - `GET /`: `bare`, `tollgate` (in-memory, admits everything) or
-//!   `governor` (tower_governor, the equivalent quota);
+//! - `GET /`: `bare`, `tollgate` (in-memory, admits everything; inside
+//!   the router), `tollgate-front` (the same rule around the router: the
+//!   front door) or `governor` (tower_governor, the equivalent quota);
 //! - `POST /export` with a principal: `bare-export` (the stand-in
 //!   authentication layer alone) or `tollgate-export` (a per-address and a
 //!   per-account-operation rule behind it).
@@ -53,17 +54,22 @@ fn main() -> ExitCode {
             }
         }
     }
-    let app = match bench_app::app(&mode, refuse) {
-        Ok(app) => app,
+    let Ok(rt) = tokio::runtime::Builder::new_current_thread().build() else {
+        return ExitCode::FAILURE;
+    };
+    let export = bench_app::is_export(&mode);
+    let sent = if mode == "tollgate-front" {
+        bench_app::front_door(refuse).map(|app| send_requests(&rt, &app, requests, export))
+    } else {
+        bench_app::app(&mode, refuse).map(|app| send_requests(&rt, &app, requests, export))
+    };
+    let (admitted, refused) = match sent {
+        Ok(counts) => counts,
         Err(why) => {
             eprintln!("profile_layer: {why}\n{USAGE}");
             return ExitCode::from(2);
         }
     };
-    let Ok(rt) = tokio::runtime::Builder::new_current_thread().build() else {
-        return ExitCode::FAILURE;
-    };
-    let (admitted, refused) = send_requests(&rt, &app, requests, bench_app::is_export(&mode));
     let other = requests - admitted - refused;
     let refusing = refuse && bench_app::is_limited(&mode);
     println!(
@@ -81,14 +87,22 @@ fn main() -> ExitCode {
 
 /// Sends `requests` requests through `app`, one after another; how many
 /// were admitted (2xx) and refused (429). Never inlined: profiles count
-/// the instructions run inside it (see the module docs).
+/// the instructions run inside it (see the module docs; its name is
+/// `profile_layer::send_requests` followed by the app's type).
 #[inline(never)]
-fn send_requests(
+fn send_requests<A, B>(
     rt: &tokio::runtime::Runtime,
-    app: &axum::Router,
+    app: &A,
     requests: u32,
     export: bool,
-) -> (u32, u32) {
+) -> (u32, u32)
+where
+    A: tower::Service<
+            Request<Body>,
+            Response = http::Response<B>,
+            Error = std::convert::Infallible,
+        > + Clone,
+{
     let peer = SocketAddr::from(([127, 0, 0, 1], 40_000));
     let (mut admitted, mut refused) = (0u32, 0u32);
     rt.block_on(async {
