@@ -437,7 +437,7 @@ async fn mismatches_are_seen_across_periods_and_stopped_instances_are_not_mismat
             "HSET",
             "numbers-test:policies:numbers",
             ghost,
-            "99999999999999 0 600000 deadbeef ghostlabel",
+            "99999999999999 0 600000 1000 deadbeef ghostlabel",
         ])
         .unwrap();
     tokio::time::sleep(Duration::from_millis(1500)).await;

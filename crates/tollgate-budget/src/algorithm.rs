@@ -485,10 +485,13 @@ pub const MAX_CARRIED_DEBT: Nanos = 2_000_000_000_000_000;
 ///   them before it is released. A debt that holds no request is carried
 ///   as tokens, so a raised limit admits its new room at once.
 ///   Units reserved and not yet settled (charges kept only for some
-///   outcomes, [`reserve`]) carry over as reserved, the same tokens (at
-///   most the new capacity) in the same epochs: settled after the change,
-///   a charge gives back or counts its own units, never a reservation
-///   made since.
+///   outcomes, [`reserve`]) carry over as reserved, the same tokens in the
+///   same epochs: settled after the change, a charge gives back or counts
+///   its own units, never a reservation made since. Conservatively: at
+///   most the new capacity is carried per epoch, and a converted state
+///   dated past its epochs (a debt) lets them lapse, as confirmed, when it
+///   is read; a settlement then gives back less than was reserved, never
+///   more.
 /// - Fixed window to fixed window: the count and the window's start are
 ///   kept; the window ends at that start plus the new length.
 /// - Sliding window to sliding window of the same length: the counts are

@@ -30,15 +30,16 @@ if op == "numbers" then
   -- that charge one budget under different numbers.
   --
   -- KEYS[1]  the hash of numbers: field "BUDGET\nINSTANCE", value
-  --          "AT SINCE QUIET FINGERPRINT LABEL" (server milliseconds:
-  --          when the instance last said so, since when it has had these
-  --          numbers, and after how long without a word it is gone; the
+  --          "AT SINCE QUIET SETTLE FINGERPRINT LABEL" (server
+  --          milliseconds: when the instance last said so, since when it
+  --          has had these numbers, after how long without a word it is
+  --          gone, and how long a publication may take to reach it; the
   --          fingerprint of its numbers; a label, its fleet version)
   -- ARGV[2]  this instance; ARGV[3] after how many ms without a word it
   --          is gone (its own period, three times); ARGV[4] how many ms
   --          numbers must have been in force on both sides before a
   --          difference counts (a publication still on its way is no
-  --          mismatch)
+  --          mismatch: the longer of the two instances' own)
   -- ARGV[5..] triples: budget, fingerprint, label
   --
   -- Writes this instance's numbers and drops what is gone (each record by
@@ -51,11 +52,14 @@ if op == "numbers" then
   -- out yet) is not taken for one that runs other numbers.
   local t = redis.call("TIME")
   local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-  local me, quiet, settle = ARGV[2], math.min(tonumber(ARGV[3]), 600000), tonumber(ARGV[4])
+  local me = ARGV[2]
+  local quiet, settle = math.min(tonumber(ARGV[3]), 600000), math.min(tonumber(ARGV[4]), 600000)
   local function parse(v)
-    local at, since, q, fp, label = string.match(v, "^(%d+) (%d+) (%d+) (%S+) ?(.*)$")
+    local at, since, q, st, fp, label =
+      string.match(v, "^(%d+) (%d+) (%d+) (%d+) (%S+) ?(.*)$")
     if at == nil then return nil end
-    return tonumber(at), tonumber(since), math.min(tonumber(q), 600000), fp, label
+    return tonumber(at), tonumber(since), math.min(tonumber(q), 600000),
+           math.min(tonumber(st), 600000), fp, label
   end
   local ours, order = {}, {}
   for i = 5, #ARGV - 2, 3 do
@@ -64,23 +68,25 @@ if op == "numbers" then
     local since = now
     local old = redis.call("HGET", KEYS[1], field)
     if old then
-      local _, s, _, f = parse(old)
+      local _, s, _, _, f = parse(old)
       if f == fp and s ~= nil and s <= now then since = s end
     end
-    redis.call("HSET", KEYS[1], field, now .. " " .. since .. " " .. quiet .. " " .. fp .. " " .. label)
+    redis.call("HSET", KEYS[1], field,
+               now .. " " .. since .. " " .. quiet .. " " .. settle .. " " .. fp .. " " .. label)
     ours[budget] = {fp = fp, since = since, others = 0, label = false}
     order[#order + 1] = budget
   end
   local all = redis.call("HGETALL", KEYS[1])
   for i = 1, #all, 2 do
     local budget, who = string.match(all[i], "^(.*)\n(.*)$")
-    local at, since, q, fp, label = parse(all[i + 1])
+    local at, since, q, st, fp, label = parse(all[i + 1])
     if budget == nil or at == nil or at < now - q or at > now + 60000 then
       redis.call("HDEL", KEYS[1], all[i])
     elseif who ~= me then
       local o = ours[budget]
+      local wait = math.max(settle, st or 0)
       if o ~= nil and fp ~= o.fp and at >= o.since
-          and o.since <= now - settle and since <= now - settle then
+          and o.since <= now - wait and since <= now - wait then
         o.others = o.others + 1
         o.label = label
       end

@@ -64,7 +64,13 @@ pub const DEFAULT_COMPARE_EVERY: Duration = Duration::from_secs(5);
 /// feature) and log a warning naming the policy, once per budget and
 /// [period](FleetPoliciesBuilder::compare_numbers_every) while it lasts,
 /// and an info line when they agree again; [`mismatched`](Self::mismatched)
-/// names the budgets. Meanwhile the budget is charged by both: each
+/// names the budgets. What is compared is each budget's set of numbers
+/// (its rules' policies, plans and overrides, without routes): two routes
+/// of one budget with their numbers swapped read alike, and an override
+/// equal to the default on one instance only reads as a difference. An
+/// instance that spoke with old numbers after a publication and then
+/// stopped before applying it counts until its record ages out (three of
+/// its periods). Meanwhile the budget is charged by both: each
 /// charge first carries what the key has spent over to the charging
 /// instance's numbers ([`carry_over`](crate::store::algorithm::carry_over)),
 /// so nothing spent is forgotten in either direction, and what a key is
@@ -174,15 +180,17 @@ pub enum PublishError {
     #[error("publishing the policy set failed: {0}")]
     Store(#[from] StoreError),
     /// [`publish_change`](FleetPolicies::publish_change): other
-    /// publications came first every time it tried; nothing was published.
+    /// publications came first every time it tried, for
+    /// [`CHANGE_PATIENCE`]; nothing was published.
     #[error("the policy set kept changing while the change was made; nothing was published")]
     Conflict,
 }
 
-/// How many times [`FleetPolicies::publish_change`] makes its change again
-/// when another publication came first (after a pause that grows, and
-/// differs between instances, so that changes made at once take turns).
-const CHANGE_TRIES: u32 = 10;
+/// How long [`FleetPolicies::publish_change`] keeps making its change
+/// again when other publications come first (after a pause that grows to
+/// 64 ms and differs between instances, so that changes made at once take
+/// turns).
+pub const CHANGE_PATIENCE: Duration = Duration::from_secs(10);
 
 struct Shared<St> {
     store: RedisStore,
@@ -233,19 +241,21 @@ impl Drop for Watcher {
 
 impl<St: Store + Send + Sync + 'static> FleetPoliciesBuilder<St> {
     /// Reads the published version every `every` when no announcement
-    /// comes (default [`DEFAULT_CHECK_EVERY`]). A mismatch must last two
-    /// of these before it counts.
+    /// comes (default [`DEFAULT_CHECK_EVERY`]), between 1 ms and 300 s.
+    /// A mismatch must last two of these before it counts (two of the
+    /// longer of the two instances' own).
     pub fn check_every(mut self, every: Duration) -> Self {
-        self.check_every = every.max(Duration::from_millis(1));
+        self.check_every = every.clamp(Duration::from_millis(1), Duration::from_secs(300));
         self
     }
 
     /// Compares the numbers this instance charges each budget under with
     /// the other instances' every `every` (default
     /// [`DEFAULT_COMPARE_EVERY`]): the period a mismatch is counted and
-    /// logged once in. An instance silent for three periods is gone.
+    /// logged once in, between 1 ms and 200 s. An instance silent for
+    /// three of its periods is gone.
     pub fn compare_numbers_every(mut self, every: Duration) -> Self {
-        self.compare_every = every.max(Duration::from_millis(1));
+        self.compare_every = every.clamp(Duration::from_millis(1), Duration::from_secs(200));
         self
     }
 
@@ -348,24 +358,28 @@ impl<St: Store + Send + Sync + 'static> FleetPolicies<St> {
     /// result, if no other publication came in between (compare and
     /// publish: a change made on a set older than the published one, or
     /// made at the same time on another instance, is made again on the
-    /// newer set, up to ten times, after a short pause that grows and
-    /// differs between instances); returns the version and the set.
-    /// Changes made this way on several instances at once take effect one
-    /// after another (measured: 50 at once over three instances, none
-    /// lost), unless one loses ten times running. A published set this instance cannot apply (say it names a
+    /// newer set, after a short random pause that grows to 64 ms, for up
+    /// to [`CHANGE_PATIENCE`]); returns the version and the set. Changes
+    /// made this way on several instances at once take effect one after
+    /// another (tested: 50 at once over three instances, none lost). A
+    /// published set this instance cannot apply (say it names a
     /// rule this instance does not have) is not changed here:
     /// [`PublishError::Invalid`].
     ///
     /// # Errors
     ///
-    /// [`PublishError`]; [`PublishError::Conflict`] after ten tries
-    /// (nothing published: try again).
+    /// [`PublishError`]; [`PublishError::Conflict`] when other
+    /// publications came first for [`CHANGE_PATIENCE`] (nothing
+    /// published: try again).
     pub async fn publish_change(
         &self,
         change: impl Fn(&mut PolicySet),
     ) -> Result<(u64, PolicySet), PublishError> {
         let shared = &self.shared;
-        for try_number in 0..CHANGE_TRIES {
+        let started = tokio::time::Instant::now();
+        let mut try_number = 0;
+        while started.elapsed() < CHANGE_PATIENCE {
+            try_number += 1;
             let published = shared.store.published_policies().await?;
             let after = published.as_ref().map_or(0, |p| p.version);
             if after < self.version() {
@@ -687,11 +701,11 @@ fn budget_numbers(rules: &[crate::Rule]) -> Vec<(Policy, String)> {
         .collect()
 }
 
-/// The pause before try `n + 1` of a change another publication beat: up
-/// to 2^n ms (at most about a second), a random share of it.
+/// The pause after try `n` of a change another publication beat: up to
+/// 2^n ms (at most 64), a random share of it.
 fn backoff(n: u32) -> Duration {
     use std::hash::{BuildHasher, Hasher};
-    let most = 1u64 << n.min(10);
+    let most = 1u64 << n.min(6);
     let mut hasher = std::collections::hash_map::RandomState::new().build_hasher();
     hasher.write_u32(n);
     Duration::from_millis(1 + hasher.finish() % most)

@@ -5,8 +5,8 @@
 #[cfg(feature = "serde")]
 #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
 pub use crate::fleet_policies::{
-    DEFAULT_CHECK_EVERY, DEFAULT_COMPARE_EVERY, FleetPolicies, FleetPoliciesBuilder,
-    FleetPolicyStats, PublishError,
+    CHANGE_PATIENCE, DEFAULT_CHECK_EVERY, DEFAULT_COMPARE_EVERY, FleetPolicies,
+    FleetPoliciesBuilder, FleetPolicyStats, PublishError,
 };
 pub use tollgate_redis::{
     CacheStats, DEFAULT_CONNECT_TIMEOUT, DEFAULT_OVER_LIMIT_CACHE, DEFAULT_SENTINEL_CHECK,
