@@ -1,6 +1,7 @@
 //! The apps of the HTTP overhead benchmark (benches/http.sh), served over
 //! loopback: an axum hello-world on `GET /`, bare, behind tollgate
-//! (in-memory), or behind tower_governor; or the quickstart-shaped
+//! (in-memory; `tollgate-front`: around the router, the front door), or
+//! behind tower_governor; or the quickstart-shaped
 //! `POST /export` (modes `bare-export`, `tollgate-export`; see `bench_app`
 //! for the header it needs), with a quota that admits everything or
 //! refuses everything.
@@ -39,9 +40,17 @@ fn main() -> ExitCode {
             }
         }
     }
-    let app = match bench_app::app(&mode, refuse) {
-        Ok(app) => app,
-        Err(why) => {
+    // The front door is not a router: its answers are made axum's
+    // (`into_response`, the boxing a layer inside a router pays too), and
+    // it is served as a plain service.
+    let front = (mode == "tollgate-front").then(|| bench_app::front_door(refuse));
+    let app = match front {
+        Some(_) => Ok(axum::Router::new()),
+        None => bench_app::app(&mode, refuse),
+    };
+    let (app, front) = match (app, front.transpose()) {
+        (Ok(app), Ok(front)) => (app, front),
+        (Err(why), _) | (_, Err(why)) => {
             eprintln!("bench_server: {why}");
             return ExitCode::from(2);
         }
@@ -65,12 +74,28 @@ fn main() -> ExitCode {
             }
         };
         println!("bench_server {mode} listening on http://{addr}");
-        match axum::serve(
-            listener,
-            app.into_make_service_with_connect_info::<SocketAddr>(),
-        )
-        .await
-        {
+        let served = match front {
+            Some(front) => {
+                let front = tower::ServiceBuilder::new()
+                    .map_response(axum::response::IntoResponse::into_response)
+                    .service(front);
+                axum::serve(
+                    listener,
+                    axum::ServiceExt::<axum::extract::Request>::into_make_service_with_connect_info::<
+                        SocketAddr,
+                    >(front),
+                )
+                .await
+            }
+            None => {
+                axum::serve(
+                    listener,
+                    app.into_make_service_with_connect_info::<SocketAddr>(),
+                )
+                .await
+            }
+        };
+        match served {
             Ok(()) => ExitCode::SUCCESS,
             Err(e) => {
                 eprintln!("serve: {e}");
