@@ -4,10 +4,11 @@
 //! in exact integer arithmetic: a policy whose numbers cannot be represented
 //! exactly in 64-bit scaled units is refused with [`InvalidPolicy`].
 
+use std::any::Any;
 use std::fmt;
 use std::hash::{Hash, Hasher};
-use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use crate::Nanos;
@@ -218,6 +219,8 @@ struct PolicyInner {
     /// space it gave them (see [`Policy::cached_space`]): `store << 24 |
     /// space`, `u64::MAX` when none has.
     space_cache: AtomicU64,
+    /// What a front end derived from this policy once ([`Policy::memo`]).
+    memo: OnceLock<Box<dyn Any + Send + Sync>>,
 }
 
 impl PartialEq for Policy {
@@ -486,6 +489,7 @@ impl Policy {
                 unit,
                 algorithm,
                 space_cache: AtomicU64::new(u64::MAX),
+                memo: OnceLock::new(),
             }),
         }
     }
@@ -521,6 +525,33 @@ impl Policy {
         self.inner
             .space_cache
             .store(store << 24 | u64::from(space), Ordering::Relaxed);
+    }
+
+    /// A value derived from this policy once and kept with it: made by
+    /// `make` on first use, then shared by every clone of the policy and
+    /// dropped with the last. A policy never changes once built (a change
+    /// makes a new one), so the value never goes stale. tollgate's layer
+    /// keeps the policy's pre-rendered refusal here, so that a refusal
+    /// writes only its numbers.
+    ///
+    /// One value per policy: `None` when a value of another type was kept
+    /// first.
+    ///
+    /// ```
+    /// use tollgate_budget::{Policy, Rate};
+    ///
+    /// let policy = Policy::token_bucket("api", 10, Rate::per_second(1)).unwrap();
+    /// let header = policy.memo(|p| format!("\"{}\";q={}", p.name(), p.capacity()));
+    /// assert_eq!(header.map(String::as_str), Some("\"api\";q=10"));
+    /// // Made once: the clone sees the same value, another type sees none.
+    /// assert!(std::ptr::eq(header.unwrap(), policy.clone().memo(|_| String::new()).unwrap()));
+    /// assert_eq!(policy.memo(|_| 0u32), None);
+    /// ```
+    pub fn memo<T: Any + Send + Sync>(&self, make: impl FnOnce(&Policy) -> T) -> Option<&T> {
+        self.inner
+            .memo
+            .get_or_init(|| Box::new(make(self)))
+            .downcast_ref()
     }
 
     /// Whether `other` reads the same state: the same name and unit.

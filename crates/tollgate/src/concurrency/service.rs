@@ -95,7 +95,7 @@ where
                 observe::key_refused(&error, Refuser::InFlight(&limits.name), limits.log_level);
                 let mut answer = Answer::for_key(error, &limits.name);
                 if answer.challenge.is_some() {
-                    answer.challenge = Some(config.www_authenticate.clone());
+                    answer.challenge = Some(Box::new(config.www_authenticate.clone()));
                 }
                 Err(Box::new(respond(config, answer, protocol)))
             }

@@ -148,7 +148,7 @@ pub(crate) fn charge_plan<St>(config: &Config<St>, parts: &Parts) -> ChargePlan 
                 refusal.get_or_insert_with(|| {
                     let mut answer = Answer::for_key(error, policy.name());
                     if answer.challenge.is_some() {
-                        answer.challenge = Some(config.www_authenticate.clone());
+                        answer.challenge = Some(Box::new(config.www_authenticate.clone()));
                     }
                     answer
                 });

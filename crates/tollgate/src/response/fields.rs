@@ -127,7 +127,20 @@ pub(crate) fn retry_after_value(secs: u64) -> HeaderValue {
     }
 }
 
+/// The `RateLimit-Policy` and `RateLimit` values of `charges` as decided
+/// in `outcome`: from the policies' rendered parts
+/// ([`rendered_fields`](super::rendered::rendered_fields)), else written.
 pub(crate) fn ratelimit_fields(
+    charges: &[Charge],
+    outcome: &Outcome,
+) -> Option<(HeaderValue, HeaderValue)> {
+    super::rendered::rendered_fields(charges, outcome)
+        .unwrap_or_else(|| written_fields(charges, outcome))
+}
+
+/// [`ratelimit_fields`] written member by member: the general writer,
+/// and the one the rendered parts are tested against.
+pub(crate) fn written_fields(
     charges: &[Charge],
     outcome: &Outcome,
 ) -> Option<(HeaderValue, HeaderValue)> {

@@ -8,7 +8,7 @@
 use std::fmt::Write as _;
 
 use http::header::CONTENT_TYPE;
-use http::{HeaderMap, HeaderValue};
+use http::{HeaderMap, HeaderName, HeaderValue};
 
 /// How a refusal is encoded: as HTTP, or for gRPC and gRPC-Web callers as a
 /// trailers-only response with `grpc-status`.
@@ -137,11 +137,35 @@ impl Protocol {
     }
 }
 
+static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
+static GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+static GRPC_PUSHBACK: HeaderName = HeaderName::from_static("grpc-retry-pushback-ms");
+
 /// Adds the trailers-only fields of a refusal with `code` and `message`.
 pub(super) fn status(headers: &mut HeaderMap, code: u16, message: &str) {
-    headers.insert("grpc-status", HeaderValue::from(code));
     if let Ok(v) = HeaderValue::from_str(&percent_encode(message)) {
-        headers.insert("grpc-message", v);
+        status_with(headers, code, v);
+    } else {
+        headers.insert(GRPC_STATUS.clone(), code_value(code));
+    }
+}
+
+/// Adds the trailers-only fields of a refusal with `code` and a message
+/// already encoded.
+pub(super) fn status_with(headers: &mut HeaderMap, code: u16, message: HeaderValue) {
+    headers.insert(GRPC_STATUS.clone(), code_value(code));
+    headers.insert(GRPC_MESSAGE.clone(), message);
+}
+
+/// The codes refusals use, without formatting.
+fn code_value(code: u16) -> HeaderValue {
+    match code {
+        3 => HeaderValue::from_static("3"),
+        8 => HeaderValue::from_static("8"),
+        13 => HeaderValue::from_static("13"),
+        14 => HeaderValue::from_static("14"),
+        16 => HeaderValue::from_static("16"),
+        _ => HeaderValue::from(code),
     }
 }
 
@@ -151,12 +175,9 @@ pub(super) fn pushback_ms(wait: std::time::Duration) -> u64 {
     u64::try_from(wait.as_nanos().div_ceil(1_000_000)).unwrap_or(u64::MAX)
 }
 
-/// Adds `grpc-retry-pushback-ms`: the wait in [`pushback_ms`].
-pub(super) fn pushback(headers: &mut HeaderMap, wait: std::time::Duration) {
-    headers.insert(
-        "grpc-retry-pushback-ms",
-        HeaderValue::from(pushback_ms(wait)),
-    );
+/// Adds `grpc-retry-pushback-ms`: a wait of `ms` ([`pushback_ms`]).
+pub(super) fn pushback(headers: &mut HeaderMap, ms: u64) {
+    headers.insert(GRPC_PUSHBACK.clone(), HeaderValue::from(ms));
 }
 
 /// gRPC's `grpc-message` encoding: percent-encode everything outside
@@ -259,7 +280,7 @@ mod tests {
     fn pushback_rounds_up_to_whole_milliseconds() {
         let ms = |wait: Duration| {
             let mut h = HeaderMap::new();
-            pushback(&mut h, wait);
+            pushback(&mut h, pushback_ms(wait));
             h["grpc-retry-pushback-ms"].to_str().unwrap().to_owned()
         };
         assert_eq!(ms(Duration::from_nanos(1)), "1");

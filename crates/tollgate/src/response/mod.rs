@@ -6,6 +6,7 @@
 //! - [`refusal`]: the catalogue of refusals (status, problem type, gRPC code)
 //!   and the answer under construction;
 //! - [`problem`]: the `application/problem+json` body (RFC 9457);
+//! - [`rendered`]: a policy's refusal for lack of budget, rendered once;
 //! - [`grpc`]: recognising gRPC callers, and their trailers-only answers;
 //! - [`custom`]: refusal bodies shaped by the application.
 //!
@@ -16,6 +17,7 @@ mod fields;
 mod grpc;
 mod problem;
 mod refusal;
+mod rendered;
 
 pub(crate) use custom::Shape;
 pub use custom::{RefusalBody, RefusalInfo};

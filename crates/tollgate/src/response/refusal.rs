@@ -16,6 +16,7 @@ use super::fields::{
 };
 use super::grpc::{self, Protocol};
 use super::problem;
+use super::rendered::{Numbers, Rendered};
 use crate::identity::ClientIpError;
 use crate::identity::KeyError;
 
@@ -49,7 +50,7 @@ impl Refusal {
         }
     }
 
-    fn problem_type(self) -> &'static str {
+    pub(super) fn problem_type(self) -> &'static str {
         match self {
             Refusal::RateLimited => "urn:tollgate:problem:rate-limited",
             Refusal::TooManyInFlight => "urn:tollgate:problem:too-many-in-flight",
@@ -97,20 +98,31 @@ impl Limit {
 #[derive(Debug)]
 pub(crate) struct Answer {
     pub(crate) refusal: Refusal,
-    pub(crate) detail: String,
+    pub(crate) detail: Detail,
     /// The limit the refusal is about.
     pub(crate) policy: Option<Limit>,
     pub(crate) retry_after: Option<Duration>,
     pub(crate) fields: Option<Box<(HeaderValue, HeaderValue)>>,
-    /// The `WWW-Authenticate` challenge of a `401`.
-    pub(crate) challenge: Option<HeaderValue>,
+    /// The `WWW-Authenticate` challenge of a `401` (boxed: rare, and an
+    /// answer is moved whole through every decision's result).
+    pub(crate) challenge: Option<Box<HeaderValue>>,
+}
+
+/// What a refusal says.
+#[derive(Debug)]
+pub(crate) enum Detail {
+    Text(String),
+    /// A lone policy's refusal for lack of budget: the detail and the
+    /// fields are written from the policy's pre-rendered parts
+    /// ([`Rendered`]) with these numbers.
+    Rendered(Numbers),
 }
 
 impl Answer {
     pub(crate) fn new(refusal: Refusal, detail: impl Into<String>) -> Self {
         Self {
             refusal,
-            detail: detail.into(),
+            detail: Detail::Text(detail.into()),
             policy: None,
             retry_after: None,
             fields: None,
@@ -118,16 +130,25 @@ impl Answer {
         }
     }
 
+    /// This answer, written from its policy's pre-rendered parts with
+    /// `numbers`.
+    fn rendered(self, numbers: Numbers) -> Self {
+        Self {
+            detail: Detail::Rendered(numbers),
+            ..self
+        }
+    }
+
     /// The refusal for a cost that can never fit `policy`.
     pub(crate) fn never_fits(policy: &Policy, cost: u64, status: StatusCode) -> Self {
         Self {
             refusal: Refusal::NeverFits(status),
-            detail: format!(
+            detail: Detail::Text(format!(
                 "this request costs {cost} {} but policy {:?} holds at most {}; it can never be admitted",
                 policy.unit().as_str(),
                 policy.name(),
                 policy.capacity()
-            ),
+            )),
             policy: Some(Limit::Policy(policy.clone())),
             retry_after: None,
             fields: None,
@@ -139,7 +160,7 @@ impl Answer {
     pub(crate) fn for_key(error: KeyError, first: &str) -> Self {
         match error {
             KeyError::NoPrincipal => Answer {
-                challenge: Some(HeaderValue::from_static("Bearer")),
+                challenge: Some(Box::new(HeaderValue::from_static("Bearer"))),
                 ..Answer::new(
                     Refusal::Unauthenticated,
                     format!("{first:?} needs an authenticated principal"),
@@ -154,7 +175,7 @@ impl Answer {
             ),
             KeyError::ClientIp(e) => Answer::new(Refusal::BadRequest, e.to_string()),
             KeyError::MissingPart(name) => Answer {
-                challenge: Some(HeaderValue::from_static("Bearer")),
+                challenge: Some(Box::new(HeaderValue::from_static("Bearer"))),
                 ..Answer::new(
                     Refusal::Unauthenticated,
                     format!("{first:?} is keyed by {name:?}, which this request does not carry"),
@@ -166,7 +187,31 @@ impl Answer {
     /// The answer to a denied outcome (or, defensively, a never-fitting
     /// one: the layer does not send those to the store).
     pub(crate) fn from_outcome(charges: &[Charge], outcome: &Outcome, verdict: Verdict) -> Self {
-        let idx = outcome.most_restrictive().unwrap_or(0);
+        let idx = match charges.len() {
+            1 => 0,
+            _ => outcome.most_restrictive().unwrap_or(0),
+        };
+        // Out of budget (the flood's case): the most restrictive policy's
+        // parts are rendered once; only its numbers are kept, and with one
+        // policy (the common case) the fields are written from them too.
+        if let (Some(charge), Some(decision), Verdict::Denied { retry_after }) =
+            (charges.get(idx), outcome.limits().get(idx), verdict)
+            && decision.is_evaluated()
+            && !decision.never_fits()
+            && Rendered::of(charge.policy()).is_some()
+        {
+            let fields = match charges.len() {
+                1 => None,
+                _ => ratelimit_fields(charges, outcome).map(Box::new),
+            };
+            return Self {
+                policy: Some(Limit::Policy(charge.policy().clone())),
+                retry_after: Some(retry_after),
+                fields,
+                ..Self::new(Refusal::RateLimited, String::new())
+            }
+            .rendered(Numbers::new(decision.remaining(), decision.reset()));
+        }
         let policy = charges.get(idx).map(|c| Limit::Policy(c.policy().clone()));
         let fields = ratelimit_fields(charges, outcome).map(Box::new);
         match (outcome.limits().get(idx), charges.get(idx)) {
@@ -188,7 +233,7 @@ impl Answer {
                 detail.push_str(" exceeded");
                 Self {
                     refusal: Refusal::RateLimited,
-                    detail,
+                    detail: Detail::Text(detail),
                     policy,
                     retry_after: Some(wait),
                     fields,
@@ -205,16 +250,50 @@ impl Answer {
     /// The response, with an HTTP body written by `shape` when there is
     /// one (the status and every header stay tollgate's).
     pub(crate) fn into_shaped_response(
-        self,
+        mut self,
         protocol: Protocol,
         shape: Option<&Shape>,
     ) -> Response<Full<Bytes>> {
+        // A lone policy's refusal for lack of budget: its parts rendered
+        // once (`from_outcome`).
+        let numbers = match self.detail {
+            Detail::Rendered(numbers) => Some(numbers),
+            Detail::Text(_) => None,
+        };
+        let rendered = match (numbers, &self.policy) {
+            (Some(_), Some(Limit::Policy(policy))) => Rendered::of(policy),
+            _ => None,
+        };
+        // The flood's case, the whole answer from the rendered parts.
+        if let (Protocol::Http, None, None, Some(rendered), Some(numbers), Some(wait)) = (
+            protocol,
+            shape,
+            &self.challenge,
+            rendered,
+            numbers,
+            self.retry_after,
+        ) {
+            let secs = ceil_secs(wait).max(1);
+            // Taken: a head is made whenever fields are given (only the
+            // `RateLimit` value of `numbers` can fail to be one).
+            let fields = self.fields.take().map(|both| *both);
+            if let Some(head) = rendered.http_head(numbers, fields, secs) {
+                let mut response = Response::new(Full::new(rendered.body(secs)));
+                *response.status_mut() = self.refusal.status();
+                *response.headers_mut() = head;
+                return response;
+            }
+        }
         // Cache-Control, the two RateLimit fields, Content-Type, and
         // Retry-After or WWW-Authenticate (gRPC: its status and message).
         let mut headers = HeaderMap::with_capacity(6);
         headers.insert(CACHE_CONTROL, HeaderValue::from_static("no-store"));
-        if let Some(fields) = self.fields {
-            let (policy, current) = *fields;
+        let fields = match (self.fields, rendered, numbers) {
+            (Some(both), _, _) => Some(*both),
+            (None, Some(rendered), Some(numbers)) => rendered.fields(numbers),
+            _ => None,
+        };
+        if let Some((policy, current)) = fields {
             headers.insert(RATELIMIT_POLICY.clone(), policy);
             headers.insert(RATELIMIT.clone(), current);
         }
@@ -223,48 +302,71 @@ impl Answer {
         // seconds beside `Retry-After`, milliseconds beside
         // `grpc-retry-pushback-ms` (a gRPC caller told "1 s" with a
         // pushback of 39 ms would not know which to believe).
-        let mut detail = self.detail;
-        let (status, body) = if protocol == Protocol::Http {
-            if let Some(wait) = self.retry_after {
-                let secs = ceil_secs(wait).max(1);
-                headers.insert(RETRY_AFTER, retry_after_value(secs));
+        let detail = |wait: Option<(u64, &str)>| {
+            let mut detail = match self.detail {
+                Detail::Text(text) => text,
+                // Not reached: `from_outcome` renders only what renders.
+                Detail::Rendered(_) => rendered.map_or_else(String::new, |r| r.detail().to_owned()),
+            };
+            if let Some((n, unit)) = wait {
                 detail.push_str("; retry after ");
-                push_int(&mut detail, secs);
-                detail.push_str(" s");
+                push_int(&mut detail, n);
+                detail.push_str(unit);
+            }
+            detail
+        };
+        let (status, body) = if protocol == Protocol::Http {
+            let secs = self.retry_after.map(|wait| ceil_secs(wait).max(1));
+            if let Some(secs) = secs {
+                headers.insert(RETRY_AFTER, retry_after_value(secs));
             }
             if let Some(challenge) = self.challenge {
-                headers.insert(WWW_AUTHENTICATE, challenge);
+                headers.insert(WWW_AUTHENTICATE, *challenge);
             }
             let status = self.refusal.status();
             let (problem_type, policy) = (
                 self.refusal.problem_type(),
                 self.policy.as_ref().map(Limit::name),
             );
-            let body = match shape {
-                Some(shape) => {
-                    let written = (shape.0)(&RefusalInfo {
-                        status,
-                        problem_type,
-                        detail: &detail,
-                        policy,
-                        retry_after: self.retry_after,
-                    });
-                    headers.insert(CONTENT_TYPE, written.content_type);
-                    written.body
+            let body = match (shape, rendered, secs) {
+                (None, Some(rendered), Some(secs)) => rendered.body(secs),
+                (shape, _, _) => {
+                    let detail = detail(secs.map(|secs| (secs, " s")));
+                    match shape {
+                        Some(shape) => {
+                            let written = (shape.0)(&RefusalInfo {
+                                status,
+                                problem_type,
+                                detail: &detail,
+                                policy,
+                                retry_after: self.retry_after,
+                            });
+                            headers.insert(CONTENT_TYPE, written.content_type);
+                            written.body
+                        }
+                        None => {
+                            problem::body(problem_type, status, &detail, policy, self.retry_after)
+                        }
+                    }
                 }
-                None => problem::body(problem_type, status, &detail, policy, self.retry_after),
             };
             (status, body)
         } else {
-            if let Some(wait) = self.retry_after {
-                // gRPC's own Retry-After (retry pushback, gRFC A6): a client
-                // with a retry policy waits this long before trying again.
-                grpc::pushback(&mut headers, wait);
-                detail.push_str("; retry after ");
-                push_int(&mut detail, grpc::pushback_ms(wait));
-                detail.push_str(" ms");
+            let code = self.refusal.grpc_code();
+            let ms = self.retry_after.map(grpc::pushback_ms);
+            if let Some(ms) = ms {
+                // gRPC's own Retry-After (retry pushback, gRFC A6): a
+                // client with a retry policy waits this long before trying
+                // again.
+                grpc::pushback(&mut headers, ms);
             }
-            grpc::status(&mut headers, self.refusal.grpc_code(), &detail);
+            match (rendered, ms) {
+                (Some(rendered), Some(ms)) => match rendered.grpc_message(ms) {
+                    Some(message) => grpc::status_with(&mut headers, code, message),
+                    None => grpc::status(&mut headers, code, &detail(Some((ms, " ms")))),
+                },
+                _ => grpc::status(&mut headers, code, &detail(ms.map(|ms| (ms, " ms")))),
+            }
             (StatusCode::OK, Bytes::new())
         };
         let mut response = Response::new(Full::new(body));
@@ -287,6 +389,7 @@ pub(crate) fn polled_after_completion() -> Response<Full<Bytes>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::response::fields::written_fields;
 
     #[test]
     fn a_grpc_refusal_is_trailers_only_with_its_code() {
@@ -310,6 +413,155 @@ mod tests {
             }
             _ => String::new(),
         }
+    }
+
+    /// A refusal for lack of budget, written from its policy's
+    /// pre-rendered parts, is byte for byte the answer the general writers
+    /// give (`problem::body`, `ratelimit_fields`, gRPC's percent-encoded
+    /// message), in both protocols, alone or beside a second limit that
+    /// admitted or refused too.
+    fn pre_rendered_matches_the_general_writers(
+        name: &str,
+        capacity: u64,
+        rate: tollgate_budget::Rate,
+        numbers: (u64, Duration),
+        wait: Duration,
+        beside: Option<tollgate_budget::Decision>,
+    ) {
+        use tollgate_budget::{Decision, Key, Rate};
+        let policy = Policy::token_bucket(name, capacity, rate).unwrap();
+        let other = Policy::token_bucket("other", 10, Rate::per_second(1)).unwrap();
+        let (remaining, reset) = numbers;
+        let mut charges = vec![Charge::new(Key::tagged("t", "k"), policy, 1).unwrap()];
+        let mut decisions = vec![Decision::denied(wait, remaining, reset)];
+        if let Some(decision) = beside {
+            charges.push(Charge::new(Key::tagged("t", "k"), other, 1).unwrap());
+            decisions.push(decision);
+        }
+        let outcome = Outcome::new(decisions);
+        let verdict = outcome.verdict();
+        let idx = outcome.most_restrictive().unwrap();
+        let refusing = charges[idx].policy().clone();
+        let Verdict::Denied { retry_after } = verdict else {
+            panic!("{verdict:?}")
+        };
+        for protocol in [Protocol::Http, Protocol::Grpc] {
+            let fast = Answer::from_outcome(&charges, &outcome, verdict);
+            assert!(matches!(fast.detail, Detail::Rendered(_)));
+            let general = Answer {
+                policy: Some(Limit::Policy(refusing.clone())),
+                retry_after: Some(retry_after),
+                fields: written_fields(&charges, &outcome).map(Box::new),
+                ..Answer::new(
+                    Refusal::RateLimited,
+                    format!("rate limit of policy {} exceeded", refusing.name()),
+                )
+            };
+            let (fast, general) = (
+                fast.into_response(protocol),
+                general.into_response(protocol),
+            );
+            assert_eq!(fast.status(), general.status());
+            assert_eq!(fast.headers(), general.headers(), "{protocol:?}");
+            assert_eq!(body_text(fast), body_text(general));
+        }
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn a_pre_rendered_refusal_is_the_general_one(
+            name in "[A-Za-z0-9._-]{1,64}",
+            capacity in 1u64..=100_000,
+            amount in 1u64..1_000_000,
+            period_ms in 1u64..=3_600_000,
+            remaining in proptest::prelude::any::<u64>(),
+            reset_ns in proptest::prelude::any::<u64>(),
+            wait_ns in 1u64..=u64::MAX,
+            beside in proptest::option::of((0u8..3, 0u64..=10, 0u64..=u64::MAX)),
+        ) {
+            let rate = tollgate_budget::Rate::new(amount, Duration::from_millis(period_ms));
+            // Numbers the exact arithmetic cannot hold are refused at
+            // construction; proptest fails if it has to skip too many.
+            proptest::prop_assume!(Policy::token_bucket("p", capacity, rate).is_ok());
+            let beside = beside.map(|(kind, remaining, ns)| decision(kind, remaining, ns));
+            pre_rendered_matches_the_general_writers(
+                &name,
+                capacity,
+                rate,
+                (remaining % capacity.saturating_add(1), Duration::from_nanos(reset_ns)),
+                Duration::from_nanos(wait_ns),
+                beside,
+            );
+        }
+    }
+
+    /// A decision of each kind a store gives.
+    fn decision(kind: u8, remaining: u64, ns: u64) -> tollgate_budget::Decision {
+        use tollgate_budget::Decision;
+        let ns = Duration::from_nanos(ns);
+        match kind {
+            0 => Decision::denied(ns, remaining, ns),
+            1 => Decision::admitted(remaining, ns),
+            2 => Decision::unevaluated(),
+            _ => Decision::never_fitting(remaining + 1, remaining),
+        }
+    }
+
+    proptest::proptest! {
+        /// The fields of one to three limits, in any state, written from
+        /// the rendered parts are the general writer's.
+        #[test]
+        fn rendered_fields_are_the_written_ones(
+            limits in proptest::collection::vec(
+                ("[A-Za-z0-9._-]{1,20}", 1u64..=1000, 1u64..=3600, 0u8..4, 0u64..=1000, proptest::prelude::any::<u64>()),
+                1..=3,
+            ),
+        ) {
+            use tollgate_budget::{Key, Rate};
+            let mut charges = Vec::new();
+            let mut decisions = Vec::new();
+            for (name, capacity, period, kind, remaining, ns) in limits {
+                let rate = Rate::new(1, Duration::from_secs(period));
+                let policy = Policy::token_bucket(name, capacity, rate).unwrap();
+                charges.push(Charge::new(Key::tagged("t", "k"), policy, 1).unwrap());
+                decisions.push(decision(kind, remaining, ns));
+            }
+            let outcome = Outcome::new(decisions);
+            proptest::prop_assert_eq!(
+                ratelimit_fields(&charges, &outcome),
+                written_fields(&charges, &outcome)
+            );
+        }
+    }
+
+    /// The numbers ride where the text would be: a rendered answer is no
+    /// larger than a written one (every decision's result carries an
+    /// answer's room, admitted or not).
+    #[test]
+    fn an_answer_stays_small() {
+        assert_eq!(size_of::<Detail>(), size_of::<String>());
+        assert!(size_of::<Answer>() <= 96, "{}", size_of::<Answer>());
+    }
+
+    /// A policy's rendering is made once and kept with it: the second
+    /// refusal finds it, a changed policy (a new one) renders its own.
+    #[test]
+    fn a_rendering_is_kept_with_its_policy() {
+        let policy =
+            Policy::token_bucket("per-ip", 5, tollgate_budget::Rate::per_second(1)).unwrap();
+        let first = Rendered::of(&policy).unwrap() as *const Rendered;
+        assert_eq!(
+            Rendered::of(&policy.clone()).unwrap() as *const Rendered,
+            first
+        );
+        let changed =
+            Policy::token_bucket("per-ip", 6, tollgate_budget::Rate::per_second(1)).unwrap();
+        let fields = Rendered::of(&changed)
+            .unwrap()
+            .fields(Numbers::new(0, Duration::from_millis(1500)))
+            .unwrap();
+        assert_eq!(fields.0, "\"per-ip\";q=6;w=6");
+        assert_eq!(fields.1, "\"per-ip\";r=0;t=2");
     }
 
     /// The wait in a refusal's message agrees with the answer's own field:
