@@ -7,6 +7,7 @@
 use std::any::Any;
 use std::fmt;
 use std::hash::{Hash, Hasher};
+use std::panic::{RefUnwindSafe, UnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
@@ -219,8 +220,9 @@ struct PolicyInner {
     /// space it gave them (see [`Policy::cached_space`]): `store << 24 |
     /// space`, `u64::MAX` when none has.
     space_cache: AtomicU64,
-    /// What a front end derived from this policy once ([`Policy::memo`]).
-    memo: OnceLock<Box<dyn Any + Send + Sync>>,
+    /// What a front end derived from this policy once ([`Policy::memo`]);
+    /// unwind-safe, as every other part of a policy is.
+    memo: OnceLock<Box<dyn Any + Send + Sync + UnwindSafe + RefUnwindSafe>>,
 }
 
 impl PartialEq for Policy {
@@ -530,12 +532,15 @@ impl Policy {
     /// A value derived from this policy once and kept with it: made by
     /// `make` on first use, then shared by every clone of the policy and
     /// dropped with the last. A policy never changes once built (a change
-    /// makes a new one), so the value never goes stale. tollgate's layer
-    /// keeps the policy's pre-rendered refusal here, so that a refusal
-    /// writes only its numbers.
+    /// makes a new one), so the value never goes stale.
     ///
-    /// One value per policy: `None` when a value of another type was kept
-    /// first.
+    /// **The slot is tollgate's**, not part of the stable API (hence hidden
+    /// from the docs): its layer keeps the policy's pre-rendered refusal
+    /// here, so that a refusal writes only its numbers. There is one value
+    /// per policy: `None` when a value of another type was kept first, and
+    /// the layer then writes its answers the slower, general way. An
+    /// application keeps its own derivations elsewhere. `make` must not
+    /// call `memo` on the same policy (it would wait for itself).
     ///
     /// ```
     /// use tollgate_budget::{Policy, Rate};
@@ -547,11 +552,14 @@ impl Policy {
     /// assert!(std::ptr::eq(header.unwrap(), policy.clone().memo(|_| String::new()).unwrap()));
     /// assert_eq!(policy.memo(|_| 0u32), None);
     /// ```
-    pub fn memo<T: Any + Send + Sync>(&self, make: impl FnOnce(&Policy) -> T) -> Option<&T> {
-        self.inner
-            .memo
-            .get_or_init(|| Box::new(make(self)))
-            .downcast_ref()
+    #[doc(hidden)]
+    pub fn memo<T>(&self, make: impl FnOnce(&Policy) -> T) -> Option<&T>
+    where
+        T: Any + Send + Sync + UnwindSafe + RefUnwindSafe,
+    {
+        let kept: &(dyn Any + Send + Sync) =
+            &**self.inner.memo.get_or_init(|| Box::new(make(self)));
+        kept.downcast_ref()
     }
 
     /// Whether `other` reads the same state: the same name and unit.
@@ -634,6 +642,16 @@ impl fmt::Display for Policy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A policy, and every charge and rule holding one, stays unwind-safe
+    /// (the memo's slot included): an application may hold them across
+    /// `catch_unwind`.
+    #[test]
+    fn a_policy_is_unwind_safe() {
+        fn unwind_safe<T: UnwindSafe + RefUnwindSafe>() {}
+        unwind_safe::<Policy>();
+        unwind_safe::<crate::Charge>();
+    }
 
     #[test]
     fn rates_are_reduced_to_lowest_terms() {

@@ -26,16 +26,16 @@ use super::refusal::Refusal;
 pub(crate) struct Numbers {
     /// What the key has left of the policy's budget.
     remaining: u64,
-    /// When the budget is whole again, in nanoseconds (saturated: a reset
-    /// past 584 years is said as that).
-    reset_nanos: u64,
+    /// When the budget is whole again, in whole seconds rounded up (what
+    /// the field says).
+    reset_secs: u64,
 }
 
 impl Numbers {
     pub(crate) fn new(remaining: u64, reset: Duration) -> Self {
         Self {
             remaining,
-            reset_nanos: u64::try_from(reset.as_nanos()).unwrap_or(u64::MAX),
+            reset_secs: ceil_secs(reset),
         }
     }
 }
@@ -58,10 +58,10 @@ pub(crate) struct Rendered {
     /// `Content-Type`, `Retry-After` (a placeholder). Cloned per refusal,
     /// which costs less than hashing five names into a new map.
     http_head: HeaderMap,
-    /// The last `RateLimit` value written, with its remaining budget and
+    /// The last `RateLimit` value of an empty budget written, with its
     /// reset in whole seconds: in a flood the refusals of one second say
     /// the same (nothing left, the same reset), and share one value.
-    last: ArcSwapOption<(u64, u64, HeaderValue)>,
+    last: ArcSwapOption<(u64, HeaderValue)>,
 }
 
 /// The room a decimal `u64` takes at most.
@@ -156,17 +156,24 @@ impl Rendered {
         Some(head)
     }
 
-    /// The `RateLimit` value for `numbers`.
+    /// The `RateLimit` value for `numbers`: an empty budget's (a refusal's)
+    /// is shared while its reset stays the same second; others (an
+    /// admitted response's, which change with every request) are written.
     fn current(&self, numbers: Numbers) -> Option<HeaderValue> {
-        let reset = ceil_secs(Duration::from_nanos(numbers.reset_nanos));
-        if let Some(last) = &*self.last.load()
-            && (last.0, last.1) == (numbers.remaining, reset)
-        {
-            return Some(last.2.clone());
+        let Numbers {
+            remaining,
+            reset_secs: reset,
+        } = numbers;
+        if remaining != 0 {
+            return self.write_current(remaining, reset);
         }
-        let value = self.write_current(numbers.remaining, reset)?;
-        self.last
-            .store(Some(Arc::new((numbers.remaining, reset, value.clone()))));
+        if let Some(last) = &*self.last.load()
+            && last.0 == reset
+        {
+            return Some(last.1.clone());
+        }
+        let value = self.write_current(0, reset)?;
+        self.last.store(Some(Arc::new((reset, value.clone()))));
         Some(value)
     }
 
