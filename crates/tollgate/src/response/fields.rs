@@ -128,18 +128,9 @@ pub(crate) fn retry_after_value(secs: u64) -> HeaderValue {
 }
 
 /// The `RateLimit-Policy` and `RateLimit` values of `charges` as decided
-/// in `outcome`: from the policies' rendered parts
-/// ([`rendered_fields`](super::rendered::rendered_fields)), else written.
-pub(crate) fn ratelimit_fields(
-    charges: &[Charge],
-    outcome: &Outcome,
-) -> Option<(HeaderValue, HeaderValue)> {
-    super::rendered::rendered_fields(charges, outcome)
-        .unwrap_or_else(|| written_fields(charges, outcome))
-}
-
-/// [`ratelimit_fields`] written member by member: the general writer,
-/// and the one the rendered parts are tested against.
+/// in `outcome`, written member by member: the general writer, used
+/// where a policy has no rendering and the one the rendered parts are
+/// tested against (`rendered::ratelimit_fields` is the one to call).
 pub(crate) fn written_fields(
     charges: &[Charge],
     outcome: &Outcome,

@@ -21,6 +21,7 @@ mod rendered;
 
 pub(crate) use custom::Shape;
 pub use custom::{RefusalBody, RefusalInfo};
-pub(crate) use fields::{FieldWriter, RATELIMIT, RATELIMIT_POLICY, ratelimit_fields};
+pub(crate) use fields::{FieldWriter, RATELIMIT, RATELIMIT_POLICY};
 pub(crate) use grpc::Protocol;
 pub(crate) use refusal::{Answer, Limit, Refusal, polled_after_completion};
+pub(crate) use rendered::ratelimit_fields;

@@ -8,6 +8,9 @@ use http::StatusCode;
 
 use super::fields::{ceil_secs, push_int};
 
+/// The problem type of a refusal for lack of budget.
+pub(super) const RATE_LIMITED: &str = "urn:tollgate:problem:rate-limited";
+
 /// The body: the refusal's problem type, the status and its reason phrase,
 /// a detail, and the policy and wait when there are.
 pub(super) fn body(

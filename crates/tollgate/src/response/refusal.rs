@@ -11,12 +11,10 @@ use http_body_util::Full;
 use tollgate_budget::{Charge, Outcome, Policy, Verdict};
 
 use super::custom::{RefusalInfo, Shape};
-use super::fields::{
-    RATELIMIT, RATELIMIT_POLICY, ceil_secs, push_int, ratelimit_fields, retry_after_value,
-};
+use super::fields::{RATELIMIT, RATELIMIT_POLICY, ceil_secs, push_int, retry_after_value};
 use super::grpc::{self, Protocol};
 use super::problem;
-use super::rendered::{Numbers, Rendered};
+use super::rendered::{Numbers, Rendered, ratelimit_fields};
 use crate::identity::ClientIpError;
 use crate::identity::KeyError;
 
@@ -50,9 +48,9 @@ impl Refusal {
         }
     }
 
-    pub(super) fn problem_type(self) -> &'static str {
+    fn problem_type(self) -> &'static str {
         match self {
-            Refusal::RateLimited => "urn:tollgate:problem:rate-limited",
+            Refusal::RateLimited => problem::RATE_LIMITED,
             Refusal::TooManyInFlight => "urn:tollgate:problem:too-many-in-flight",
             Refusal::Overloaded => "urn:tollgate:problem:overloaded",
             Refusal::NeverFits(_) => "urn:tollgate:problem:cost-exceeds-capacity",

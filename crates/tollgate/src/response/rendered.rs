@@ -16,8 +16,10 @@ use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
 use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use tollgate_budget::{Charge, Decision, Outcome, Policy};
 
-use super::fields::{FieldWriter, RATELIMIT, RATELIMIT_POLICY, ceil_secs, retry_after_value};
-use super::refusal::Refusal;
+use super::fields::{
+    FieldWriter, RATELIMIT, RATELIMIT_POLICY, ceil_secs, retry_after_value, written_fields,
+};
+use super::problem::RATE_LIMITED;
 
 /// The numbers of a lone policy's refusal for lack of budget, the only
 /// part of it not rendered in advance (besides the wait). Two words, so
@@ -94,7 +96,7 @@ impl Rendered {
         // policy name has no quote, backslash or control character).
         let body_head = format!(
             "{{\"type\":\"{}\",\"title\":\"{}\",\"status\":{},\"detail\":\"{detail}; retry after ",
-            Refusal::RateLimited.problem_type(),
+            RATE_LIMITED,
             status.canonical_reason().unwrap_or("Error"),
             status.as_u16(),
         );
@@ -218,6 +220,16 @@ impl Rendered {
         message.extend_from_slice(b" ms");
         HeaderValue::from_maybe_shared(Bytes::from(message)).ok()
     }
+}
+
+/// The `RateLimit-Policy` and `RateLimit` values of `charges` as decided
+/// in `outcome`: from the policies' rendered parts ([`rendered_fields`]),
+/// else written ([`written_fields`]).
+pub(crate) fn ratelimit_fields(
+    charges: &[Charge],
+    outcome: &Outcome,
+) -> Option<(HeaderValue, HeaderValue)> {
+    rendered_fields(charges, outcome).unwrap_or_else(|| written_fields(charges, outcome))
 }
 
 /// The `RateLimit-Policy` and `RateLimit` values of `charges` as decided in
