@@ -76,19 +76,21 @@ fn capacity(n: u64) -> PolicySet {
     .unwrap()
 }
 
-/// Waits (real time, at most `limit`) until `instance` runs `version`;
-/// how long it took.
-async fn until_version(instance: &Instance, version: u64, limit: Duration) -> Duration {
+/// Waits (real time, at most `limit`) until `done`; how long it took.
+async fn until(what: &str, limit: Duration, done: impl Fn() -> bool) -> Duration {
     let start = Instant::now();
-    while instance.fleet.version() < version {
-        assert!(
-            start.elapsed() < limit,
-            "version {version} not in force after {limit:?} (runs {})",
-            instance.fleet.version()
-        );
+    while !done() {
+        assert!(start.elapsed() < limit, "{what} not within {limit:?}");
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
     start.elapsed()
+}
+
+/// Waits (at most `limit`) until `instance` runs `version`; how long it
+/// took.
+async fn until_version(instance: &Instance, version: u64, limit: Duration) -> Duration {
+    let what = format!("version {version} in force");
+    until(&what, limit, || instance.fleet.version() >= version).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -396,16 +398,6 @@ async fn reporting(url: &str, period: Duration) -> Instance {
     Instance { layer, fleet }
 }
 
-/// Waits (at most 10 s) until `done`; how long it took.
-async fn until(what: &str, done: impl Fn() -> bool) -> Duration {
-    let start = Instant::now();
-    while !done() {
-        assert!(start.elapsed() < Duration::from_secs(10), "{what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    start.elapsed()
-}
-
 /// Found in review: instances comparing at different periods, an
 /// instance stopped shortly before a publication, and a record written by
 /// hand with a time far ahead. A real mismatch is seen by both instances
@@ -436,13 +428,13 @@ async fn mismatches_are_seen_across_periods_and_stopped_instances_are_not_mismat
 
     // A real mismatch, between a 100 ms and a 700 ms comparer.
     b.layer.rules_handle().set_plan("pro", reports(20)).unwrap();
-    let took = until("both see it", || {
+    let took = until("both see it", Duration::from_secs(10), || {
         !a.fleet.mismatched().is_empty() && !b.fleet.mismatched().is_empty()
     })
     .await;
     eprintln!("mismatch across periods seen by both after {took:?}");
     b.layer.rules_handle().set_plan("pro", reports(10)).unwrap();
-    until("agreeing again", || {
+    until("agreeing again", Duration::from_secs(10), || {
         a.fleet.mismatched().is_empty() && b.fleet.mismatched().is_empty()
     })
     .await;

@@ -308,7 +308,8 @@ impl Answer {
         let detail = |wait: Option<(u64, &str)>| {
             let mut detail = match self.detail {
                 Detail::Text(text) => text,
-                // Not reached: `from_outcome` renders only what renders.
+                // A shaped body or gRPC's message from a rendered answer
+                // (`from_outcome` makes one only for a policy that renders).
                 Detail::Rendered(_) => rendered.map_or_else(String::new, |r| r.detail().to_owned()),
             };
             if let Some((n, unit)) = wait {
@@ -448,7 +449,23 @@ mod tests {
         let Verdict::Denied { retry_after } = verdict else {
             panic!("{verdict:?}")
         };
-        for protocol in [Protocol::Http, Protocol::Grpc] {
+        // A body of the application's, which sees the detail and the rest.
+        let shape = Shape(std::sync::Arc::new(|info: &RefusalInfo<'_>| {
+            let text = format!(
+                "{} {} {} {:?} {:?}",
+                info.status(),
+                info.problem_type(),
+                info.detail(),
+                info.policy(),
+                info.retry_after()
+            );
+            super::super::RefusalBody::new(HeaderValue::from_static("text/plain"), text)
+        }));
+        for (protocol, shape) in [
+            (Protocol::Http, None),
+            (Protocol::Grpc, None),
+            (Protocol::Http, Some(&shape)),
+        ] {
             let fast = Answer::from_outcome(&charges, &outcome, verdict);
             assert!(matches!(fast.detail, Detail::Rendered(_)));
             let general = Answer {
@@ -461,11 +478,11 @@ mod tests {
                 )
             };
             let (fast, general) = (
-                fast.into_response(protocol),
-                general.into_response(protocol),
+                fast.into_shaped_response(protocol, shape),
+                general.into_shaped_response(protocol, shape),
             );
             assert_eq!(fast.status(), general.status());
-            assert_eq!(fast.headers(), general.headers(), "{protocol:?}");
+            assert_eq!(fast.headers(), general.headers(), "{protocol:?} {shape:?}");
             // In the same order on the wire too.
             let order = |r: &Response<Full<Bytes>>| r.headers().keys().cloned().collect::<Vec<_>>();
             assert_eq!(order(&fast), order(&general));
