@@ -212,7 +212,10 @@ fn unauthorized(admin: &Admin, headers: &HeaderMap) -> Option<Response> {
 }
 
 fn answer(version: u64, set: &PolicySet) -> Response {
-    let body = serde_json::json!({ "version": version, "set": set });
+    json(serde_json::json!({ "version": version, "set": set }))
+}
+
+fn json(body: serde_json::Value) -> Response {
     (
         [(http::header::CONTENT_TYPE, "application/json")],
         body.to_string(),
@@ -225,18 +228,11 @@ async fn show(State(admin): State<Admin>, headers: HeaderMap) -> Response {
         return refused;
     }
     match admin.policies.current().await {
-        Ok((version, set)) => {
-            let body = serde_json::json!({
-                "version": version,
-                "set": set,
-                "mismatched": admin.policies.mismatched(),
-            });
-            (
-                [(http::header::CONTENT_TYPE, "application/json")],
-                body.to_string(),
-            )
-                .into_response()
-        }
+        Ok((version, set)) => json(serde_json::json!({
+            "version": version,
+            "set": set,
+            "mismatched": admin.policies.mismatched(),
+        })),
         Err(refused) => refused,
     }
 }
