@@ -8,8 +8,10 @@
 #
 # Server (current-thread tokio) pinned to CPU 0, wrk pinned to CPU 1.
 # Modes alternate within each round; the table reports medians over rounds
-# of requests/s and of server user-CPU nanoseconds per request (utime from
-# /proc/PID/stat), and the ratios BENCHMARKS.md asks for.
+# of requests/s, of server user-CPU nanoseconds per request (utime from
+# /proc/PID/stat) and of its user+system CPU (utime+stime: the reads, writes
+# and polls a response costs in the kernel), and the ratios BENCHMARKS.md
+# asks for.
 #
 #   bash benches/http.sh            # ROUNDS=5 DURATION=5 CONNS=32 by default
 set -euo pipefail
@@ -35,6 +37,7 @@ wrk.headers["Authorization"] = "Bearer bench-key"
 LUA
 
 utime() { awk '{print $14}' "/proc/$1/stat"; }
+cputime() { awk '{print $14 + $15}' "/proc/$1/stat"; }
 
 measure() { # name mode [--refuse]
     local name=$1 mode=$2 flag=${3:-}
@@ -50,10 +53,12 @@ measure() { # name mode [--refuse]
         sleep 0.05
     done
     taskset -c 1 wrk -t1 -c"$CONNS" -d1s "${target[@]}" > /dev/null # warm-up
-    local t0 t1 report reqs rps errors
+    local t0 t1 c0 c1 report reqs rps errors
     t0=$(utime "$pid")
+    c0=$(cputime "$pid")
     report=$(taskset -c 1 wrk -t1 -c"$CONNS" -d"${DURATION}s" "${target[@]}")
     t1=$(utime "$pid")
+    c1=$(cputime "$pid")
     kill "$pid"; wait "$pid" 2> /dev/null || true
     reqs=$(echo "$report" | awk '/requests in/ {print $1}')
     rps=$(echo "$report" | awk '/Requests\/sec/ {print $2}')
@@ -71,7 +76,7 @@ measure() { # name mode [--refuse]
         echo "http.sh: $name: $errors of $reqs answered non-2xx" >&2
         exit 1
     fi
-    echo "$name $rps $(( (t1 - t0) * 1000000000 / TCK / reqs ))" >> "$OUT"
+    echo "$name $rps $(( (t1 - t0) * 1000000000 / TCK / reqs )) $(( (c1 - c0) * 1000000000 / TCK / reqs ))" >> "$OUT"
 }
 
 for round in $(seq "$ROUNDS"); do
@@ -92,19 +97,20 @@ python3 - "$OUT" "$ROUNDS" "$DURATION" "$CONNS" <<'PY'
 import statistics, sys
 rows = {}
 for line in open(sys.argv[1]):
-    name, rps, cpu = line.split()
-    rows.setdefault(name, []).append((float(rps), float(cpu)))
-med = {k: (statistics.median(r for r, _ in v), statistics.median(c for _, c in v)) for k, v in rows.items()}
+    name, rps, cpu, total = line.split()
+    rows.setdefault(name, []).append((float(rps), float(cpu), float(total)))
+med = {k: tuple(statistics.median(r[i] for r in v) for i in range(3)) for k, v in rows.items()}
 print(f"rounds={sys.argv[2]} duration={sys.argv[3]}s connections={sys.argv[4]}")
-print("| configuration | requests/s (median) | server user-CPU ns/request (median) |")
-print("|---|---|---|")
+print("| configuration | requests/s (median) | server user-CPU ns/request (median) | server user+system CPU ns/request (median) |")
+print("|---|---|---|---|")
 for k in ["bare", "tollgate", "governor", "tollgate_refused", "governor_refused", "tollgate_front", "tollgate_front_refused", "bare_export", "tollgate_export", "tollgate_export_refused"]:
-    print(f"| {k} | {med[k][0]:.0f} | {med[k][1]:.0f} |")
+    print(f"| {k} | {med[k][0]:.0f} | {med[k][1]:.0f} | {med[k][2]:.0f} |")
 added_t = med["tollgate"][1] - med["bare"][1]
 added_g = med["governor"][1] - med["bare"][1]
 print()
 print(f"added CPU per admitted request: tollgate {added_t:.0f} ns, tower_governor {added_g:.0f} ns, ratio {added_t / added_g:.2f} (target <= 1.0)" if added_g > 0 else "tower_governor added no measurable CPU")
 print(f"all refused, requests/s vs bare: tollgate inside the router {med['tollgate_refused'][0] / med['bare'][0]:.2f}, at the front door {med['tollgate_front_refused'][0] / med['bare'][0]:.2f} (target >= 1.3), tower_governor {med['governor_refused'][0] / med['bare'][0]:.2f}")
+print(f"all refused, server user+system CPU per request vs bare: tollgate inside the router {med['tollgate_refused'][2] / med['bare'][2]:.2f}, at the front door {med['tollgate_front_refused'][2] / med['bare'][2]:.2f}, tower_governor {med['governor_refused'][2] / med['bare'][2]:.2f}")
 print(f"all admitted, requests/s vs bare: tollgate inside the router {med['tollgate'][0] / med['bare'][0]:.2f}, at the front door {med['tollgate_front'][0] / med['bare'][0]:.2f} (target >= 0.95), tower_governor {med['governor'][0] / med['bare'][0]:.2f}")
 added_e = med["tollgate_export"][1] - med["bare_export"][1]
 print(f"/export, 2 rules and a principal: added CPU per admitted request over bare_export: tollgate {added_e:.0f} ns (1 rule on GET /: {added_t:.0f} ns); all refused, requests/s vs bare_export {med['tollgate_export_refused'][0] / med['bare_export'][0]:.2f}, CPU per refused request vs bare_export {med['tollgate_export_refused'][1] / med['bare_export'][1]:.2f}")
