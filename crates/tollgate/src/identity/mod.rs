@@ -26,5 +26,5 @@ pub use client_ip::{
 pub use keys::CustomPart;
 pub(crate) use keys::{KeyError, RequestIdentity};
 pub(crate) use keys::{KeyPart, MissingPrincipal};
-pub(crate) use operation::{nested_of as operation_nest, route_of as operation_route};
+pub(crate) use operation::Routed;
 pub(crate) use principal::Principal;

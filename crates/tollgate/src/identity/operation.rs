@@ -72,6 +72,26 @@ pub(crate) fn write_operation<R>(
     }
 }
 
+/// Where routing put a request: axum's `MatchedPath` and `NestedPath`, each
+/// looked up in the request's extensions once per request however many
+/// rules name routes (each lookup hashes a type id into the extension map).
+#[derive(Clone, Copy)]
+pub(crate) struct Routed<'a> {
+    /// The route pattern the router matched ([`route_of`]).
+    pub(crate) matched: Option<&'a str>,
+    /// The path a nested router is mounted at ([`nested_of`]).
+    pub(crate) nested: Option<&'a str>,
+}
+
+impl<'a> Routed<'a> {
+    pub(crate) fn of(parts: &'a Parts) -> Self {
+        Self {
+            matched: route_of(parts),
+            nested: nested_of(parts),
+        }
+    }
+}
+
 /// The path a nested router is mounted at (axum's `NestedPath`), if any.
 pub(crate) fn nested_of(parts: &Parts) -> Option<&str> {
     #[cfg(feature = "axum")]

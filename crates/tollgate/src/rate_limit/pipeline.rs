@@ -24,7 +24,7 @@ use super::exempt::any_matches;
 use super::route::RouteMatch;
 use super::rule::{Applies, CostRefusal, Shaping, StatusFilter};
 use super::shaping::{Place, ShapingLine, Wait, WaitKeys};
-use crate::identity::{RequestIdentity, operation_route};
+use crate::identity::{RequestIdentity, Routed};
 use crate::observe;
 use crate::response::{Answer, Refusal, ratelimit_fields};
 
@@ -114,9 +114,12 @@ pub(crate) fn charge_plan<St>(config: &Config<St>, parts: &Parts) -> ChargePlan 
     // Charges of shaping rules, by index, with how they shape.
     let mut shaped: SmallVec<[(usize, Shaping); 1]> = SmallVec::new();
     let layer_exempt = any_matches(&config.exemptions, &mut who, parts);
+    // Where routing put the request, looked up once for every rule that
+    // names routes.
+    let mut routed: Option<Routed<'_>> = None;
     let rules = config.rules.load();
     for rule in rules.iter() {
-        let applies = rule.applies_to(parts);
+        let applies = rule.applies_to(parts, &mut routed);
         if applies == Applies::No {
             continue;
         }
@@ -129,7 +132,7 @@ pub(crate) fn charge_plan<St>(config: &Config<St>, parts: &Parts) -> ChargePlan 
             Applies::No => continue,
             Applies::Yes => None,
             Applies::ByFallback { route, how } => {
-                match (how, operation_route(parts)) {
+                match (how, routed.and_then(|r| r.matched)) {
                     (RouteMatch::Suffix, Some(matched)) => rule.report_suffix(route, matched),
                     _ => report_no_matched_path(config, rule.policy().name(), route),
                 }

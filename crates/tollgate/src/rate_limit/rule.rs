@@ -17,7 +17,7 @@ use super::exempt::Exemption;
 use super::invalid::Problem;
 use super::plans::{Entry, Plans};
 use super::route::{RouteMatch, RoutePattern};
-use crate::identity::{KeyPart, MissingPrincipal, operation_nest, operation_route};
+use crate::identity::{KeyPart, MissingPrincipal, Routed};
 
 /// A cost computed from the request.
 pub type CostFn = dyn Fn(&Parts) -> Result<u64, CostError> + Send + Sync;
@@ -644,7 +644,14 @@ impl Rule {
         }
     }
 
-    pub(crate) fn applies_to(&self, parts: &Parts) -> Applies<'_> {
+    /// Whether the rule applies to the request `parts`; `routed` is where
+    /// routing put it, looked up by the first rule that names routes and
+    /// kept for the others.
+    pub(crate) fn applies_to<'p>(
+        &self,
+        parts: &'p Parts,
+        routed: &mut Option<Routed<'p>>,
+    ) -> Applies<'_> {
         if let Some(methods) = &self.methods {
             let head_as_get = parts.method == Method::HEAD && methods.contains(&Method::GET);
             if !head_as_get && !methods.contains(&parts.method) {
@@ -654,8 +661,7 @@ impl Rule {
         if self.routes.is_empty() {
             return Applies::Yes;
         }
-        let matched = operation_route(parts);
-        let nested = operation_nest(parts);
+        let Routed { matched, nested } = *routed.get_or_insert_with(|| Routed::of(parts));
         let mut fallback = None;
         let mut ends_with = None;
         for route in &self.routes {
