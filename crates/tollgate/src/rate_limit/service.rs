@@ -78,16 +78,12 @@ where
 
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
         let (parts, body) = req.into_parts();
-        let ChargePlan {
-            mut charges,
-            enforced,
-            mut settled,
-            mut refusal,
-            shaping,
-        } = pipeline::charge_plan(&self.config, &parts);
+        // Used where it is (not taken apart into locals): the plan is a few
+        // hundred bytes, and each field moved out is a copy.
+        let mut plan: ChargePlan = pipeline::charge_plan(&self.config, &parts);
         let config = &self.config;
-        if charges.is_empty() {
-            return match refusal {
+        if plan.charges.is_empty() {
+            return match plan.refusal {
                 Some(answer) => ResponseFuture::refused(
                     answer
                         .into_shaped_response(Protocol::of(&parts.headers), config.shape.as_ref()),
@@ -102,18 +98,20 @@ where
         // A request that may wait is decided under the locked line, with
         // its place taken: a decision in process takes microseconds, and no
         // other request can take the room it was decided with.
-        let mut line = (!shaping.is_empty()).then(|| config.waiters.lock());
+        let mut line = (!plan.shaping.is_empty()).then(|| config.waiters.lock());
         let mut place = match &mut line {
-            Some(line) => shaping.take_place(line, config.max_waiting, &mut charges),
+            Some(line) => plan
+                .shaping
+                .take_place(line, config.max_waiting, &mut plan.charges),
             None => None,
         };
         match pipeline::decide_now(
             config,
-            &charges,
-            enforced,
-            &mut refusal,
+            &plan.charges,
+            plan.enforced,
+            &mut plan.refusal,
             &mut place,
-            &mut settled,
+            &mut plan.settled,
         ) {
             Now::Decided(result) => {
                 // Not held: the place is given up, under the same lock.
@@ -161,11 +159,11 @@ where
                 drop(line);
                 let decision = Box::pin(pipeline::decide(
                     config.clone(),
-                    charges,
-                    enforced,
+                    plan.charges,
+                    plan.enforced,
                     failed,
-                    refusal,
-                    settled,
+                    plan.refusal,
+                    plan.settled,
                     place,
                 ));
                 let protocol = Protocol::of(&parts.headers);
