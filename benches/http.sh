@@ -61,6 +61,10 @@ measure() { # name mode [--refuse]
     c1=$(cputime "$pid")
     kill "$pid"; wait "$pid" 2> /dev/null || true
     reqs=$(echo "$report" | awk '/requests in/ {print $1}')
+    if [ -z "$reqs" ] || [ "$reqs" -eq 0 ]; then
+        echo "http.sh: $name: wrk reported no requests" >&2
+        exit 1
+    fi
     rps=$(echo "$report" | awk '/Requests\/sec/ {print $2}')
     # A run that answered other than it should (a 401 for a missing
     # header, a refusal where all should pass) measures something else.

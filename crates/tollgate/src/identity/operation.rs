@@ -74,7 +74,7 @@ pub(crate) fn write_operation<R>(
 
 /// Where routing put a request: axum's `MatchedPath` and `NestedPath`, each
 /// looked up in the request's extensions once per request however many
-/// rules name routes (each lookup hashes a type id into the extension map).
+/// rules name routes (each lookup is a probe of the extension map).
 #[derive(Clone, Copy)]
 pub(crate) struct Routed<'a> {
     /// The route pattern the router matched ([`route_of`]).
@@ -93,7 +93,7 @@ impl<'a> Routed<'a> {
 }
 
 /// The path a nested router is mounted at (axum's `NestedPath`), if any.
-pub(crate) fn nested_of(parts: &Parts) -> Option<&str> {
+fn nested_of(parts: &Parts) -> Option<&str> {
     #[cfg(feature = "axum")]
     if let Some(path) = parts.extensions.get::<axum::extract::NestedPath>() {
         return Some(path.as_str());
@@ -103,7 +103,7 @@ pub(crate) fn nested_of(parts: &Parts) -> Option<&str> {
 }
 
 /// The route pattern the router matched, if known.
-pub(crate) fn route_of(parts: &Parts) -> Option<&str> {
+fn route_of(parts: &Parts) -> Option<&str> {
     #[cfg(feature = "axum")]
     if let Some(path) = parts.extensions.get::<axum::extract::MatchedPath>() {
         return Some(path.as_str());
