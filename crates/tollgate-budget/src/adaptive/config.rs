@@ -212,7 +212,9 @@ impl AdaptiveConfigBuilder {
 
     /// The sampling window (default 100 ms, not zero): latencies are
     /// averaged over a window, and the limit moves at most once per window
-    /// by the gradient and once by a failure.
+    /// by the gradient and once by a failure (a window whose first
+    /// latencies already ask for a fall by more than a tenth closes early:
+    /// see [`AdaptiveLimit`](super::AdaptiveLimit)).
     pub fn window(mut self, window: Duration) -> Self {
         self.window = window;
         self

@@ -229,11 +229,47 @@ fn a_rise_is_smoothed_when_the_window_did_not_fill_the_limit_or_latency_queued()
 fn latency_far_above_the_floor_halves_the_target() {
     let mut limit = probed(config().initial(400).build().unwrap(), 10 * MS);
     // (Requests started during the probe are left out of the window.)
-    window_of(&mut limit, 200 * MS, 100 * MS);
-    limit.tick(300 * MS, BUSY);
-    // gradient clamped to 1/2: new = 200 + 20, below the limit: taken at
-    // once (a rise would be smoothed).
+    for i in 0..4 {
+        limit.update(200 * MS + i * 10 * MS, BUSY, Sample::Ok(100 * MS));
+    }
+    assert_eq!(fixed(&limit), 400 << 32);
+    // The fifth latency (half the probe samples) asks for a fall of more
+    // than a tenth: the window closes now. Gradient clamped to 1/2: new
+    // = 200 + 20, below the limit: taken at once (a rise would be
+    // smoothed).
+    limit.update(240 * MS, BUSY, Sample::Ok(100 * MS));
     assert_eq!(fixed(&limit), 220 << 32);
+    // A new window started with it: five more fall again, 110 + √220.
+    for i in 5..10 {
+        limit.update(200 * MS + i * 10 * MS, BUSY, Sample::Ok(100 * MS));
+    }
+    assert_eq!(fixed(&limit), (110 << 32) + (220u128 << 64).isqrt() as u64);
+    limit.tick(300 * MS, BUSY);
+    assert_eq!(fixed(&limit), (110 << 32) + (220u128 << 64).isqrt() as u64);
+}
+
+#[test]
+fn a_window_falls_early_only_by_more_than_a_tenth() {
+    // Floor 10 ms; at 400 the square root adds 20, so a window at the
+    // tolerance (12.5 ms) asks for 420, and one at 13.9 ms asks for
+    // 400 × 12.5 / 13.9 + 20 = 379.7: a fall of about 5 %, not early.
+    let mut limit = probed(config().initial(400).build().unwrap(), 10 * MS);
+    for i in 0..10 {
+        limit.update(200 * MS + i * 9 * MS, BUSY, Sample::Ok(13_900_000));
+    }
+    assert_eq!(fixed(&limit), 400 << 32);
+    // The window closes at its end: the fall is taken then.
+    limit.tick(300 * MS, BUSY);
+    assert!(fixed(&limit) < 380 << 32 && fixed(&limit) > 379 << 32);
+    // 16 ms asks for 400 × 12.5 / 16 + 20 = 332.5, a fall of 17 %: early,
+    // at the fifth latency of the next window.
+    let before = fixed(&limit);
+    for i in 0..4 {
+        limit.update(310 * MS + i * 9 * MS, BUSY, Sample::Ok(16 * MS));
+    }
+    assert_eq!(fixed(&limit), before);
+    limit.update(350 * MS, BUSY, Sample::Ok(16 * MS));
+    assert!(fixed(&limit) < before * 9 / 10);
 }
 
 #[test]
@@ -380,7 +416,11 @@ fn extreme_latencies_do_not_overflow() {
         for i in 1..=10 {
             limit.update(t0 + i * 10 * MS, 0, Sample::Ok(floor));
         }
-        window_of(&mut limit, later, latency);
+        // Half a window's latencies: enough for an early fall, and only
+        // one.
+        for i in 0..5 {
+            limit.update(later + i * 10 * MS, BUSY, Sample::Ok(latency));
+        }
         limit.tick(later + 100 * MS, BUSY);
         limit.limit()
     };
