@@ -575,10 +575,14 @@ impl ConcurrencyLimitBuilder {
     /// refused first (`503`, `Retry-After: 1`), and batch work gets what
     /// interactive work leaves. In the [line](Self::wait), a freed slot
     /// goes to the highest class waiting (first come, first served within a
-    /// class), and a full line makes room for a higher class by refusing
-    /// its lowest, latest waiter. Requests of one class are not held back
-    /// for each other. This process's counts only, and it needs a global
-    /// limit, as [`fair_share`](Self::fair_share).
+    /// class), a waiter is held to the room kept for higher classes as a
+    /// newcomer is, and a full line makes room for a higher class by
+    /// refusing its lowest, latest waiter. Requests of one class are not
+    /// held back for each other. A short line (tens of milliseconds) lets
+    /// a higher class whose demand alone fills the limit keep its bursts
+    /// (see the guide's [in flight](crate::guide::in_flight) chapter).
+    /// This process's counts only, and it needs a global limit, as
+    /// [`fair_share`](Self::fair_share).
     ///
     /// ```
     /// use std::num::NonZeroUsize;
