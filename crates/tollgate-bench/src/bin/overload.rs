@@ -12,8 +12,13 @@
 //! latency runs from its arrival to the end of its response body; it is
 //! good when that is at most the deadline, 1 s.
 //!
-//! Nothing waits in a line by default: tollgate's configurations refuse
-//! at once (`--wait-ms N` gives them `wait(64, N ms)`), and the peer, a
+//! Nothing waits in a line by default in `step` and `noisy`: tollgate's
+//! configurations refuse at once (`--wait-ms N` gives them `wait(64, N
+//! ms)` in every scenario). In `priority` they wait in a line of 64 for
+//! at most 20 ms: priorities act through it (a higher class takes the
+//! slot a lower one waits for; without a line, an interactive stream
+//! that alone fills the capacity loses its Poisson bursts above the
+//! limit whatever the classes). The peer, a
 //! `tower` service that waits in `poll_ready`, runs behind
 //! `tower::load_shed` (refused at once when not ready), as it is deployed
 //! against an open loop (without it, its line is unbounded).
@@ -31,7 +36,13 @@
 //!
 //! ```text
 //! cargo run --release -p tollgate-bench --bin overload -- [--quick] [--csv DIR]
+//!     [--only SCENARIO] [--config NAME]
 //! ```
+//!
+//! `--only` runs one scenario (`step`, `noisy`, `priority`) and `--config`
+//! one configuration (its name in the table, e.g. `tollgate-adaptive`):
+//! for iterating on one number. The last lines then cover what ran, and
+//! `vs_best_peer_min` needs the peers.
 
 // A measurement program: rates, ratios and percentiles are fractions.
 #![allow(clippy::float_arithmetic)]
@@ -62,6 +73,9 @@ const WORK: Duration = Duration::from_millis(20);
 const CAPACITY: u64 = 16;
 /// A request answered later than this is not goodput.
 const DEADLINE: Duration = Duration::from_secs(1);
+/// How long tollgate's configurations wait in a line of 64 in the
+/// `priority` scenario (without `--wait-ms`).
+const PRIORITY_WAIT: Duration = Duration::from_millis(20);
 /// How often the limit and the requests in flight are sampled.
 const SAMPLE: Duration = Duration::from_millis(100);
 
@@ -161,6 +175,13 @@ fn tollgate_system(config: Config, scenario: Scenario, inner: Backed, wait: Dura
                 Scenario::Step => builder,
             }
         }
+    };
+    // Priorities act through the line (a higher class takes the slot a
+    // lower one waits for): in that scenario tollgate's configurations
+    // wait, unless told otherwise.
+    let wait = match scenario {
+        Scenario::Priority if wait.is_zero() => PRIORITY_WAIT,
+        _ => wait,
     };
     let builder = if wait.is_zero() {
         builder
@@ -636,6 +657,8 @@ fn main() {
     let mut quick = false;
     let mut wait = Duration::ZERO;
     let mut csv = std::path::PathBuf::from("target/overload");
+    let mut only: Option<String> = None;
+    let mut only_config: Option<String> = None;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
@@ -645,8 +668,13 @@ fn main() {
                 wait = Duration::from_millis(ms.expect("--wait-ms needs a number of milliseconds"));
             }
             "--csv" => csv = args.next().expect("--csv needs a directory").into(),
+            "--only" => only = Some(args.next().expect("--only needs a scenario")),
+            "--config" => only_config = Some(args.next().expect("--config needs a name")),
             other => {
-                eprintln!("usage: overload [--quick] [--wait-ms N] [--csv DIR] (not {other:?})");
+                eprintln!(
+                    "usage: overload [--quick] [--wait-ms N] [--csv DIR] [--only SCENARIO] \
+                     [--config NAME] (not {other:?})"
+                );
                 std::process::exit(2);
             }
         }
@@ -664,6 +692,18 @@ fn main() {
         (Scenario::Priority, Duration::from_secs(10)),
     ];
     let mut summary: Vec<(Scenario, Vec<(Config, Score)>)> = Vec::new();
+    let scenarios: Vec<_> = scenarios
+        .into_iter()
+        .filter(|(s, _)| only.as_deref().is_none_or(|o| o == s.name()))
+        .collect();
+    let configs: Vec<Config> = CONFIGS
+        .into_iter()
+        .filter(|c| only_config.as_deref().is_none_or(|o| o == c.name()))
+        .collect();
+    if scenarios.is_empty() || configs.is_empty() {
+        eprintln!("no scenario or configuration by that name");
+        std::process::exit(2);
+    }
     for (scenario, length) in scenarios {
         let length = length / scale;
         let mut scores = Vec::new();
@@ -672,7 +712,7 @@ fn main() {
             "| configuration | goodput | deadline hit rate | score | p99 / unloaded | settle | detail |"
         );
         println!("|---|---|---|---|---|---|---|");
-        for config in CONFIGS {
+        for &config in &configs {
             let result = runtime.block_on(run(scenario, config, length, wait));
             write_csv(&csv, scenario, config, &result);
             let s = score(scenario, length, &result, config == Config::Adaptive);
