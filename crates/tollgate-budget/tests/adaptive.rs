@@ -25,6 +25,9 @@ struct Backend {
     now: Nanos,
     /// Requests of uneven size: 0.5 to 1.5 times `work`, in turn.
     spread: bool,
+    /// Requests of widely spread sizes instead: 0.2 to 2.8 times `work`,
+    /// mean 1, drawn from a fixed sequence (this state).
+    dispersed: Option<u64>,
     made: u64,
 }
 
@@ -58,6 +61,7 @@ impl Backend {
             jobs: Vec::new(),
             now: 0,
             spread: false,
+            dispersed: None,
             made: 0,
         }
     }
@@ -67,7 +71,14 @@ impl Backend {
         limit.tick(self.now, count(self.jobs.len()));
         let admit = usize::try_from(limit.limit()).unwrap();
         while self.jobs.len() < admit {
-            let left = if self.spread {
+            let left = if let Some(state) = &mut self.dispersed {
+                // Tenths of `work`: a mean of 10, from 2 to 28.
+                const SIZES: [u64; 10] = [2, 3, 4, 5, 6, 8, 10, 14, 20, 28];
+                *state = state
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                self.work * SIZES[usize::try_from((*state >> 33) % 10).unwrap()] / 10
+            } else if self.spread {
                 self.work * (5 + self.made % 11) / 10
             } else {
                 self.work
@@ -169,6 +180,29 @@ fn requests_of_uneven_cost_settle_near_the_capacity() {
         "settled into [64, 128] from step {at:?}; last steady limit {}",
         steps.last().unwrap().steady
     );
+}
+
+/// Latencies widely spread (request sizes from 0.2 to 2.8 times the
+/// mean): a window's first latencies, which decide an early fall, are
+/// often far from its mean; the limit still settles near the capacity,
+/// and spends little time below it.
+#[test]
+fn widely_spread_latencies_settle_near_the_capacity() {
+    for capacity in [16, 64] {
+        let mut backend = Backend::new(capacity, 10 * MS);
+        backend.dispersed = Some(7);
+        let mut limit = controller(1, 1000, 20);
+        let steps = backend.run(&mut limit, 30_000);
+        let lo = u32::try_from(capacity).unwrap();
+        let tail = &steps[10_000..];
+        let below = tail.iter().filter(|s| !s.probing && s.steady < lo).count();
+        let above = tail.iter().filter(|s| s.steady > 2 * lo).count();
+        assert!(
+            below * 10 <= tail.len() && above * 10 <= tail.len(),
+            "capacity {capacity}: {below} steps below it and {above} above twice it of {}",
+            tail.len()
+        );
+    }
 }
 
 #[test]

@@ -211,10 +211,11 @@ impl AdaptiveConfigBuilder {
     }
 
     /// The sampling window (default 100 ms, not zero): latencies are
-    /// averaged over a window, and the limit moves at most once per window
-    /// by the gradient and once by a failure (a window whose first
-    /// latencies already ask for a fall by more than a tenth closes early:
-    /// see [`AdaptiveLimit`](super::AdaptiveLimit)).
+    /// averaged over a window, and the limit moves by the gradient once per
+    /// window (a window whose first latencies already ask for a fall by
+    /// more than a tenth closes early, and a new one starts: see
+    /// [`AdaptiveLimit`](super::AdaptiveLimit)) and by a failure at most
+    /// once in a window's length.
     pub fn window(mut self, window: Duration) -> Self {
         self.window = window;
         self

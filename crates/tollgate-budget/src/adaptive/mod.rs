@@ -88,13 +88,21 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///   tolerance of the floor (`gradient ≥ 1`): the limit, not the backend,
 ///   held the work back (after a backend's capacity came back, smoothed
 ///   rises left it partly idle for most of a second; now the limit is back
-///   within 0.2 s). **A fall, early:** once a window holds half the
-///   [`probe_samples`] latencies (at least one) and their mean already
-///   asks the limit to fall by more than a tenth, the window closes then,
-///   not at its end: a backend whose capacity halved learns it within a
-///   few requests instead of up to a window later (in the overload
-///   benchmark, the halved phase's p99 went from 2.7-3.2x the floor to
-///   1.8-2.0x). A window in which fewer than
+///   within 0.2 s). **A fall, early:** once a window holds enough
+///   latencies ([`probe_samples`], and half the limit) and their mean
+///   already asks the limit to fall by more than a tenth, the window
+///   closes then, not at its end: a limit above a backend whose capacity
+///   halved comes down within a few service times instead of up to a
+///   window later. The window opened then counts only requests started
+///   after the fall (those started before ran in the crowd it relieved:
+///   counting them would cut again before the first cut could show), and
+///   keeps the closed window's back-off (failures cut at most once in a
+///   window's length). The evidence asked is what keeps widely spread
+///   latencies from cutting the limit on a few slow requests (with
+///   [`probe_samples`] alone, in review, a limit over a backend of
+///   capacity 64 whose requests vary from 0.2 to 2.8 times their mean
+///   spent a quarter of its time below 64; with half the limit too,
+///   none). A window in which fewer than
 ///   half the limit were ever in flight does not raise the limit (the
 ///   backend was not asked for more, so its latency says nothing about
 ///   more). At equilibrium on a saturated backend whose latency grows
@@ -215,11 +223,16 @@ pub struct AdaptiveLimit {
     probe: Option<Probe>,
     /// When the next probe starts (meaningless while one runs).
     next_probe: Nanos,
-    /// When the last probe ended: a request started before then ran under
-    /// the probe limit, so its latency says nothing about the steady one.
-    probe_ended: Nanos,
+    /// Windows leave out requests started before this: the end of the last
+    /// probe (they ran under the probe limit, and say nothing about the
+    /// steady one) or the last early fall (they ran in the crowd that
+    /// fall relieved: counting them again would cut the limit again before
+    /// the first cut could show).
+    counted_from: Nanos,
     /// The limit last reported as a [`Change`] (or the initial one).
     reported: u32,
+    /// A limit and its square root in fixed point (see `root`).
+    root: (u64, u128),
     /// The latest `now` seen: time never moves back.
     now: Nanos,
 }
@@ -282,7 +295,8 @@ impl AdaptiveLimit {
             window: Window::new(now),
             probe: Some(Probe::new(now)),
             next_probe: now,
-            probe_ended: now,
+            counted_from: now,
+            root: (0, 0),
             gave_up: 0,
             now,
         }
@@ -412,19 +426,24 @@ impl AdaptiveLimit {
                 }
             }
             None => {
-                if now.saturating_sub(latency) >= self.probe_ended {
+                if now.saturating_sub(latency) >= self.counted_from {
                     self.window.sum += u128::from(latency);
                     self.window.count += 1;
-                    // Half a probe's latencies that say the limit must
-                    // fall by more than a tenth: fall now, not at the
-                    // window's end (a backend whose capacity halved was
-                    // crowded for up to a window longer, and its p99 was
-                    // 2.7-3.2x its floor instead of 1.8-2.0x).
-                    if self.window.count >= u64::from(self.config.probe_samples / 2).max(1)
-                        && self.falls_far()
-                    {
+                    // Enough latencies (a probe's worth, and half the
+                    // limit) that say the limit must fall by more than a
+                    // tenth: fall now, not at the window's end (a backend
+                    // whose capacity halved was crowded for up to a window
+                    // longer). The next window counts only requests
+                    // started from now, and keeps the window's back-off:
+                    // failures still cut at most once in a window's length.
+                    let enough =
+                        u64::from(self.config.probe_samples).max(self.limit >> (FRAC_BITS + 1));
+                    if self.window.count >= enough && self.falls_far() {
+                        let backed_off = self.window.backed_off;
                         self.close_window();
                         self.window = Window::new(now);
+                        self.window.backed_off = backed_off;
+                        self.counted_from = now;
                     }
                 }
             }
@@ -488,7 +507,7 @@ impl AdaptiveLimit {
                 .saturating_mul(1 << self.gave_up.min(3));
             self.probe = None;
             self.next_probe = now.saturating_add(wait);
-            self.probe_ended = now;
+            self.counted_from = now;
             // The window's latencies, if any, are from before the probe.
             self.window = Window::new(now);
         }
@@ -537,16 +556,25 @@ impl AdaptiveLimit {
     /// The gradient of a window of mean latency `mean` against the floor
     /// `min`, and the limit it asks for: `limit × gradient + √limit`, in
     /// fixed point.
-    fn target(&self, min: Nanos, mean: u128) -> (u128, u128) {
+    fn target(&mut self, min: Nanos, mean: u128) -> (u128, u128) {
         let t = self.config.tolerance;
         let g = gradient(min, mean, t.num, t.den);
         let limit = u128::from(self.limit);
-        (g, ((limit * g) >> FRAC_BITS) + (limit << FRAC_BITS).isqrt())
+        (g, ((limit * g) >> FRAC_BITS) + self.root())
+    }
+
+    /// `√limit` in fixed point, computed again only when the limit moved
+    /// (an early fall asks for it at every latency).
+    fn root(&mut self) -> u128 {
+        if self.root.0 != self.limit {
+            self.root = (self.limit, (u128::from(self.limit) << FRAC_BITS).isqrt());
+        }
+        self.root.1
     }
 
     /// Whether the window so far asks the limit to fall by more than a
     /// tenth.
-    fn falls_far(&self) -> bool {
+    fn falls_far(&mut self) -> bool {
         let (Some(min), count @ 1..) = (self.min_latency, self.window.count) else {
             return false;
         };

@@ -229,47 +229,91 @@ fn a_rise_is_smoothed_when_the_window_did_not_fill_the_limit_or_latency_queued()
 fn latency_far_above_the_floor_halves_the_target() {
     let mut limit = probed(config().initial(400).build().unwrap(), 10 * MS);
     // (Requests started during the probe are left out of the window.)
-    for i in 0..4 {
-        limit.update(200 * MS + i * 10 * MS, BUSY, Sample::Ok(100 * MS));
-    }
+    window_of(&mut limit, 200 * MS, 100 * MS);
+    // Ten latencies are too few to fall early at 400 (half the limit).
     assert_eq!(fixed(&limit), 400 << 32);
-    // The fifth latency (half the probe samples) asks for a fall of more
-    // than a tenth: the window closes now. Gradient clamped to 1/2: new
-    // = 200 + 20, below the limit: taken at once (a rise would be
-    // smoothed).
-    limit.update(240 * MS, BUSY, Sample::Ok(100 * MS));
+    limit.tick(300 * MS, BUSY);
+    // gradient clamped to 1/2: new = 200 + 20, below the limit: taken at
+    // once (a rise would be smoothed).
     assert_eq!(fixed(&limit), 220 << 32);
-    // A new window started with it: five more fall again, 110 + √220.
-    for i in 5..10 {
+}
+
+/// `limit / 2 + √limit` in fixed point: a fall with the gradient at 1/2.
+fn halved(limit: u64) -> u64 {
+    (limit >> 1) + (u128::from(limit) << 32).isqrt() as u64
+}
+
+#[test]
+fn a_window_falls_early_once_it_has_enough_latencies() {
+    let mut limit = probed(config().initial(20).build().unwrap(), 10 * MS);
+    // Enough: a probe's worth (10) and half the limit (10).
+    for i in 0..9 {
         limit.update(200 * MS + i * 10 * MS, BUSY, Sample::Ok(100 * MS));
     }
-    assert_eq!(fixed(&limit), (110 << 32) + (220u128 << 64).isqrt() as u64);
-    limit.tick(300 * MS, BUSY);
-    assert_eq!(fixed(&limit), (110 << 32) + (220u128 << 64).isqrt() as u64);
+    assert_eq!(fixed(&limit), 20 << 32);
+    limit.update(290 * MS, BUSY, Sample::Ok(100 * MS));
+    assert_eq!(fixed(&limit), halved(20 << 32));
+}
+
+#[test]
+fn after_an_early_fall_only_requests_started_since_count() {
+    let mut limit = probed(config().initial(20).build().unwrap(), 10 * MS);
+    for i in 0..10 {
+        limit.update(200 * MS + i * 10 * MS, BUSY, Sample::Ok(100 * MS));
+    }
+    let once = halved(20 << 32);
+    assert_eq!(fixed(&limit), once);
+    // Requests admitted before the fall (at 200 to 280 ms), in the crowd it
+    // relieved, end slow: they do not cut the limit again.
+    for i in 0..10 {
+        limit.update(300 * MS + i * 9 * MS, BUSY, Sample::Ok(100 * MS));
+    }
+    limit.tick(400 * MS, BUSY);
+    assert_eq!(fixed(&limit), once);
+    // Requests started after it, as slow, do.
+    for i in 0..10 {
+        limit.update(410 * MS + i * 9 * MS, BUSY, Sample::Ok(100 * MS));
+    }
+    assert_eq!(fixed(&limit), halved(once));
+}
+
+#[test]
+fn an_early_fall_keeps_the_windows_back_off() {
+    let mut limit = probed(config().initial(20).build().unwrap(), 10 * MS);
+    limit.update(200 * MS, BUSY, Sample::Failed(Failure::Error));
+    assert_eq!(fixed(&limit), 18 << 32);
+    // An early fall within the same window.
+    for i in 0..10 {
+        limit.update(201 * MS + i * 5 * MS, BUSY, Sample::Ok(100 * MS));
+    }
+    let fallen = halved(18 << 32);
+    assert_eq!(fixed(&limit), fallen);
+    // A failure in the window opened early does not cut again.
+    limit.update(260 * MS, BUSY, Sample::Failed(Failure::Error));
+    assert_eq!(fixed(&limit), fallen);
 }
 
 #[test]
 fn a_window_falls_early_only_by_more_than_a_tenth() {
-    // Floor 10 ms; at 400 the square root adds 20, so a window at the
-    // tolerance (12.5 ms) asks for 420, and one at 13.9 ms asks for
-    // 400 × 12.5 / 13.9 + 20 = 379.7: a fall of about 5 %, not early.
-    let mut limit = probed(config().initial(400).build().unwrap(), 10 * MS);
+    // Floor 10 ms; at 20 the square root adds 4.47, so a window at 17 ms
+    // asks for 20 × 12.5 / 17 + 4.47 = 19.2: a fall of 4 %, not early.
+    let mut limit = probed(config().initial(20).build().unwrap(), 10 * MS);
     for i in 0..10 {
-        limit.update(200 * MS + i * 9 * MS, BUSY, Sample::Ok(13_900_000));
+        limit.update(200 * MS + i * 9 * MS, BUSY, Sample::Ok(17 * MS));
     }
-    assert_eq!(fixed(&limit), 400 << 32);
+    assert_eq!(fixed(&limit), 20 << 32);
     // The window closes at its end: the fall is taken then.
     limit.tick(300 * MS, BUSY);
-    assert!(fixed(&limit) < 380 << 32 && fixed(&limit) > 379 << 32);
-    // 16 ms asks for 400 × 12.5 / 16 + 20 = 332.5, a fall of 17 %: early,
-    // at the fifth latency of the next window.
+    assert!(fixed(&limit) < 20 << 32 && fixed(&limit) > 19 << 32);
+    // 25 ms asks for 19.2 / 2 + 4.4 = 14, a fall of 27 %: early, at the
+    // tenth latency of the next window.
     let before = fixed(&limit);
-    for i in 0..4 {
-        limit.update(310 * MS + i * 9 * MS, BUSY, Sample::Ok(16 * MS));
+    for i in 0..9 {
+        limit.update(310 * MS + i * 9 * MS, BUSY, Sample::Ok(25 * MS));
     }
     assert_eq!(fixed(&limit), before);
-    limit.update(350 * MS, BUSY, Sample::Ok(16 * MS));
-    assert!(fixed(&limit) < before * 9 / 10);
+    limit.update(395 * MS, BUSY, Sample::Ok(25 * MS));
+    assert_eq!(fixed(&limit), halved(before));
 }
 
 #[test]
@@ -416,11 +460,8 @@ fn extreme_latencies_do_not_overflow() {
         for i in 1..=10 {
             limit.update(t0 + i * 10 * MS, 0, Sample::Ok(floor));
         }
-        // Half a window's latencies: enough for an early fall, and only
-        // one.
-        for i in 0..5 {
-            limit.update(later + i * 10 * MS, BUSY, Sample::Ok(latency));
-        }
+        // (Too few latencies to fall early at this limit.)
+        window_of(&mut limit, later, latency);
         limit.tick(later + 100 * MS, BUSY);
         limit.limit()
     };
