@@ -14,12 +14,16 @@
 #   bash benches/overload.sh              # about 3 minutes of real time
 #   QUICK=1 bash benches/overload.sh      # a fifth of the length
 #   WAIT_MS=50 bash benches/overload.sh   # tollgate's configurations with a line of 64, 50 ms
+#   WAIT_MS=0 bash benches/overload.sh    # no line anywhere (priority has one of 20 ms otherwise)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --quiet --release -p tollgate-bench --bin overload --bin overload_plot
 BIN="${CARGO_TARGET_DIR:-target}/release"
 CSV="${CARGO_TARGET_DIR:-target}/overload"
-args=(--csv "$CSV" --wait-ms "${WAIT_MS:-0}")
+args=(--csv "$CSV")
+if [ -n "${WAIT_MS:-}" ]; then
+    args+=(--wait-ms "$WAIT_MS")
+fi
 if [ -n "${QUICK:-}" ]; then
     args+=(--quick)
 fi

@@ -14,7 +14,8 @@
 //!
 //! Nothing waits in a line by default in `step` and `noisy`: tollgate's
 //! configurations refuse at once (`--wait-ms N` gives them `wait(64, N
-//! ms)` in every scenario). In `priority` they wait in a line of 64 for
+//! ms)` in every scenario, and `--wait-ms 0` no line in any). In
+//! `priority` they wait in a line of 64 for
 //! at most 20 ms: priorities act through it (a higher class takes the
 //! slot a lower one waits for; without a line, an interactive stream
 //! that alone fills the capacity loses its Poisson bursts above the
@@ -41,7 +42,8 @@
 //!
 //! `--only` runs one scenario (`step`, `noisy`, `priority`) and `--config`
 //! one configuration (its name in the table, e.g. `tollgate-adaptive`):
-//! for iterating on one number. The last lines then cover what ran, and
+//! for iterating on one number. The last lines are printed when the
+//! adaptive configuration ran, cover the scenarios that ran, and
 //! `vs_best_peer_min` needs the peers.
 
 // A measurement program: rates, ratios and percentiles are fractions.
@@ -157,7 +159,12 @@ fn class_of(req: &http::request::Parts) -> Priority {
     }
 }
 
-fn tollgate_system(config: Config, scenario: Scenario, inner: Backed, wait: Duration) -> System {
+fn tollgate_system(
+    config: Config,
+    scenario: Scenario,
+    inner: Backed,
+    wait: Option<Duration>,
+) -> System {
     let builder = ConcurrencyLimitLayer::builder("overload");
     let nz = |n| NonZeroUsize::new(n).expect("not zero");
     let builder = match config {
@@ -179,9 +186,10 @@ fn tollgate_system(config: Config, scenario: Scenario, inner: Backed, wait: Dura
     // Priorities act through the line (a higher class takes the slot a
     // lower one waits for): in that scenario tollgate's configurations
     // wait, unless told otherwise.
-    let wait = match scenario {
-        Scenario::Priority if wait.is_zero() => PRIORITY_WAIT,
-        _ => wait,
+    let wait = match (wait, scenario) {
+        (Some(wait), _) => wait,
+        (None, Scenario::Priority) => PRIORITY_WAIT,
+        (None, _) => Duration::ZERO,
     };
     let builder = if wait.is_zero() {
         builder
@@ -226,7 +234,7 @@ fn system(
     config: Config,
     scenario: Scenario,
     backend: &ProcessorSharing,
-    wait: Duration,
+    wait: Option<Duration>,
 ) -> System {
     let inner = backend_service(backend);
     match config {
@@ -373,7 +381,7 @@ struct Run {
     samples: Vec<(Duration, usize, usize)>,
 }
 
-async fn run(scenario: Scenario, config: Config, length: Duration, wait: Duration) -> Run {
+async fn run(scenario: Scenario, config: Config, length: Duration, wait: Option<Duration>) -> Run {
     let backend = ProcessorSharing::new(CAPACITY);
     let system = system(config, scenario, &backend, wait);
     let plan = arrivals(scenario, length);
@@ -655,7 +663,7 @@ fn write_csv(dir: &std::path::Path, scenario: Scenario, config: Config, run: &Ru
 
 fn main() {
     let mut quick = false;
-    let mut wait = Duration::ZERO;
+    let mut wait = None;
     let mut csv = std::path::PathBuf::from("target/overload");
     let mut only: Option<String> = None;
     let mut only_config: Option<String> = None;
@@ -665,7 +673,9 @@ fn main() {
             "--quick" => quick = true,
             "--wait-ms" => {
                 let ms = args.next().and_then(|v| v.parse().ok());
-                wait = Duration::from_millis(ms.expect("--wait-ms needs a number of milliseconds"));
+                wait = Some(Duration::from_millis(
+                    ms.expect("--wait-ms needs a number of milliseconds"),
+                ));
             }
             "--csv" => csv = args.next().expect("--csv needs a directory").into(),
             "--only" => only = Some(args.next().expect("--only needs a scenario")),
@@ -739,6 +749,10 @@ fn main() {
             .map(|(_, s)| s.clone())
             .unwrap_or_default()
     };
+    if !configs.contains(&Config::Adaptive) {
+        // The last lines are tollgate's adaptive limit's numbers.
+        return;
+    }
     let step = get(Scenario::Step, Config::Adaptive);
     let vs_best_peer_min = summary
         .iter()
