@@ -238,6 +238,14 @@ fn latency_far_above_the_floor_halves_the_target() {
     assert_eq!(fixed(&limit), 220 << 32);
 }
 
+/// `n` latencies of `latency`, one every `every` from `start`, with the
+/// backend busy.
+fn latencies(limit: &mut AdaptiveLimit, start: Nanos, every: Nanos, n: u64, latency: Nanos) {
+    for i in 0..n {
+        limit.update(start + i * every, BUSY, Sample::Ok(latency));
+    }
+}
+
 /// `limit / 2 + √limit` in fixed point: a fall with the gradient at 1/2.
 fn halved(limit: u64) -> u64 {
     (limit >> 1) + (u128::from(limit) << 32).isqrt() as u64
@@ -247,9 +255,7 @@ fn halved(limit: u64) -> u64 {
 fn a_window_falls_early_once_it_has_enough_latencies() {
     let mut limit = probed(config().initial(20).build().unwrap(), 10 * MS);
     // Enough: a probe's worth (10) and half the limit (10).
-    for i in 0..9 {
-        limit.update(200 * MS + i * 10 * MS, BUSY, Sample::Ok(100 * MS));
-    }
+    latencies(&mut limit, 200 * MS, 10 * MS, 9, 100 * MS);
     assert_eq!(fixed(&limit), 20 << 32);
     limit.update(290 * MS, BUSY, Sample::Ok(100 * MS));
     assert_eq!(fixed(&limit), halved(20 << 32));
@@ -258,22 +264,16 @@ fn a_window_falls_early_once_it_has_enough_latencies() {
 #[test]
 fn after_an_early_fall_only_requests_started_since_count() {
     let mut limit = probed(config().initial(20).build().unwrap(), 10 * MS);
-    for i in 0..10 {
-        limit.update(200 * MS + i * 10 * MS, BUSY, Sample::Ok(100 * MS));
-    }
+    latencies(&mut limit, 200 * MS, 10 * MS, 10, 100 * MS);
     let once = halved(20 << 32);
     assert_eq!(fixed(&limit), once);
     // Requests admitted before the fall (at 200 to 280 ms), in the crowd it
     // relieved, end slow: they do not cut the limit again.
-    for i in 0..10 {
-        limit.update(300 * MS + i * 9 * MS, BUSY, Sample::Ok(100 * MS));
-    }
+    latencies(&mut limit, 300 * MS, 9 * MS, 10, 100 * MS);
     limit.tick(400 * MS, BUSY);
     assert_eq!(fixed(&limit), once);
     // Requests started after it, as slow, do.
-    for i in 0..10 {
-        limit.update(410 * MS + i * 9 * MS, BUSY, Sample::Ok(100 * MS));
-    }
+    latencies(&mut limit, 410 * MS, 9 * MS, 10, 100 * MS);
     assert_eq!(fixed(&limit), halved(once));
 }
 
@@ -283,9 +283,7 @@ fn an_early_fall_keeps_the_windows_back_off() {
     limit.update(200 * MS, BUSY, Sample::Failed(Failure::Error));
     assert_eq!(fixed(&limit), 18 << 32);
     // An early fall within the same window.
-    for i in 0..10 {
-        limit.update(201 * MS + i * 5 * MS, BUSY, Sample::Ok(100 * MS));
-    }
+    latencies(&mut limit, 201 * MS, 5 * MS, 10, 100 * MS);
     let fallen = halved(18 << 32);
     assert_eq!(fixed(&limit), fallen);
     // A failure in the window opened early does not cut again.
@@ -298,9 +296,7 @@ fn a_window_falls_early_only_by_more_than_a_tenth() {
     // Floor 10 ms; at 20 the square root adds 4.47, so a window at 17 ms
     // asks for 20 × 12.5 / 17 + 4.47 = 19.2: a fall of 4 %, not early.
     let mut limit = probed(config().initial(20).build().unwrap(), 10 * MS);
-    for i in 0..10 {
-        limit.update(200 * MS + i * 9 * MS, BUSY, Sample::Ok(17 * MS));
-    }
+    latencies(&mut limit, 200 * MS, 9 * MS, 10, 17 * MS);
     assert_eq!(fixed(&limit), 20 << 32);
     // The window closes at its end: the fall is taken then.
     limit.tick(300 * MS, BUSY);
@@ -308,9 +304,7 @@ fn a_window_falls_early_only_by_more_than_a_tenth() {
     // 25 ms asks for 19.2 / 2 + 4.4 = 14, a fall of 27 %: early, at the
     // tenth latency of the next window.
     let before = fixed(&limit);
-    for i in 0..9 {
-        limit.update(310 * MS + i * 9 * MS, BUSY, Sample::Ok(25 * MS));
-    }
+    latencies(&mut limit, 310 * MS, 9 * MS, 9, 25 * MS);
     assert_eq!(fixed(&limit), before);
     limit.update(395 * MS, BUSY, Sample::Ok(25 * MS));
     assert_eq!(fixed(&limit), halved(before));
