@@ -87,15 +87,16 @@ fn a_probe_waits_for_the_backend_to_drain_then_gives_up() {
 fn a_probe_that_gives_up_keeps_the_floor_it_had() {
     let mut limit = probed(config().build().unwrap(), 10 * MS);
     let start = 10_200 * MS;
-    limit.tick(start, 4);
+    // (Above 10: the probe tries half the limit of 20 first.)
+    limit.tick(start, 11);
     assert!(limit.is_probing());
     // Slower answers while the backend never drains: the floor stays.
     for i in 1..=99 {
-        limit.update(start + i * 10 * MS, 4, Sample::Ok(50 * MS));
+        limit.update(start + i * 10 * MS, 11, Sample::Ok(50 * MS));
     }
     assert!(limit.is_probing());
     // Its patience (ten windows) after it first saw traffic: it gives up.
-    limit.update(start + 1000 * MS, 4, Sample::Ok(50 * MS));
+    limit.update(start + 1000 * MS, 11, Sample::Ok(50 * MS));
     assert!(!limit.is_probing());
     assert_eq!(limit.floor(), Some(10 * MS));
 }
@@ -409,16 +410,80 @@ fn probes_repeat_and_remeasure_the_floor() {
     assert!(!limit.is_probing());
     limit.tick(1_100 * MS, BUSY);
     assert!(limit.is_probing());
-    assert_eq!(limit.limit(), 3);
-    limit.tick(1_105 * MS, 3);
-    // It measures the backend as it is now: slower (the first two
-    // requests finishing started before it had drained).
+    // A floor is known: the probe tries half the limit first (the limit
+    // rose meanwhile, on the fast sample).
+    let half = limit.steady_limit() / 2;
+    assert!(half > 3);
+    assert_eq!(limit.limit(), half);
+    limit.tick(1_105 * MS, half);
+    // Half the limit measures 30 ms (the first two requests finishing
+    // started before it had drained): beyond the tolerance of the floor,
+    // so the backend is slower or half the limit queues, and only the
+    // probe limit tells which. It measures again there.
+    for i in 1..=11 {
+        limit.update(1_105 * MS + i * 10 * MS, half - 1, Sample::Ok(30 * MS));
+        assert_eq!((limit.is_probing(), limit.limit()), (true, half));
+    }
+    limit.update(1_225 * MS, half - 1, Sample::Ok(30 * MS));
+    assert_eq!((limit.is_probing(), limit.limit()), (true, 3));
+    assert_eq!(limit.floor(), Some(10 * MS));
+    limit.tick(1_230 * MS, 3);
+    // It measures the backend as it is now: slower.
     for i in 1..=12 {
         assert!(limit.is_probing());
-        limit.update(1_105 * MS + i * 10 * MS, 2, Sample::Ok(30 * MS));
+        limit.update(1_230 * MS + i * 10 * MS, 2, Sample::Ok(30 * MS));
     }
     assert!(!limit.is_probing());
     assert_eq!(limit.floor(), Some(30 * MS));
+    assert_eq!(limit.limit(), 2 * half);
+}
+
+#[test]
+fn a_probe_at_half_the_limit_that_measures_the_floor_ends_there() {
+    let cfg = config()
+        .initial(40)
+        .probe_interval(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let mut limit = probed(cfg, 10 * MS);
+    limit.tick(1_100 * MS, 40);
+    assert_eq!((limit.is_probing(), limit.limit()), (true, 20));
+    limit.tick(1_105 * MS, 20);
+    // Within the tolerance of the floor (11 ms against 10 ms and 5/4):
+    // taken as the floor after a window and ten requests, at half the
+    // limit; the probe limit is never used.
+    // (Requests started from 1 105 ms measure: ten have ended at 1 215.)
+    for i in 1..=11 {
+        assert_eq!(limit.limit(), 20);
+        limit.update(1_105 * MS + i * 10 * MS, 19, Sample::Ok(11 * MS));
+    }
+    assert!(!limit.is_probing());
+    assert_eq!(limit.floor(), Some(11 * MS));
+    assert_eq!(limit.limit(), 40);
+}
+
+#[test]
+fn a_probe_at_half_the_limit_measuring_a_faster_floor_measures_again_low() {
+    let cfg = config()
+        .initial(40)
+        .probe_interval(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    let mut limit = probed(cfg, 10 * MS);
+    limit.tick(1_100 * MS, 40);
+    limit.tick(1_105 * MS, 20);
+    // 7 ms at half the limit: the backend got faster, and half a limit
+    // set for the slower one may queue. The probe limit measures again.
+    for i in 1..=12 {
+        limit.update(1_105 * MS + i * 10 * MS, 19, Sample::Ok(7 * MS));
+    }
+    assert_eq!((limit.is_probing(), limit.limit()), (true, 3));
+    assert_eq!(limit.floor(), Some(10 * MS));
+    // A limit too small for half of it to be above the probe limit
+    // probes at the probe limit at once.
+    let mut small = probed(config().initial(6).build().unwrap(), 10 * MS);
+    small.tick(10_200 * MS, 6);
+    assert_eq!((small.is_probing(), small.limit()), (true, 3));
 }
 
 #[test]
