@@ -37,12 +37,20 @@
 //!
 //! ```text
 //! cargo run --release -p tollgate-bench --bin overload -- [--quick] [--csv DIR]
-//!     [--only SCENARIO] [--config NAME]
+//!     [--only SCENARIO] [--config NAME] [--oracle-eighths N] [--oracle-delay-ms N]
 //! ```
 //!
 //! `--only` runs one scenario (`step`, `noisy`, `priority`) and `--config`
 //! one configuration (its name in the table, e.g. `tollgate-adaptive`):
-//! for iterating on one number. The last lines are printed when the
+//! for iterating on one number.
+//!
+//! The last configuration, `oracle`, is no peer and no part of
+//! `vs_best_peer_min`: a plain counter told the backend's capacity, with a
+//! limit of `--oracle-eighths N` eighths of it (13 by default: where the
+//! adaptive limit settles), learning of a change `--oracle-delay-ms N`
+//! late (0 by default). It shows what admission alone can reach with no
+//! probes and no time spent finding out: the bound a controller that
+//! measures is held to. The last lines are printed when the
 //! adaptive configuration ran, cover the scenarios that ran, and
 //! `vs_best_peer_min` needs the peers.
 
@@ -56,6 +64,7 @@ use std::convert::Infallible;
 use std::future::Future;
 use std::num::NonZeroUsize;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -88,14 +97,16 @@ enum Config {
     FixedLow,
     Aimd,
     Vegas,
+    Oracle,
 }
 
-const CONFIGS: [Config; 5] = [
+const CONFIGS: [Config; 6] = [
     Config::Adaptive,
     Config::FixedHigh,
     Config::FixedLow,
     Config::Aimd,
     Config::Vegas,
+    Config::Oracle,
 ];
 
 impl Config {
@@ -106,6 +117,7 @@ impl Config {
             Config::FixedLow => "tollgate-fixed-8",
             Config::Aimd => "peer-aimd",
             Config::Vegas => "peer-vegas",
+            Config::Oracle => "oracle",
         }
     }
 }
@@ -230,14 +242,53 @@ where
     System { call, gauge }
 }
 
+/// How the oracle configuration runs.
+#[derive(Debug, Clone, Copy)]
+struct Oracle {
+    /// Its limit, in eighths of the capacity.
+    eighths: u64,
+    /// How late it learns of a change of capacity.
+    delay: Duration,
+}
+
+/// The oracle: no measurement at all. It is told the backend's capacity
+/// (`delay` after it changes) and holds a limit of `eighths` eighths of it
+/// (by default 13: 26 for 16, 13 for 8, where the adaptive limit settles),
+/// refusing beyond. Not a peer: it shows what admission alone can reach,
+/// with no probes and no time spent finding out, and how the scores move
+/// with the limit and with how late a change is known.
+fn oracle_system(inner: Backed, capacity: Arc<AtomicU64>, eighths: u64) -> System {
+    let in_flight = Arc::new(AtomicU64::new(0));
+    let limit = move || capacity.load(Ordering::SeqCst) * eighths / 8;
+    let call: Call = {
+        let (in_flight, limit) = (in_flight.clone(), limit.clone());
+        Arc::new(move |req| {
+            let (svc, in_flight) = (inner.clone(), in_flight.clone());
+            let admitted = in_flight.fetch_add(1, Ordering::SeqCst) < limit();
+            Box::pin(async move {
+                let answered = admitted && svc.oneshot(req).await.is_ok();
+                in_flight.fetch_sub(1, Ordering::SeqCst);
+                answered
+            })
+        })
+    };
+    let gauge: Gauge = Arc::new(move || {
+        let n = in_flight.load(Ordering::SeqCst);
+        (limit() as usize, n as usize)
+    });
+    System { call, gauge }
+}
+
 fn system(
     config: Config,
     scenario: Scenario,
     backend: &ProcessorSharing,
-    wait: Option<Duration>,
+    options: &Options,
+    capacity: Arc<AtomicU64>,
 ) -> System {
     let inner = backend_service(backend);
     match config {
+        Config::Oracle => oracle_system(inner, capacity, options.oracle.eighths),
         Config::Aimd => peer_system(
             Aimd::builder()
                 .initial_limit(10)
@@ -257,7 +308,7 @@ fn system(
                 .expect("valid Vegas"),
             inner,
         ),
-        _ => tollgate_system(config, scenario, inner, wait),
+        _ => tollgate_system(config, scenario, inner, options.wait),
     }
 }
 
@@ -381,9 +432,20 @@ struct Run {
     samples: Vec<(Duration, usize, usize)>,
 }
 
-async fn run(scenario: Scenario, config: Config, length: Duration, wait: Option<Duration>) -> Run {
+/// What the command line asked.
+struct Options {
+    /// tollgate's configurations wait in a line of 64 this long (`None`:
+    /// the scenario's default).
+    wait: Option<Duration>,
+    oracle: Oracle,
+}
+
+async fn run(scenario: Scenario, config: Config, length: Duration, options: &Options) -> Run {
     let backend = ProcessorSharing::new(CAPACITY);
-    let system = system(config, scenario, &backend, wait);
+    // The capacity as the oracle knows it.
+    let known = Arc::new(AtomicU64::new(CAPACITY));
+    let system = system(config, scenario, &backend, options, known.clone());
+    let delay = options.oracle.delay;
     let plan = arrivals(scenario, length);
     let start = Instant::now();
     let records = Arc::new(Mutex::new(Vec::with_capacity(plan.len())));
@@ -392,7 +454,8 @@ async fn run(scenario: Scenario, config: Config, length: Duration, wait: Option<
         tokio::spawn(async move {
             let mut samples = Vec::new();
             let mut capacity = CAPACITY;
-            let mut tick = tokio::time::interval(SAMPLE / 10);
+            // The capacity changes within 2 ms of its time.
+            let mut tick = tokio::time::interval(Duration::from_millis(2));
             loop {
                 tick.tick().await;
                 let t = start.elapsed();
@@ -402,6 +465,11 @@ async fn run(scenario: Scenario, config: Config, length: Duration, wait: Option<
                 let now = capacity_at(scenario, length, t);
                 if now != capacity {
                     backend.set_capacity(now);
+                    let known = known.clone();
+                    tokio::spawn(async move {
+                        tokio::time::sleep(delay).await;
+                        known.store(now, Ordering::SeqCst);
+                    });
                     capacity = now;
                 }
                 let n = samples.len() as u32;
@@ -566,7 +634,7 @@ fn score(scenario: Scenario, length: Duration, run: &Run, adaptive: bool) -> Sco
                 let phase_p99 = p99_of(&arrived);
                 goodput = goodput.min(fraction);
                 p99 = p99.max(phase_p99);
-                detail.push(format!("{fraction:.2}/{phase_p99:.1}x"));
+                detail.push(format!("{fraction:.3}/{phase_p99:.1}x"));
             }
             let counted: Vec<&Record> = run.records.iter().filter(|r| r.at >= warm).collect();
             let settle = adaptive.then(|| {
@@ -663,7 +731,13 @@ fn write_csv(dir: &std::path::Path, scenario: Scenario, config: Config, run: &Ru
 
 fn main() {
     let mut quick = false;
-    let mut wait = None;
+    let mut options = Options {
+        wait: None,
+        oracle: Oracle {
+            eighths: 13,
+            delay: Duration::ZERO,
+        },
+    };
     let mut csv = std::path::PathBuf::from("target/overload");
     let mut only: Option<String> = None;
     let mut only_config: Option<String> = None;
@@ -673,9 +747,21 @@ fn main() {
             "--quick" => quick = true,
             "--wait-ms" => {
                 let ms = args.next().and_then(|v| v.parse().ok());
-                wait = Some(Duration::from_millis(
+                options.wait = Some(Duration::from_millis(
                     ms.expect("--wait-ms needs a number of milliseconds"),
                 ));
+            }
+            "--oracle-eighths" => {
+                let eighths = args.next().and_then(|v| v.parse().ok());
+                options.oracle.eighths = eighths
+                    .filter(|&e| e > 0)
+                    .expect("--oracle-eighths needs a positive number");
+            }
+            "--oracle-delay-ms" => {
+                let ms = args.next().and_then(|v| v.parse().ok());
+                options.oracle.delay = Duration::from_millis(
+                    ms.expect("--oracle-delay-ms needs a number of milliseconds"),
+                );
             }
             "--csv" => csv = args.next().expect("--csv needs a directory").into(),
             "--only" => only = Some(args.next().expect("--only needs a scenario")),
@@ -683,7 +769,7 @@ fn main() {
             other => {
                 eprintln!(
                     "usage: overload [--quick] [--wait-ms N] [--csv DIR] [--only SCENARIO] \
-                     [--config NAME] (not {other:?})"
+                     [--config NAME] [--oracle-eighths N] [--oracle-delay-ms N] (not {other:?})"
                 );
                 std::process::exit(2);
             }
@@ -723,7 +809,7 @@ fn main() {
         );
         println!("|---|---|---|---|---|---|---|");
         for &config in &configs {
-            let result = runtime.block_on(run(scenario, config, length, wait));
+            let result = runtime.block_on(run(scenario, config, length, &options));
             write_csv(&csv, scenario, config, &result);
             let s = score(scenario, length, &result, config == Config::Adaptive);
             println!(
@@ -760,7 +846,7 @@ fn main() {
             let ours = get(*scenario, Config::Adaptive).value();
             let best = scores
                 .iter()
-                .filter(|(c, _)| *c != Config::Adaptive)
+                .filter(|(c, _)| !matches!(c, Config::Adaptive | Config::Oracle))
                 .map(|(_, s)| s.value())
                 .fold(0.0f64, f64::max);
             if best > 0.0 {

@@ -16,12 +16,14 @@ use std::path::Path;
 use plotters::prelude::*;
 
 const SCENARIOS: [&str; 3] = ["step", "noisy", "priority"];
-const CONFIGS: [(&str, RGBColor); 5] = [
+const CONFIGS: [(&str, RGBColor); 6] = [
     ("tollgate-adaptive", RGBColor(200, 30, 30)),
     ("tollgate-fixed-32", RGBColor(120, 120, 120)),
     ("tollgate-fixed-8", RGBColor(60, 60, 60)),
     ("peer-aimd", RGBColor(30, 90, 200)),
     ("peer-vegas", RGBColor(30, 160, 80)),
+    // Not a peer: told the capacity (see overload.rs).
+    ("oracle", RGBColor(230, 150, 30)),
 ];
 
 /// `(t, limit, in flight, p99 ms)` rows of one CSV file.
