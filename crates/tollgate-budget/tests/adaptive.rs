@@ -547,3 +547,108 @@ proptest! {
         prop_assert!(at.is_some_and(|at| at <= 100 * WINDOW), "settled at {:?}", at);
     }
 }
+
+/// The floors each finished probe left, in a run of `steps` steps.
+fn floors_after_probes(backend: &mut Backend, limit: &mut AdaptiveLimit, steps: u64) -> Vec<Nanos> {
+    let mut floors = Vec::new();
+    let mut was = false;
+    for _ in 0..steps {
+        let s = backend.step(limit);
+        if was && !s.probing {
+            floors.push(limit.floor().unwrap_or(0));
+        }
+        was = s.probing;
+    }
+    floors
+}
+
+/// Found in review: a probe at half the limit that queues (here, with a
+/// tolerance of 2, half the limit is above the capacity) read a floor
+/// higher than the true one yet within the tolerance, took it, raised the
+/// limit with it, and the next half queued more: the floor went from 10
+/// to 78 ms in 120 s (348 ms at 300 s), the limit to 185 for a capacity of
+/// 4. Half the limit never raises the floor now.
+#[test]
+fn probes_at_half_the_limit_do_not_ratchet_the_floor_up() {
+    for capacity in [4, 16] {
+        let config = AdaptiveConfig::builder().tolerance(2, 1).build().unwrap();
+        let mut limit = AdaptiveLimit::new(config, 0);
+        let mut backend = Backend::new(capacity, 10 * MS);
+        let floors = floors_after_probes(&mut backend, &mut limit, 120_000);
+        assert!(floors.len() >= 10, "{floors:?}");
+        assert!(
+            floors.iter().all(|&f| f <= 11 * MS),
+            "capacity {capacity}: true floor 10 ms, floors {floors:?}"
+        );
+    }
+}
+
+/// A backend behind a fixed round trip: each request spends `net` in
+/// flight outside the backend (holding a slot, using no capacity) after
+/// its work, so half the limit can queue at the backend.
+struct RoundTrip {
+    capacity: u64,
+    work: u64,
+    net: Nanos,
+    /// (started, work left, round trip left)
+    jobs: Vec<(Nanos, u64, Nanos)>,
+    now: Nanos,
+}
+
+impl RoundTrip {
+    fn step(&mut self, limit: &mut AdaptiveLimit) {
+        limit.tick(self.now, count(self.jobs.len()));
+        let admit = usize::try_from(limit.limit()).unwrap();
+        while self.jobs.len() < admit {
+            self.jobs.push((self.now, self.work, self.net));
+        }
+        let serving = self.jobs.iter().filter(|j| j.1 > 0).count() as u64;
+        let progress = UNITS * self.capacity / serving.max(self.capacity);
+        self.now += STEP;
+        let now = self.now;
+        let mut done = Vec::new();
+        self.jobs.retain_mut(|j| {
+            if j.1 > 0 {
+                j.1 = j.1.saturating_sub(progress.max(1));
+            } else {
+                j.2 = j.2.saturating_sub(STEP);
+                if j.2 == 0 {
+                    done.push(now - j.0);
+                    return false;
+                }
+            }
+            true
+        });
+        for (k, latency) in done.iter().enumerate() {
+            let still = self.jobs.len() + done.len() - k - 1;
+            limit.update(now, count(still), Sample::Ok(*latency));
+        }
+    }
+}
+
+/// Found in review: with the defaults, on a backend of 5 ms of work behind
+/// a 50 ms round trip, probes at half the limit read the queue at the
+/// backend as floor, up to 98 ms for a true 55 ms.
+#[test]
+fn a_fixed_round_trip_keeps_its_floor() {
+    for capacity in [4, 16] {
+        let mut backend = RoundTrip {
+            capacity,
+            work: 5 * UNITS,
+            net: 50 * MS,
+            jobs: Vec::new(),
+            now: 0,
+        };
+        let mut limit = AdaptiveLimit::new(AdaptiveConfig::default(), 0);
+        let mut worst = 0;
+        for _ in 0..200_000 {
+            backend.step(&mut limit);
+            worst = worst.max(limit.floor().unwrap_or(0));
+        }
+        // 55 ms, and a step of rounding.
+        assert!(
+            worst <= 57 * MS,
+            "capacity {capacity}: the floor reached {worst} ns"
+        );
+    }
+}

@@ -255,9 +255,10 @@ impl AdaptiveConfigBuilder {
 
     /// The limit held while the minimum latency is measured (default 3;
     /// moved into the bounds, and never above the limit in force). Once a
-    /// floor is known, a probe first tries half the steady limit, and
-    /// comes down to this one only when that measures a floor beyond the
-    /// tolerance of the known one (see [`AdaptiveLimit`](crate::AdaptiveLimit)).
+    /// floor is known, a probe first tries half the steady limit (when that
+    /// is above this one), and comes down to this one only when half the
+    /// limit reads more than an eighth above the known floor, or below it
+    /// by more than the tolerance (see [`AdaptiveLimit`](crate::AdaptiveLimit)).
     pub fn probe_limit(mut self, limit: u32) -> Self {
         self.probe_limit = limit;
         self

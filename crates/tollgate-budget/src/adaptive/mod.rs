@@ -128,11 +128,16 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///   capacity by the tolerance and the queue allowance, so half of it
 ///   queues nothing, and the backend keeps working at half the limit
 ///   where the probe limit would leave it nearly idle for a window (in
-///   the overload benchmark, 2 % of a phase's goodput for each probe). If
-///   that measures a floor within the tolerance of the one known, it is
-///   the new floor; if not, the backend got slower or faster (and half a
-///   limit set for the old floor may queue), and the probe goes on at the
-///   probe limit, which tells. Long-lived requests may keep the
+///   the overload benchmark, 2 % of a phase's goodput for each probe).
+///   Half the limit never raises the floor, since it may queue after all
+///   (behind a fixed round trip, or with a tolerance near 2), and a floor
+///   raised by a queue would raise the limit, the next half and the next
+///   reading with it: a reading at most an eighth above the floor keeps
+///   the lower of the two; one beyond that, or below the floor by more
+///   than the tolerance (the backend got faster, and half a limit set for
+///   the slower one may queue), sends the probe on at the probe limit,
+///   which tells, within the same patience. A probe at half the limit
+///   that gives up with latencies does the same. Long-lived requests may keep the
 ///   backend from draining, or hold every probe slot so that nothing
 ///   ends: a probe gives up after its patience (ten windows or four
 ///   floors, whichever is longer, at most a probe interval), counted from
@@ -419,7 +424,8 @@ impl AdaptiveLimit {
             // the queue allowance, so half of it queues nothing); at the
             // probe limit, the backend runs nearly idle for a window.
             let c = &self.config;
-            let light = self.min_latency.is_some() && self.steady_limit() / 2 > c.probe_limit;
+            let low = c.probe_limit.clamp(c.min, c.max);
+            let light = self.min_latency.is_some() && self.steady_limit() / 2 > low;
             self.probe = Some(Probe::new(now, light));
         }
         now
@@ -509,20 +515,29 @@ impl AdaptiveLimit {
             .is_some_and(|at| now.saturating_sub(at) >= patience);
         if measured || given_up {
             let measured_floor = mean_of(probe.sum, u64::from(probe.samples));
-            // Half the limit measured a floor beyond the tolerance of the
-            // one known: above, the backend got slower or half the limit
-            // already queues; below, it got faster, and half a limit set
-            // for the slower one may queue. Only the probe limit tells.
-            let t = self.config.tolerance;
-            if let (true, true, Some(floor), Some(measured)) =
-                (probe.light, measured, self.min_latency, measured_floor)
-                && !within_tolerance(floor, measured, t.num, t.den)
-            {
-                self.probe = Some(Probe::new(now, false));
-                return;
-            }
             let seen = mean_of(probe.seen.0, probe.seen.1);
             self.min_latency = match (measured, probe.samples, self.min_latency, seen) {
+                // Half the limit never raises the floor: it may queue (a
+                // backend behind a fixed round trip, a tolerance near 2),
+                // and a floor raised by it would raise the limit, the next
+                // half, and the next reading with them. A reading within
+                // an eighth above the floor keeps the lower of the two;
+                // beyond that, or faster than the tolerance allows (the
+                // backend got faster, and half a limit set for the slower
+                // one may queue), the probe goes on at the probe limit,
+                // which tells, within the same patience (measured or given
+                // up alike).
+                (_, 1.., Some(floor), _) if probe.light => match measured_floor {
+                    Some(m) if light_reading_holds(floor, m, self.config.tolerance) => {
+                        Some(m.min(floor))
+                    }
+                    _ => {
+                        let mut full = Probe::new(now, false);
+                        full.busy_at = probe.busy_at;
+                        self.probe = Some(full);
+                        return;
+                    }
+                },
                 (true, _, _, _) => measured_floor,
                 // Some requests measured the floor, fewer than asked.
                 (false, 1.., _, _) => measured_floor,
@@ -651,11 +666,12 @@ impl Probe {
     }
 }
 
-/// Whether `b` is within `num / den` (above 1) of `a`, either way.
-fn within_tolerance(a: Nanos, b: Nanos, num: u32, den: u32) -> bool {
-    let (a, b) = (u128::from(a), u128::from(b));
-    let (num, den) = (u128::from(num), u128::from(den));
-    b * den <= a * num && a * den <= b * num
+/// Whether a light probe's reading `m` may stand against the known
+/// `floor`: at most an eighth above it, and not below it by more than the
+/// tolerance.
+fn light_reading_holds(floor: Nanos, m: Nanos, t: config::Frac) -> bool {
+    let (floor, m) = (u128::from(floor), u128::from(m));
+    m * 8 <= floor * 9 && m * u128::from(t.num) >= floor * u128::from(t.den)
 }
 
 /// The mean of `count` latencies summing to `sum`, at least 1 ns; `None`
