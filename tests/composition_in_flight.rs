@@ -14,7 +14,9 @@
 //!   not), the inner service answering a held request (`200`, or a `500`
 //!   that an adaptive limit counts as a failure) with a body left open,
 //!   a body ending, the client going away (while waiting, held, or
-//!   reading the body), and time passing.
+//!   reading the body), time passing, and flows of requests answered
+//!   together 2 ms later (traffic an adaptive limit can measure, rise on
+//!   and probe at half of).
 //!
 //! Checked after every event (the model is what the requests themselves
 //! saw: the inner service called, the answer, the body's end):
@@ -62,8 +64,12 @@ use tollgate::concurrency::{AdaptiveConfig, Priority};
 use tollgate::{ConcurrencyLimitLayer, Exemption, KeyPart, Principal};
 use tower::{Layer, ServiceExt};
 
-/// The upper bound of every adaptive limit here.
-const ADAPTIVE_MAX: usize = 6;
+/// The upper bound of the global adaptive limit: room for it to move,
+/// and for its probes to try half of it.
+const ADAPTIVE_MAX: usize = 20;
+/// The upper bound of a key's adaptive limit: low, so that a key admitted
+/// beyond it shows.
+const KEY_ADAPTIVE_MAX: usize = 3;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Bound {
@@ -104,6 +110,10 @@ enum Event {
     /// The client of the `pick`-th request not over goes away.
     Drop(usize),
     Wait(u64),
+    /// A flow of `n` requests at once (tenants in turn, interactive),
+    /// answered and ended 2 ms later: enough traffic at an even latency
+    /// for an adaptive limit to measure, rise and probe.
+    Flow(usize),
 }
 
 #[derive(Debug, Clone)]
@@ -165,6 +175,7 @@ fn event() -> impl Strategy<Value = Event> {
         3 => (0..8usize).prop_map(Event::End),
         1 => (0..8usize).prop_map(Event::Drop),
         2 => prop_oneof![Just(1u64), Just(5), Just(30), Just(100)].prop_map(Event::Wait),
+        2 => (4..24usize).prop_map(Event::Flow),
     ]
 }
 
@@ -175,12 +186,14 @@ fn case() -> impl Strategy<Value = Case> {
 
 fn layer(setup: &Setup) -> Result<ConcurrencyLimitLayer, String> {
     let n = |v: usize| NonZeroUsize::new(v).expect("not zero");
-    let adaptive = || {
+    let adaptive = |max: usize, initial: u32| {
         AdaptiveConfig::builder()
-            .bounds(1, u32::try_from(ADAPTIVE_MAX).expect("small"))
-            .initial(3)
-            .window(Duration::from_millis(20))
-            .probe_interval(Duration::from_millis(500))
+            .bounds(1, u32::try_from(max).expect("small"))
+            .initial(initial)
+            .probe_limit(1)
+            .probe_samples(3)
+            .window(Duration::from_millis(10))
+            .probe_interval(Duration::from_millis(200))
             .build()
             .expect("a valid adaptive limit")
     };
@@ -188,12 +201,12 @@ fn layer(setup: &Setup) -> Result<ConcurrencyLimitLayer, String> {
     b = match setup.global {
         Bound::Off => b,
         Bound::Fixed(max) => b.global(n(max)),
-        Bound::Adaptive => b.adaptive(adaptive()),
+        Bound::Adaptive => b.adaptive(adaptive(ADAPTIVE_MAX, 8)),
     };
     b = match setup.per_key {
         Bound::Off => b,
         Bound::Fixed(max) => b.per_key(n(max), [KeyPart::Tenant]),
-        Bound::Adaptive => b.per_key_adaptive(adaptive(), [KeyPart::Tenant]),
+        Bound::Adaptive => b.per_key_adaptive(adaptive(KEY_ADAPTIVE_MAX, 2), [KeyPart::Tenant]),
     };
     if setup.fair {
         b = b.fair_share([KeyPart::Tenant]);
@@ -326,6 +339,8 @@ struct Seen {
     stalled: AtomicU64,
     dry_run_over_limit: AtomicU64,
     exempt_over_limit: AtomicU64,
+    adaptive_rose: AtomicU64,
+    adaptive_between: AtomicU64,
 }
 
 impl Seen {
@@ -345,6 +360,11 @@ impl Seen {
             ("bodies ended for stalling", &self.stalled),
             ("dry-run above the limit", &self.dry_run_over_limit),
             ("exempt above the limit", &self.exempt_over_limit),
+            ("adaptive limit above its start", &self.adaptive_rose),
+            (
+                "adaptive limit between probe limit and start",
+                &self.adaptive_between,
+            ),
         ];
         for (what, count) in counts {
             let count = count.load(Ordering::Relaxed);
@@ -486,6 +506,23 @@ impl Drive<'_> {
                 }
             }
             Event::Wait(ms) => tokio::time::sleep(Duration::from_millis(ms)).await,
+            Event::Flow(n) => {
+                let ids: Vec<usize> = (0..n)
+                    .map(|i| self.send(u8::try_from(i % 3).expect("small"), false, false))
+                    .collect();
+                settle().await;
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                for &id in &ids {
+                    let answer = lock(&self.world).reqs[id].answer.take();
+                    if let Some(answer) = answer {
+                        let _ = answer.send(false);
+                    }
+                }
+                settle().await;
+                for &id in &ids {
+                    lock(&self.world).reqs[id].body.take();
+                }
+            }
         }
         settle().await;
         self.check(&before, in_flight_before, sent)
@@ -565,6 +602,13 @@ impl Drive<'_> {
             }
             Bound::Adaptive => {
                 let limit = stats.global_limit.unwrap_or(0);
+                // Above where it starts (8), and between the probe limit
+                // (1) and that: a fall, or a probe at half the limit.
+                if limit > 8 {
+                    Seen::note(&self.seen.adaptive_rose);
+                } else if limit > 1 && limit < 8 {
+                    Seen::note(&self.seen.adaptive_between);
+                }
                 if counted > ADAPTIVE_MAX {
                     return Err(format!("{counted} in flight over the adaptive bound"));
                 }
@@ -584,7 +628,7 @@ impl Drive<'_> {
                         "tenant {t}: {n} in flight over a per-key limit of {m}"
                     ));
                 }
-                Bound::Adaptive if n > ADAPTIVE_MAX => {
+                Bound::Adaptive if n > KEY_ADAPTIVE_MAX && !s.dry_run => {
                     return Err(format!("tenant {t}: {n} in flight over the adaptive bound"));
                 }
                 _ => {}
