@@ -975,7 +975,7 @@ fn token_bucket(p: &TokenBucket, state: Option<State>, now: Nanos, cost: u64) ->
         let next = after.state(kept_hold(state, l.t, now));
         let full = p.full_of(after);
         Step {
-            decision: Decision::admitted(p.tokens(after.credit), Duration::from_nanos(full - now)),
+            decision: Decision::admitted_ns(p.tokens(after.credit), full - now),
             next: Some(next),
             idle_at: if next.prior == 0 && p.initial == Initial::Full {
                 full
@@ -993,17 +993,61 @@ fn token_bucket(p: &TokenBucket, state: Option<State>, now: Nanos, cost: u64) ->
         };
         let full = p.full_of(l);
         Step {
-            decision: Decision::denied(
-                Duration::from_nanos(p.fits_at(l, need) - now),
-                p.tokens(l.credit),
-                Duration::from_nanos(full - now),
-            ),
+            decision: Decision::denied_ns(p.fits_at(l, need) - now, p.tokens(l.credit), full - now),
             next,
             idle_at: match next.or(state) {
                 Some(kept) => idle_since(&Algorithm::TokenBucket(*p), kept),
                 None => full,
             },
         }
+    }
+}
+
+/// [`token_bucket`] for the state most keys have: a bucket that starts
+/// full, with no hold and nothing reserved, stored as its credit `level`
+/// at `at`. The decision, and the new credit and its time when admitted
+/// (a refusal writes nothing: such a state is never first seen). The
+/// same arithmetic as [`token_bucket`] without a [`State`] or [`Step`]
+/// built and moved: what a store's hot path calls. `None` for a bucket
+/// that starts empty (its idle rule is [`token_bucket`]'s), which the
+/// caller decides in full.
+#[inline(always)]
+pub(crate) fn token_bucket_compact(
+    p: &TokenBucket,
+    level: u64,
+    at: Nanos,
+    now: Nanos,
+    cost: u64,
+) -> Option<(Decision, Option<(u64, Nanos)>)> {
+    if p.initial != Initial::Full {
+        return None;
+    }
+    let (credit, t) = p.refilled(level, at, now);
+    // The caller checked that the cost fits the capacity.
+    let need = cost.max(1).saturating_mul(p.denominator);
+    if credit >= need {
+        let left = credit - need;
+        let full = t.saturating_add(p.time_to_full(left));
+        Some((
+            Decision::admitted_ns(p.tokens(left), full - now),
+            Some((left, t)),
+        ))
+    } else {
+        let l = Level {
+            credit,
+            t,
+            reserved: 0,
+            earlier: 0,
+            epoch: 0,
+        };
+        Some((
+            Decision::denied_ns(
+                p.fits_at(l, need) - now,
+                p.tokens(credit),
+                p.full_of(l) - now,
+            ),
+            None,
+        ))
     }
 }
 
@@ -1269,5 +1313,50 @@ mod tests {
         assert_eq!(d.decision.retry_after(), Some(Duration::from_millis(250)));
         assert!(decide(&p, a.next, 7 * S / 4, 1).decision.is_admitted());
         assert!(!decide(&p, a.next, 7 * S / 4 - 1, 1).decision.is_admitted());
+    }
+
+    proptest::proptest! {
+        /// The store's hot path decides a compact bucket as the full
+        /// algorithm does: the same decision, and the same state written.
+        #[test]
+        fn the_compact_bucket_decides_as_the_full_one(
+            capacity in 1u64..1_000_000,
+            amount in 1u64..1_000_000,
+            period_ns in 1u64..4_000_000_000_000,
+            fill in 0u64..=1_000,
+            at in 0u64..1_000_000_000_000,
+            ahead in -1_000_000_000i64..4_000_000_000_000,
+            cost_share in 0u64..=1_000,
+            exact: bool,
+        ) {
+            let Ok(p) = Policy::token_bucket(
+                "p",
+                capacity,
+                Rate::new(amount, Duration::from_nanos(period_ns)),
+            ) else {
+                return Ok(());
+            };
+            let Algorithm::TokenBucket(b) = *p.algorithm() else { unreachable!() };
+            let mut level = u64::try_from(u128::from(b.cap) * u128::from(fill) / 1_000).unwrap();
+            let mut now = at.saturating_add_signed(ahead);
+            let cost = (capacity * cost_share / 1_000).max(1);
+            if exact {
+                // The cost fits at `now` exactly, or one unit short.
+                now = at + ahead.unsigned_abs() % 1_000;
+                let refill = (now - at) * b.numerator;
+                let need = cost * b.units_per_token();
+                level = need.saturating_sub(refill).saturating_sub(fill % 2).min(b.cap);
+            }
+            let full = decide(&p, Some(State { level, at, ..State::default() }), now, cost);
+            let (decision, next) = token_bucket_compact(&b, level, at, now, cost).unwrap();
+            proptest::prop_assert_eq!(decision, full.decision);
+            proptest::prop_assert_eq!(
+                next.map(|(level, at)| State { level, at, ..State::default() }),
+                full.next
+            );
+            let empty = p.clone().with_initial(Initial::Empty);
+            let Algorithm::TokenBucket(e) = *empty.algorithm() else { unreachable!() };
+            proptest::prop_assert!(token_bucket_compact(&e, level, at, now, cost).is_none());
+        }
     }
 }

@@ -160,17 +160,19 @@ pub(crate) enum Answer {
     Admitted {
         /// Whole units left after the charge.
         remaining: u64,
-        /// Time until the budget is fully restored if nothing else is charged.
-        reset: Duration,
+        /// Nanoseconds until the budget is fully restored if nothing else
+        /// is charged.
+        reset: u64,
     },
     /// The cost did not fit; nothing was spent.
     Denied {
-        /// The exact time until this cost would fit, if nothing else is charged.
-        retry_after: Duration,
+        /// The exact nanoseconds until this cost would fit, if nothing
+        /// else is charged.
+        retry_after: u64,
         /// Whole units available now.
         remaining: u64,
-        /// Time until the budget is fully restored.
-        reset: Duration,
+        /// Nanoseconds until the budget is fully restored.
+        reset: u64,
     },
     /// The cost exceeds the policy's capacity and can never fit; no wait is
     /// promised and nothing was spent.
@@ -197,7 +199,17 @@ impl Decision {
     /// refused, would have been) deducted: `remaining` whole units are
     /// left, and the budget is fully restored after `reset` if nothing
     /// else is charged.
+    ///
+    /// Durations are kept as whole nanoseconds: one beyond `u64::MAX`
+    /// nanoseconds (584 years) reads back as that.
     pub const fn admitted(remaining: u64, reset: Duration) -> Self {
+        Self::admitted_ns(remaining, nanos(reset))
+    }
+
+    /// [`Decision::admitted`] in nanoseconds: what the algorithms build,
+    /// without a `Duration` on the hot path.
+    #[inline(always)]
+    pub(crate) const fn admitted_ns(remaining: u64, reset: u64) -> Self {
         Self(Answer::Admitted { remaining, reset })
     }
 
@@ -205,6 +217,12 @@ impl Decision {
     /// `retry_after` if nothing else is charged; `remaining` whole units
     /// are available now, and the budget is full after `reset`.
     pub const fn denied(retry_after: Duration, remaining: u64, reset: Duration) -> Self {
+        Self::denied_ns(nanos(retry_after), remaining, nanos(reset))
+    }
+
+    /// [`Decision::denied`] in nanoseconds.
+    #[inline(always)]
+    pub(crate) const fn denied_ns(retry_after: u64, remaining: u64, reset: u64) -> Self {
         Self(Answer::Denied {
             retry_after,
             remaining,
@@ -261,7 +279,9 @@ impl Decision {
     /// unevaluated.
     pub fn reset(&self) -> Duration {
         match self.0 {
-            Answer::Admitted { reset, .. } | Answer::Denied { reset, .. } => reset,
+            Answer::Admitted { reset, .. } | Answer::Denied { reset, .. } => {
+                Duration::from_nanos(reset)
+            }
             Answer::NeverFits { .. } | Answer::Unevaluated => Duration::ZERO,
         }
     }
@@ -269,9 +289,19 @@ impl Decision {
     /// The wait before this charge would fit, for denials only.
     pub fn retry_after(&self) -> Option<Duration> {
         match self.0 {
-            Answer::Denied { retry_after, .. } => Some(retry_after),
+            Answer::Denied { retry_after, .. } => Some(Duration::from_nanos(retry_after)),
             _ => None,
         }
+    }
+}
+
+/// `d` in whole nanoseconds, `u64::MAX` beyond.
+const fn nanos(d: Duration) -> u64 {
+    let n = d.as_nanos();
+    if n > u64::MAX as u128 {
+        u64::MAX
+    } else {
+        n as u64
     }
 }
 
@@ -285,12 +315,20 @@ impl Decision {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
     limits: Limits,
+    /// What only shaped or refundable calls have, boxed so that the common
+    /// outcome stays small (it is moved on every decision).
+    extra: Option<Box<Extra>>,
+}
+
+/// The parts of an [`Outcome`] most calls do not have.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+struct Extra {
     /// Zero unless shaped charges were reserved for later: then how long
-    /// to hold the request, and what was reserved.
-    delay: Duration,
-    reservation: Option<Box<Reservation>>,
+    /// to hold the request, in nanoseconds, and what was reserved.
+    delay: u64,
+    reservation: Option<Reservation>,
     /// For an admitted call with refundable charges: what to give back.
-    receipt: Option<Box<Receipt>>,
+    receipt: Option<Receipt>,
 }
 
 /// What an admitted call spent, for settling its refundable charges
@@ -404,20 +442,17 @@ impl Outcome {
             [one] => Self::one(*one),
             _ => Self {
                 limits: Limits::Many(limits),
-                delay: Duration::ZERO,
-                reservation: None,
-                receipt: None,
+                extra: None,
             },
         }
     }
 
     /// An outcome of a single charge.
+    #[inline]
     pub fn one(decision: Decision) -> Self {
         Self {
             limits: Limits::One(decision),
-            delay: Duration::ZERO,
-            reservation: None,
-            receipt: None,
+            extra: None,
         }
     }
 
@@ -427,34 +462,37 @@ impl Outcome {
     /// dropped first.
     pub fn delayed(limits: Vec<Decision>, delay: Duration, reservation: Reservation) -> Self {
         let mut outcome = Self::new(limits);
-        outcome.delay = delay;
-        outcome.reservation = Some(Box::new(reservation));
+        outcome.extra = Some(Box::new(Extra {
+            delay: nanos(delay),
+            reservation: Some(reservation),
+            receipt: None,
+        }));
         outcome
     }
 
     /// How long to hold the request before it goes on: zero unless shaped
     /// charges were reserved for later ([`Charge::shaped`]).
     pub fn delay(&self) -> Duration {
-        self.delay
+        Duration::from_nanos(self.extra.as_ref().map_or(0, |e| e.delay))
     }
 
     /// What a delayed outcome reserved ([`Outcome::delayed`]).
     pub fn reservation(&self) -> Option<&Reservation> {
-        self.reservation.as_deref()
+        self.extra.as_ref().and_then(|e| e.reservation.as_ref())
     }
 
     /// The same outcome with `receipt`, for a store's admitted call with
     /// refundable charges ([`Charge::refundable`]).
     #[must_use]
     pub fn with_receipt(mut self, receipt: Receipt) -> Self {
-        self.receipt = Some(Box::new(receipt));
+        self.extra.get_or_insert_default().receipt = Some(receipt);
         self
     }
 
     /// What an admitted call with refundable charges spent, to give them
     /// back ([`Store::refund`](crate::Store::refund)); `None` otherwise.
     pub fn receipt(&self) -> Option<&Receipt> {
-        self.receipt.as_deref()
+        self.extra.as_ref().and_then(|e| e.receipt.as_ref())
     }
 
     /// The answer every store gives a call in which some charge can never
@@ -490,7 +528,7 @@ impl Outcome {
     /// outcome with an unevaluated limit and no refusal is not admitted: it
     /// is reported as denied with no wait, which a store never returns.
     pub fn verdict(&self) -> Verdict {
-        let mut wait: Option<Duration> = None;
+        let mut wait: Option<u64> = None;
         let mut unevaluated = false;
         for d in self.limits() {
             match d.0 {
@@ -503,7 +541,9 @@ impl Outcome {
             }
         }
         match wait {
-            Some(retry_after) => Verdict::Denied { retry_after },
+            Some(retry_after) => Verdict::Denied {
+                retry_after: Duration::from_nanos(retry_after),
+            },
             None if unevaluated => Verdict::Denied {
                 retry_after: Duration::ZERO,
             },
@@ -521,10 +561,10 @@ impl Outcome {
     /// fewest units left. `None` for an empty outcome.
     pub fn most_restrictive(&self) -> Option<usize> {
         let rank = |d: &Decision| match d.0 {
-            Answer::NeverFits { .. } => (2, Duration::MAX, 0),
+            Answer::NeverFits { .. } => (2, u64::MAX, 0),
             Answer::Denied { retry_after, .. } => (1, retry_after, 0),
-            Answer::Admitted { remaining, .. } => (0, Duration::ZERO, u64::MAX - remaining),
-            Answer::Unevaluated => (0, Duration::ZERO, 0),
+            Answer::Admitted { remaining, .. } => (0, 0, u64::MAX - remaining),
+            Answer::Unevaluated => (0, 0, 0),
         };
         let limits = self.limits();
         (0..limits.len()).max_by_key(|&i| rank(&limits[i]))
@@ -586,5 +626,14 @@ mod tests {
             Verdict::NeverFits
         );
         assert_eq!(Outcome::new(vec![ok]).verdict(), Verdict::Admitted);
+    }
+
+    /// A decision is moved on every charge: kept small, it costs no
+    /// store-forwarding stalls (BENCHMARKS.md, round 4). Four words for a
+    /// decision, five for a single-charge outcome.
+    #[test]
+    fn a_decision_is_four_words_and_an_outcome_five() {
+        assert_eq!(std::mem::size_of::<Decision>(), 32);
+        assert_eq!(std::mem::size_of::<Outcome>(), 40);
     }
 }

@@ -635,6 +635,16 @@ fn in_place<W: Words>(
     cost: u64,
 ) -> Option<Decision> {
     let slot = table.compact.find_mut(hash, |c| c.key() == key)?;
+    if let Algorithm::TokenBucket(bucket) = policy.algorithm()
+        && let Some((decision, next)) =
+            algorithm::token_bucket_compact(bucket, slot.level, slot.at, now, cost)
+    {
+        if let Some((level, at)) = next {
+            slot.level = level;
+            slot.at = at;
+        }
+        return Some(decision);
+    }
     let step = algorithm::decide_fitting(policy, slot.state(), now, cost);
     if let Some(next) = step.next {
         *slot = Compact::pack(key, next)?;
