@@ -216,7 +216,7 @@ pub fn earliest_fit(policy: &Policy, state: Option<State>, now: Nanos, cost: u64
     Some(if credit >= need {
         now
     } else {
-        t.saturating_add(per(need - credit, p.numerator))
+        t.saturating_add(p.refill.div_ceil(need - credit))
     })
 }
 
@@ -679,7 +679,7 @@ impl TokenBucket {
     /// Nanoseconds from holding `credit` (at most the capacity) until the
     /// bucket is full.
     fn time_to_full(&self, credit: u64) -> u64 {
-        per(self.cap() - credit, self.numerator)
+        self.refill.div_ceil(self.cap() - credit)
     }
 
     /// The bucket `s` describes as it stands at `now`: its credit refilled
@@ -778,14 +778,14 @@ impl TokenBucket {
             return l.t;
         }
         if l.reserved == 0 && l.earlier == 0 {
-            return l.t.saturating_add(per(need - l.credit, self.numerator));
+            return l.t.saturating_add(self.refill.div_ceil(need - l.credit));
         }
         let mut at = l;
         for (until, top) in self.ceilings(l) {
             if need <= top {
                 return at
                     .t
-                    .saturating_add(per(need - at.credit.min(top), self.numerator));
+                    .saturating_add(self.refill.div_ceil(need - at.credit.min(top)));
             }
             at = self.grown(at, until.max(at.t));
         }
@@ -882,22 +882,9 @@ impl TokenBucket {
     }
 
     /// Whole tokens in `credit`.
+    #[inline(always)]
     fn tokens(&self, credit: u64) -> u64 {
-        if self.denominator == 1 {
-            credit
-        } else {
-            credit / self.denominator
-        }
-    }
-}
-
-/// `units / numerator` nanoseconds, rounded up: the time to refill `units`.
-/// Rates that divide a nanosecond evenly (most) have a numerator of 1.
-fn per(units: u64, numerator: u64) -> u64 {
-    if numerator == 1 {
-        units
-    } else {
-        units.div_ceil(numerator)
+        self.per_token.div(credit)
     }
 }
 

@@ -55,6 +55,7 @@ mod clock;
 #[cfg(feature = "conformance")]
 pub mod conformance;
 mod decision;
+mod divisor;
 mod fair;
 mod key;
 mod lease;

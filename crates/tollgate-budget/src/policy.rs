@@ -13,6 +13,7 @@ use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use crate::Nanos;
+use crate::divisor::Divisor;
 
 /// A refill rate, named as a rate: `Rate::per_second(10)` is ten per second.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -135,6 +136,11 @@ pub struct TokenBucket {
     /// `capacity × denominator`: a full bucket in scaled units (checked to
     /// fit 64 bits when the policy is made).
     pub(crate) cap: u64,
+    /// `numerator`, prepared: the time to refill units, without a division
+    /// instruction.
+    pub(crate) refill: Divisor,
+    /// `denominator`, prepared: whole tokens in a credit.
+    pub(crate) per_token: Divisor,
 }
 
 impl TokenBucket {
@@ -414,6 +420,8 @@ impl Policy {
                 initial: Initial::Full,
                 rate,
                 cap: capacity * denominator,
+                refill: Divisor::new(numerator),
+                per_token: Divisor::new(denominator),
             }),
         ))
     }
