@@ -13,7 +13,7 @@ use arc_swap::ArcSwapOption;
 
 use bytes::Bytes;
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER};
-use http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use http::{HeaderMap, HeaderValue, StatusCode};
 use tollgate_budget::{Charge, Decision, Outcome, Policy};
 
 use super::fields::{
@@ -140,21 +140,24 @@ impl Rendered {
         fields: Option<(HeaderValue, HeaderValue)>,
         secs: u64,
     ) -> Option<HeaderMap> {
-        let mut head = self.http_head.clone();
-        // The placeholders are there, so each value is written in place.
-        let mut set = |name: &HeaderName, value: HeaderValue| {
-            if let Some(slot) = head.get_mut(name) {
-                *slot = value;
-            }
+        let (policy, current) = match fields {
+            Some((policy, current)) => (Some(policy), current),
+            None => (None, self.current(numbers)?),
         };
-        match fields {
-            Some((policy, current)) => {
-                set(&RATELIMIT_POLICY, policy);
-                set(&RATELIMIT, current);
-            }
-            None => set(&RATELIMIT, self.current(numbers)?),
+        let mut head = self.http_head.clone();
+        // The template holds each of its five names once, in the order
+        // `new` inserted them, and a map with no name repeated visits its
+        // values in that order: each value is written in place by its
+        // position, without hashing its name again.
+        let mut values = head.values_mut();
+        let _cache_control = values.next()?;
+        let policy_slot = values.next()?;
+        if let Some(policy) = policy {
+            *policy_slot = policy;
         }
-        set(&RETRY_AFTER, retry_after_value(secs));
+        *values.next()? = current;
+        let _content_type = values.next()?;
+        *values.next()? = retry_after_value(secs);
         Some(head)
     }
 
