@@ -153,7 +153,7 @@ impl Charge {
 pub struct Decision(pub(crate) Answer);
 
 /// The cases of a [`Decision`], private to this crate.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Answer {
     /// The cost fitted and was (or, in a multi-charge that another limit
     /// refused, would have been) deducted.
@@ -188,9 +188,34 @@ pub(crate) enum Answer {
     Unevaluated,
 }
 
+/// Times as `Duration`s, as the accessors give them (they are kept as
+/// nanoseconds).
 impl fmt::Debug for Decision {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        fmt::Debug::fmt(&self.0, f)
+        let ns = Duration::from_nanos;
+        match self.0 {
+            Answer::Admitted { remaining, reset } => f
+                .debug_struct("Admitted")
+                .field("remaining", &remaining)
+                .field("reset", &ns(reset))
+                .finish(),
+            Answer::Denied {
+                retry_after,
+                remaining,
+                reset,
+            } => f
+                .debug_struct("Denied")
+                .field("retry_after", &ns(retry_after))
+                .field("remaining", &remaining)
+                .field("reset", &ns(reset))
+                .finish(),
+            Answer::NeverFits { cost, capacity } => f
+                .debug_struct("NeverFits")
+                .field("cost", &cost)
+                .field("capacity", &capacity)
+                .finish(),
+            Answer::Unevaluated => f.write_str("Unevaluated"),
+        }
     }
 }
 
@@ -312,7 +337,7 @@ const fn nanos(d: Duration) -> u64 {
 /// When the verdict is not [`Verdict::Admitted`] nothing was spent, and an
 /// [admitted](Decision::admitted) entry describes that budget as it stands (units
 /// available and time to full without this charge).
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Clone, PartialEq, Eq)]
 pub struct Outcome {
     limits: Limits,
     /// What only shaped or refundable calls have, boxed so that the common
@@ -433,6 +458,19 @@ pub enum Verdict {
     },
     /// At least one cost exceeds its policy's capacity; none was spent.
     NeverFits,
+}
+
+/// What the accessors give: the limits, and the delay, reservation and
+/// receipt (none for most outcomes).
+impl fmt::Debug for Outcome {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Outcome")
+            .field("limits", &self.limits())
+            .field("delay", &self.delay())
+            .field("reservation", &self.reservation())
+            .field("receipt", &self.receipt())
+            .finish()
+    }
 }
 
 impl Outcome {
@@ -630,10 +668,17 @@ mod tests {
 
     /// A decision is moved on every charge: kept small, it costs no
     /// store-forwarding stalls (BENCHMARKS.md, round 4). Four words for a
-    /// decision, five for a single-charge outcome.
+    /// decision, five for a single-charge outcome (on 64-bit targets).
+    /// Its Debug form speaks `Duration`s, as its accessors do.
     #[test]
+    #[cfg(target_pointer_width = "64")]
     fn a_decision_is_four_words_and_an_outcome_five() {
         assert_eq!(std::mem::size_of::<Decision>(), 32);
         assert_eq!(std::mem::size_of::<Outcome>(), 40);
+        let d = Decision::denied(Duration::from_secs(2), 1, Duration::from_millis(1500));
+        assert_eq!(
+            format!("{d:?}"),
+            "Denied { retry_after: 2s, remaining: 1, reset: 1.5s }"
+        );
     }
 }

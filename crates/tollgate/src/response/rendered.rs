@@ -64,6 +64,10 @@ pub(crate) struct Rendered {
     /// reset in whole seconds: in a flood the refusals of one second say
     /// the same (nothing left, the same reset), and share one value.
     last: ArcSwapOption<(u64, HeaderValue)>,
+    /// The last problem body written, with its wait in whole seconds: the
+    /// refusals of one second in a flood say the same wait, and share one
+    /// body.
+    last_body: ArcSwapOption<(u64, Bytes)>,
 }
 
 /// The room a decimal `u64` takes at most.
@@ -112,6 +116,7 @@ impl Rendered {
         http_head.insert(RETRY_AFTER, HeaderValue::from_static(""));
         Some(Rendered {
             last: ArcSwapOption::empty(),
+            last_body: ArcSwapOption::empty(),
             http_head,
             policy_field,
             current_head: format!("\"{name}\";r=").into_bytes().into(),
@@ -198,8 +203,21 @@ impl Rendered {
         out.extend_from_slice(itoa::Buffer::new().format(reset).as_bytes());
     }
 
-    /// The problem+json body for a wait of `secs` whole seconds.
+    /// The problem+json body for a wait of `secs` whole seconds: the last
+    /// one written while the wait stays the same.
     pub(crate) fn body(&self, secs: u64) -> Bytes {
+        if let Some(last) = &*self.last_body.load()
+            && last.0 == secs
+        {
+            return last.1.clone();
+        }
+        let body = self.write_body(secs);
+        self.last_body.store(Some(Arc::new((secs, body.clone()))));
+        body
+    }
+
+    /// The problem+json body for a wait of `secs` whole seconds, written.
+    fn write_body(&self, secs: u64) -> Bytes {
         let mut itoa = itoa::Buffer::new();
         let secs = itoa.format(secs).as_bytes();
         let mut body =
@@ -281,4 +299,30 @@ pub(crate) fn rendered_fields(
             .ok()
             .zip(HeaderValue::from_maybe_shared(current).ok()),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Rendered;
+    use tollgate_budget::{Policy, Rate};
+
+    /// The body kept for a wait is the one written for it, whatever wait
+    /// came before: shared while the wait stays, written again when it
+    /// changes, and right again when an earlier wait comes back.
+    #[test]
+    fn a_kept_body_is_the_body_of_its_wait() {
+        let policy = Policy::token_bucket("per-ip", 5, Rate::per_second(1)).unwrap();
+        let rendered = Rendered::of(&policy).unwrap();
+        for secs in [3, 3, 4, 3, 0, u64::MAX, u64::MAX, 3] {
+            assert_eq!(rendered.body(secs), rendered.write_body(secs), "{secs}");
+            let text = String::from_utf8(rendered.body(secs).to_vec()).unwrap();
+            assert!(
+                text.ends_with(&format!("\"retry_after\":{secs}}}")),
+                "{text}"
+            );
+        }
+        // A second body of the same wait is the kept one, not a copy.
+        let (a, b) = (rendered.body(7), rendered.body(7));
+        assert_eq!(a.as_ptr(), b.as_ptr());
+    }
 }
