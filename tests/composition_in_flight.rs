@@ -26,7 +26,9 @@
 //!   `waiting` the number of requests neither admitted nor answered;
 //! - **the bounds hold**: a fixed global or per-key limit is never
 //!   exceeded (except in dry-run), an adaptive one never beyond its upper
-//!   bound, and never beyond its current value by an admission;
+//!   bound (also at a flow's peak, before it is answered), and never
+//!   beyond its current value by an admission; the adaptive limit the
+//!   layer reports stays within its bounds;
 //! - **refusals are the right ones**: never in dry-run, never for an
 //!   exempt request; `503`, with no `Retry-After` (a full limit promises
 //!   no time) unless fair share or priorities held the request back (then
@@ -64,9 +66,10 @@ use tollgate::concurrency::{AdaptiveConfig, Priority};
 use tollgate::{ConcurrencyLimitLayer, Exemption, KeyPart, Principal};
 use tower::{Layer, ServiceExt};
 
-/// The upper bound of the global adaptive limit: room for it to move,
-/// and for its probes to try half of it.
-const ADAPTIVE_MAX: usize = 20;
+/// The upper bound of the global adaptive limit: room for it to move
+/// and for its probes to try half of it, and low enough that flows fill
+/// it there (where a limit enforced and reported above its bound shows).
+const ADAPTIVE_MAX: usize = 10;
 /// The upper bound of a key's adaptive limit: low, so that a key admitted
 /// beyond it shows.
 const KEY_ADAPTIVE_MAX: usize = 3;
@@ -175,7 +178,7 @@ fn event() -> impl Strategy<Value = Event> {
         3 => (0..8usize).prop_map(Event::End),
         1 => (0..8usize).prop_map(Event::Drop),
         2 => prop_oneof![Just(1u64), Just(5), Just(30), Just(100)].prop_map(Event::Wait),
-        2 => (4..24usize).prop_map(Event::Flow),
+        3 => (4..24usize).prop_map(Event::Flow),
     ]
 }
 
@@ -341,6 +344,7 @@ struct Seen {
     exempt_over_limit: AtomicU64,
     adaptive_rose: AtomicU64,
     adaptive_between: AtomicU64,
+    adaptive_full_at_bound: AtomicU64,
 }
 
 impl Seen {
@@ -364,6 +368,10 @@ impl Seen {
             (
                 "adaptive limit between probe limit and start",
                 &self.adaptive_between,
+            ),
+            (
+                "adaptive limit full at its upper bound",
+                &self.adaptive_full_at_bound,
             ),
         ];
         for (what, count) in counts {
@@ -511,6 +519,7 @@ impl Drive<'_> {
                     .map(|i| self.send(u8::try_from(i % 3).expect("small"), false, false))
                     .collect();
                 settle().await;
+                self.check_peak()?;
                 tokio::time::sleep(Duration::from_millis(2)).await;
                 for &id in &ids {
                     let answer = lock(&self.world).reqs[id].answer.take();
@@ -526,6 +535,27 @@ impl Drive<'_> {
         }
         settle().await;
         self.check(&before, in_flight_before, sent)
+    }
+
+    /// A flow's peak, before it is answered: an adaptive global limit
+    /// holds its upper bound (the limit may move while the flow arrives,
+    /// so the bound, not its value, is what every admission must keep),
+    /// and is seen full there.
+    fn check_peak(&self) -> Result<(), String> {
+        if self.setup.global != Bound::Adaptive {
+            return Ok(());
+        }
+        let limit = self.layer.stats().global_limit.unwrap_or(0);
+        let counted = self.counted_in_flight();
+        if counted > ADAPTIVE_MAX {
+            return Err(format!(
+                "a flow put {counted} in flight over the adaptive bound"
+            ));
+        }
+        if limit == ADAPTIVE_MAX && counted == ADAPTIVE_MAX {
+            Seen::note(&self.seen.adaptive_full_at_bound);
+        }
+        Ok(())
     }
 
     /// Admitted requests not over, exempt ones left out (the layer does
@@ -609,9 +639,15 @@ impl Drive<'_> {
                 } else if limit > 1 && limit < 8 {
                     Seen::note(&self.seen.adaptive_between);
                 }
+                if !(1..=ADAPTIVE_MAX).contains(&limit) {
+                    return Err(format!(
+                        "an adaptive limit of {limit} outside 1..={ADAPTIVE_MAX}"
+                    ));
+                }
                 if counted > ADAPTIVE_MAX {
                     return Err(format!("{counted} in flight over the adaptive bound"));
                 }
+
                 if admitted_now > 0 && counted > limit.max(in_flight_before) {
                     return Err(format!(
                         "admitted to {counted} in flight over an adaptive limit of {limit}"
