@@ -954,39 +954,57 @@ fn token_bucket(p: &TokenBucket, state: Option<State>, now: Nanos, cost: u64) ->
     };
     // `decide` refused costs above the capacity, so this fits.
     let need = cost.saturating_mul(p.denominator);
+    match charged(p, l, need, now) {
+        (decision, Some(after), full) => {
+            let next = after.state(kept_hold(state, l.t, now));
+            Step {
+                decision,
+                next: Some(next),
+                idle_at: if next.prior == 0 && p.initial == Initial::Full {
+                    full
+                } else {
+                    idle_since(&Algorithm::TokenBucket(*p), next)
+                },
+            }
+        }
+        (decision, None, full) => {
+            let next = match (state, p.initial) {
+                (None, Initial::Empty) => Some(State {
+                    at: now,
+                    ..State::default()
+                }),
+                _ => None,
+            };
+            Step {
+                decision,
+                next,
+                idle_at: match next.or(state) {
+                    Some(kept) => idle_since(&Algorithm::TokenBucket(*p), kept),
+                    None => full,
+                },
+            }
+        }
+    }
+}
+
+/// `need` units charged to the bucket at `l`: the answer, the bucket after
+/// the charge when admitted, and when that bucket (or `l`, refused) is
+/// full. What [`token_bucket`] and [`token_bucket_compact`] share.
+#[inline(always)]
+fn charged(p: &TokenBucket, l: Level, need: u64, now: Nanos) -> (Decision, Option<Level>, Nanos) {
     if l.credit >= need {
         let after = Level {
             credit: l.credit - need,
             ..l
         };
-        let next = after.state(kept_hold(state, l.t, now));
         let full = p.full_of(after);
-        Step {
-            decision: Decision::admitted_ns(p.tokens(after.credit), full - now),
-            next: Some(next),
-            idle_at: if next.prior == 0 && p.initial == Initial::Full {
-                full
-            } else {
-                idle_since(&Algorithm::TokenBucket(*p), next)
-            },
-        }
+        let decision = Decision::admitted_ns(p.tokens(after.credit), full - now);
+        (decision, Some(after), full)
     } else {
-        let next = match (state, p.initial) {
-            (None, Initial::Empty) => Some(State {
-                at: now,
-                ..State::default()
-            }),
-            _ => None,
-        };
         let full = p.full_of(l);
-        Step {
-            decision: Decision::denied_ns(p.fits_at(l, need) - now, p.tokens(l.credit), full - now),
-            next,
-            idle_at: match next.or(state) {
-                Some(kept) => idle_since(&Algorithm::TokenBucket(*p), kept),
-                None => full,
-            },
-        }
+        let decision =
+            Decision::denied_ns(p.fits_at(l, need) - now, p.tokens(l.credit), full - now);
+        (decision, None, full)
     }
 }
 
@@ -1009,33 +1027,18 @@ pub(crate) fn token_bucket_compact(
     if p.initial != Initial::Full {
         return None;
     }
-    let (credit, t) = p.refilled(level, at, now);
+    let l = p.level_at(
+        State {
+            level,
+            at,
+            ..State::default()
+        },
+        now,
+    );
     // The caller checked that the cost fits the capacity.
     let need = cost.max(1).saturating_mul(p.denominator);
-    if credit >= need {
-        let left = credit - need;
-        let full = t.saturating_add(p.time_to_full(left));
-        Some((
-            Decision::admitted_ns(p.tokens(left), full - now),
-            Some((left, t)),
-        ))
-    } else {
-        let l = Level {
-            credit,
-            t,
-            reserved: 0,
-            earlier: 0,
-            epoch: 0,
-        };
-        Some((
-            Decision::denied_ns(
-                p.fits_at(l, need) - now,
-                p.tokens(credit),
-                p.full_of(l) - now,
-            ),
-            None,
-        ))
-    }
+    let (decision, after, _) = charged(p, l, need, now);
+    Some((decision, after.map(|a| (a.credit, a.t))))
 }
 
 fn fixed_window(limit: u64, window: Nanos, state: Option<State>, now: Nanos, cost: u64) -> Step {
