@@ -647,7 +647,6 @@ impl Drive<'_> {
                 if counted > ADAPTIVE_MAX {
                     return Err(format!("{counted} in flight over the adaptive bound"));
                 }
-
                 if admitted_now > 0 && counted > limit.max(in_flight_before) {
                     return Err(format!(
                         "admitted to {counted} in flight over an adaptive limit of {limit}"

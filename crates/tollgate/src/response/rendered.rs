@@ -63,11 +63,33 @@ pub(crate) struct Rendered {
     /// The last `RateLimit` value of an empty budget written, with its
     /// reset in whole seconds: in a flood the refusals of one second say
     /// the same (nothing left, the same reset), and share one value.
-    last: ArcSwapOption<(u64, HeaderValue)>,
+    last: Kept<Option<HeaderValue>>,
     /// The last problem body written, with its wait in whole seconds: the
     /// refusals of one second in a flood say the same wait, and share one
     /// body.
-    last_body: ArcSwapOption<(u64, Bytes)>,
+    last_body: Kept<Bytes>,
+}
+
+/// The last value written for a number (a reset, a wait in whole
+/// seconds), shared by every thread while the number stays the same.
+struct Kept<T>(ArcSwapOption<(u64, T)>);
+
+impl<T: Clone> Kept<T> {
+    fn new() -> Self {
+        Self(ArcSwapOption::empty())
+    }
+
+    /// The value kept for `n`, or `write`'s, kept from now on.
+    fn get(&self, n: u64, write: impl FnOnce() -> T) -> T {
+        if let Some(last) = &*self.0.load()
+            && last.0 == n
+        {
+            return last.1.clone();
+        }
+        let value = write();
+        self.0.store(Some(Arc::new((n, value.clone()))));
+        value
+    }
 }
 
 /// The room a decimal `u64` takes at most.
@@ -115,8 +137,8 @@ impl Rendered {
         );
         http_head.insert(RETRY_AFTER, HeaderValue::from_static(""));
         Some(Rendered {
-            last: ArcSwapOption::empty(),
-            last_body: ArcSwapOption::empty(),
+            last: Kept::new(),
+            last_body: Kept::new(),
             http_head,
             policy_field,
             current_head: format!("\"{name}\";r=").into_bytes().into(),
@@ -177,14 +199,7 @@ impl Rendered {
         if remaining != 0 {
             return self.write_current(remaining, reset);
         }
-        if let Some(last) = &*self.last.load()
-            && last.0 == reset
-        {
-            return Some(last.1.clone());
-        }
-        let value = self.write_current(0, reset)?;
-        self.last.store(Some(Arc::new((reset, value.clone()))));
-        Some(value)
+        self.last.get(reset, || self.write_current(0, reset))
     }
 
     /// The `RateLimit` value for `remaining` and a reset of `reset` whole
@@ -206,14 +221,7 @@ impl Rendered {
     /// The problem+json body for a wait of `secs` whole seconds: the last
     /// one written while the wait stays the same.
     pub(crate) fn body(&self, secs: u64) -> Bytes {
-        if let Some(last) = &*self.last_body.load()
-            && last.0 == secs
-        {
-            return last.1.clone();
-        }
-        let body = self.write_body(secs);
-        self.last_body.store(Some(Arc::new((secs, body.clone()))));
-        body
+        self.last_body.get(secs, || self.write_body(secs))
     }
 
     /// The problem+json body for a wait of `secs` whole seconds, written.
