@@ -69,15 +69,24 @@ pub fn front_door(refuse: bool) -> Result<FrontDoor, String> {
     Ok(tower::Layer::layer(&layer, hello()))
 }
 
+/// The hello-world router, its handler turned into a route once, as
+/// `axum::serve` does for a router it serves itself (`into_make_service`
+/// calls `with_state(())`). A router used as a plain service (here, and
+/// wrapped by a layer at the front door) would otherwise turn its handler
+/// into a route, and apply every `Router::layer` to it, on every request.
 fn hello() -> Router {
-    Router::new().route("/", get(|| async { "hello" }))
+    Router::new()
+        .route("/", get(|| async { "hello" }))
+        .with_state(())
 }
 
 /// The app for `mode` (one of [`MODES`] but `tollgate-front`: see
 /// [`front_door`]), or why not.
 pub fn app(mode: &str, refuse: bool) -> Result<Router, String> {
     let hello = hello();
-    let export = Router::new().route(EXPORT_PATH, post(|| async { "export started" }));
+    let export = Router::new()
+        .route(EXPORT_PATH, post(|| async { "export started" }))
+        .with_state(());
     match mode {
         "bare" => Ok(hello),
         "tollgate" => {
