@@ -2,6 +2,5 @@
 //! runs to learn. Each binary in `src/bin` says in its header what it
 //! measures and how to run it; `BENCHMARKS.md` and `HARDENING.md` give the
 //! commands and the figures. Not published.
-#![forbid(unsafe_code)]
 
 pub mod bench_app;

@@ -87,7 +87,6 @@
 //! [`StoreErrorKind::Unsupported`]: tollgate_budget::StoreErrorKind::Unsupported
 //! [`StoreErrorKind::Unavailable`]: tollgate_budget::StoreErrorKind::Unavailable
 //! [`StoreErrorKind::Uncertain`]: tollgate_budget::StoreErrorKind::Uncertain
-#![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 // Modules by job; lib.rs defines nothing itself, so that no module imports

@@ -14,7 +14,6 @@
 //!     assert!(redis.url().starts_with("redis://127.0.0.1:"));
 //! }
 //! ```
-#![forbid(unsafe_code)]
 
 mod servers;
 

@@ -121,7 +121,6 @@
 //! - `serde`: policies as data (`rate_limit::PolicySet`,
 //!   `RulesHandle::apply`); with `redis`, one policy set for a fleet
 //!   (`redis::FleetPolicies`).
-#![forbid(unsafe_code)]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod body;

@@ -1,7 +1,7 @@
 //! The all-or-nothing decision: every charge of a call is decided under
 //! the locks of the shards it touches, and written only if all fit.
 
-use super::lock::ShardGuard;
+use parking_lot::MutexGuard;
 
 use super::MemoryStore;
 use super::shard::{Id, Shard};
@@ -68,7 +68,7 @@ impl MemoryStore {
         let mut order: Few<usize> = ids.iter().map(|id| inner.shard_of(id)).collect();
         order.sort_unstable();
         order.dedup();
-        let mut guards: Few<ShardGuard<'_, Shard>> = order.iter().map(|&i| inner.lock(i)).collect();
+        let mut guards: Few<MutexGuard<'_, Shard>> = order.iter().map(|&i| inner.lock(i)).collect();
         for g in &mut guards {
             inner.maybe_sweep(g, now);
         }

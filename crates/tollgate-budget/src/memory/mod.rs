@@ -35,19 +35,18 @@
 mod capacity;
 mod charge;
 mod digest;
-mod lock;
 mod shard;
 mod spaces;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use parking_lot::{Mutex, MutexGuard};
 use std::time::Duration;
 
 use crate::algorithm::{self, State};
 use crate::{Charge, Clock, Nanos, Outcome, Policy, Store, StoreError, SystemClock};
 use digest::Hashes;
-use lock::{ShardGuard, ShardMutex};
 use shard::{Id, Shard};
 use spaces::Spaces;
 
@@ -136,7 +135,7 @@ impl MemoryStoreBuilder {
         MemoryStore {
             inner: Arc::new(Inner {
                 shards: (0..self.shards)
-                    .map(|_| ShardMutex::new(Shard::default()))
+                    .map(|_| Mutex::new(Shard::default()))
                     .collect(),
                 mask: self.shards - 1,
                 clock: self.clock,
@@ -187,7 +186,7 @@ impl std::fmt::Debug for MemoryStore {
 }
 
 struct Inner {
-    shards: Box<[ShardMutex<Shard>]>,
+    shards: Box<[Mutex<Shard>]>,
     mask: usize,
     clock: Time,
     /// The secret hashes: a key's slot key, its shard and its placement.
@@ -349,10 +348,9 @@ impl Inner {
 
     /// Shard `i`, locked, with its copy of the spaces' siblings brought up
     /// to date.
-    pub(super) fn lock(&self, i: usize) -> ShardGuard<'_, Shard> {
-        // The shard lock does not poison: a panic while a shard is held
-        // (none can happen on input) releases it as the guard drops, and
-        // cannot take the limiter down.
+    pub(super) fn lock(&self, i: usize) -> MutexGuard<'_, Shard> {
+        // parking_lot's mutex does not poison: a panic while a shard is
+        // held (none can happen on input) cannot take the limiter down.
         let mut shard = self.shards[i].lock();
         let generation = self.spaces.generation();
         if shard.generation != generation {
