@@ -574,6 +574,45 @@ mod tests {
         assert!((0..inner.shards.len()).all(|i| inner.lock(i).len() == 0));
     }
 
+    /// The inline tables belong to the first space that writes to a
+    /// shard; once a sweep empties them they go to the next space that
+    /// writes, and every space keeps its own budgets throughout.
+    #[test]
+    fn the_inline_tables_pass_to_the_next_space_once_swept_empty() {
+        let clock = ManualClock::new(0);
+        let store = MemoryStore::builder()
+            .clock(clock.clone())
+            .shards(1)
+            .sweep_interval(Duration::from_secs(1))
+            .build();
+        let fast = Policy::token_bucket("fast", 2, Rate::per_second(2)).unwrap();
+        let slow = Policy::token_bucket("slow", 3, Rate::per_hour(1)).unwrap();
+        let later = Policy::token_bucket("later", 2, Rate::per_hour(1)).unwrap();
+        let spend = |p: &Policy, key: &str| store.charge_now(&[charge(key, p, 1)]).unwrap();
+        let space = |p: &Policy| store.inner.spaces.space(p).unwrap();
+        let inline = || store.inner.lock(0).inline_space();
+        assert_eq!(inline(), None);
+        assert!(spend(&fast, "a").is_admitted());
+        assert_eq!(inline(), Some(space(&fast)));
+        assert!(spend(&slow, "b").is_admitted());
+        assert!(spend(&slow, "b").is_admitted());
+        assert_eq!(inline(), Some(space(&fast)), "the second space is boxed");
+        assert_eq!(store.inner.lock(0).spaces_held().0, 2);
+        // "fast" refills within a second, "slow" does not: the sweep
+        // empties the inline tables only.
+        clock.advance(Duration::from_secs(2));
+        assert!(spend(&later, "c").is_admitted());
+        assert_eq!(inline(), Some(space(&later)));
+        assert_eq!(store.inner.lock(0).spaces_held().0, 2);
+        // Each budget is where it was: "slow" has one unit of three left,
+        // "later" one of two, "fast" is whole again.
+        assert_eq!(spend(&slow, "b").limits()[0].remaining(), 0);
+        assert!(!spend(&slow, "b").is_admitted());
+        assert_eq!(spend(&later, "c").limits()[0].remaining(), 0);
+        assert_eq!(spend(&fast, "a").limits()[0].remaining(), 1);
+        assert_eq!(store.stats().keys, 3);
+    }
+
     #[test]
     fn idle_entries_are_swept_on_access() {
         let clock = ManualClock::new(0);

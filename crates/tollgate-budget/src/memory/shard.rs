@@ -383,13 +383,20 @@ pub(super) trait Rehash {
     }
 }
 
-#[derive(Default)]
 pub(super) struct Shard {
-    /// Indexed by space id; grown when a space first writes here. Boxed:
-    /// a store may meet thousands of spaces (one per distinct override's
-    /// numbers), each shard only some of them, and an unused index costs
-    /// a pointer rather than a space's six empty tables (208 bytes).
-    /// A space left empty by a sweep is freed.
+    /// The space whose tables are [`first`](Self::first), or [`NO_SPACE`].
+    first_space: u32,
+    /// The tables of the first space to write here, inline: a key of a
+    /// store with one policy (or one busy one) is then two loads from its
+    /// locked shard (the table, its slot) instead of four (the list of
+    /// spaces, the space's box). Emptied by a sweep, it goes to the next
+    /// space that writes here.
+    first: SpaceTables,
+    /// Every other space's tables, indexed by space id; grown when a space
+    /// first writes here. Boxed: a store may meet thousands of spaces (one
+    /// per distinct override's numbers), each shard only some of them, and
+    /// an unused index costs a pointer rather than a space's six empty
+    /// tables (208 bytes). A space left empty by a sweep is freed.
     spaces: Vec<Option<Box<SpaceTables>>>,
     /// Entries in all tables.
     len: usize,
@@ -422,22 +429,69 @@ macro_rules! on_table {
     };
 }
 
+/// [`Shard::first_space`] when no space holds the inline tables. Space ids
+/// are below 2^24 ([`super::spaces`]).
+const NO_SPACE: u32 = u32::MAX;
+
+impl Default for Shard {
+    fn default() -> Self {
+        Self {
+            first_space: NO_SPACE,
+            first: SpaceTables::default(),
+            spaces: Vec::new(),
+            len: 0,
+            generation: 0,
+            next_sweep: 0,
+        }
+    }
+}
+
 impl Shard {
     pub(super) fn len(&self) -> usize {
         self.len
     }
 
+    #[inline(always)]
     fn tables(&self, space: u32) -> Option<&SpaceTables> {
+        if space == self.first_space {
+            return Some(&self.first);
+        }
         self.spaces.get(space as usize)?.as_deref()
     }
 
-    /// The tables of `space`, made if this shard has none yet.
+    #[inline(always)]
+    fn tables_if_any(&mut self, space: u32) -> Option<&mut SpaceTables> {
+        if space == self.first_space {
+            return Some(&mut self.first);
+        }
+        self.spaces.get_mut(space as usize)?.as_deref_mut()
+    }
+
+    /// The tables of `space`, made if this shard has none yet (inline if
+    /// no space has the inline ones).
     pub(super) fn tables_mut(&mut self, space: u32) -> &mut SpaceTables {
+        if space == self.first_space {
+            return &mut self.first;
+        }
         let i = space as usize;
+        let boxed = self.spaces.get(i).is_some_and(Option::is_some);
+        if self.first_space == NO_SPACE && !boxed {
+            self.first_space = space;
+            return &mut self.first;
+        }
         if i >= self.spaces.len() {
             self.spaces.resize_with(i + 1, || None);
         }
         self.spaces[i].get_or_insert_with(Box::default)
+    }
+
+    /// Every space's tables, with the space: the inline ones first.
+    fn all_tables(&self) -> impl Iterator<Item = (u32, &SpaceTables)> + '_ {
+        let first = (self.first_space != NO_SPACE).then_some((self.first_space, &self.first));
+        let boxed = self.spaces.iter().enumerate();
+        first
+            .into_iter()
+            .chain(boxed.filter_map(|(space, t)| Some((u32::try_from(space).ok()?, t.as_deref()?))))
     }
 
     /// The `i`th space of `space`'s name and unit, as loaded: `space`
@@ -449,6 +503,7 @@ impl Shard {
     /// Forgets every space's siblings (the spaces changed): they are
     /// loaded again when next needed.
     pub(super) fn forget_siblings(&mut self) {
+        self.first.siblings = None;
         for t in self.spaces.iter_mut().flatten() {
             t.siblings = None;
         }
@@ -481,7 +536,7 @@ impl Shard {
         now: Nanos,
         cost: u64,
     ) -> Option<Decision> {
-        let t = self.spaces.get_mut(id.space as usize)?.as_deref_mut()?;
+        let t = self.tables_if_any(id.space)?;
         match id.key {
             KeyBits::V4(k) => in_place(&mut t.v4, k, id.hash, policy, now, cost),
             KeyBits::V6(k) => in_place(&mut t.v6, k, id.hash, policy, now, cost),
@@ -502,11 +557,7 @@ impl Shard {
 
     /// Drops what `id`'s space holds for its key; whether anything was.
     pub(super) fn remove(&mut self, id: &Id) -> bool {
-        let Some(t) = self
-            .spaces
-            .get_mut(id.space as usize)
-            .and_then(|t| t.as_deref_mut())
-        else {
+        let Some(t) = self.tables_if_any(id.space) else {
             return false;
         };
         let removed = match id.key {
@@ -528,6 +579,22 @@ impl Shard {
     ) -> usize {
         let before = self.len;
         let mut len = 0;
+        if self.first_space != NO_SPACE {
+            let t = &mut self.first;
+            if let Some(numbers) = numbers(self.first_space).filter(|_| t.len() > 0) {
+                let idle_at = |s: State| algorithm::idle_since(&numbers, s);
+                t.v4.drop_idle(now, &idle_at, |k| hashes.v4(k));
+                t.v6.drop_idle(now, &idle_at, |k| hashes.v6(k));
+                t.text.drop_idle(now, &idle_at, <H as Rehash>::text);
+            }
+            if t.len() == 0 {
+                // Freed for the next space that writes here.
+                *t = SpaceTables::default();
+                self.first_space = NO_SPACE;
+            } else {
+                len += t.len();
+            }
+        }
         for (space, slot) in self.spaces.iter_mut().enumerate() {
             let Some(t) = slot else { continue };
             if t.len() > 0 {
@@ -555,61 +622,61 @@ impl Shard {
         &'a self,
         hashes: &'a H,
     ) -> impl Iterator<Item = (Id, State)> + 'a {
-        let spaces = self.spaces.iter().enumerate();
-        spaces
-            .filter_map(|(space, t)| Some((space, t.as_deref()?)))
-            .flat_map(move |(space, t)| {
-                let space = space as u32;
-                let v4 = t.v4.states().map(move |(k, at)| {
-                    let hash = hashes.v4(&k);
-                    (
-                        Id {
-                            space,
-                            key: KeyBits::V4(k),
-                            hash,
-                        },
-                        at,
-                    )
-                });
-                let v6 = t.v6.states().map(move |(k, at)| {
-                    let hash = hashes.v6(&k);
-                    (
-                        Id {
-                            space,
-                            key: KeyBits::V6(k),
-                            hash,
-                        },
-                        at,
-                    )
-                });
-                let text = t.text.states().map(move |(k, at)| {
-                    (
-                        Id {
-                            space,
-                            key: KeyBits::Text(k),
-                            hash: <H as Rehash>::text(&k),
-                        },
-                        at,
-                    )
-                });
-                v4.chain(v6).chain(text)
-            })
+        self.all_tables().flat_map(move |(space, t)| {
+            let v4 = t.v4.states().map(move |(k, at)| {
+                let hash = hashes.v4(&k);
+                (
+                    Id {
+                        space,
+                        key: KeyBits::V4(k),
+                        hash,
+                    },
+                    at,
+                )
+            });
+            let v6 = t.v6.states().map(move |(k, at)| {
+                let hash = hashes.v6(&k);
+                (
+                    Id {
+                        space,
+                        key: KeyBits::V6(k),
+                        hash,
+                    },
+                    at,
+                )
+            });
+            let text = t.text.states().map(move |(k, at)| {
+                (
+                    Id {
+                        space,
+                        key: KeyBits::Text(k),
+                        hash: <H as Rehash>::text(&k),
+                    },
+                    at,
+                )
+            });
+            v4.chain(v6).chain(text)
+        })
     }
 
     /// The sibling lists this shard holds, for tests.
     #[cfg(test)]
     pub(super) fn sibling_lists(&self) -> impl Iterator<Item = &[u32]> + '_ {
-        self.spaces
-            .iter()
-            .flatten()
-            .filter_map(|t| t.siblings.as_deref())
+        self.all_tables().filter_map(|(_, t)| t.siblings.as_deref())
     }
 
     /// Spaces this shard holds tables for, and how many indexes it has
     /// room for; for tests.
     #[cfg(test)]
     pub(super) fn spaces_held(&self) -> (usize, usize) {
-        (self.spaces.iter().flatten().count(), self.spaces.len())
+        let inline = usize::from(self.first_space != NO_SPACE);
+        (self.all_tables().count(), self.spaces.len() + inline)
+    }
+
+    /// The space holding the inline tables, if any; for tests.
+    #[cfg(test)]
+    pub(super) fn inline_space(&self) -> Option<u32> {
+        (self.first_space != NO_SPACE).then_some(self.first_space)
     }
 
     /// Table sizes, for tests: (compact, wide) entries in all spaces.
@@ -617,7 +684,7 @@ impl Shard {
     pub(super) fn counts(&self) -> (usize, usize) {
         let mut compact = 0;
         let mut wide = 0;
-        for t in self.spaces.iter().flatten() {
+        for (_, t) in self.all_tables() {
             compact += t.v4.compact.len() + t.v6.compact.len() + t.text.compact.len();
             wide += t.v4.wide.len() + t.v6.wide.len() + t.text.wide.len();
         }
