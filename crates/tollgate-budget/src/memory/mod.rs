@@ -535,7 +535,7 @@ mod tests {
 
     /// A shard holds tables only for the spaces it has keys of: 1,000
     /// sets of numbers with one key each on 64 shards make 1,000 tables,
-    /// not 64,000 (208 bytes each), and a sweep that empties a space
+    /// not 64,000 (304 bytes each), and a sweep that empties a space
     /// frees its tables.
     #[test]
     fn a_shard_holds_tables_only_for_spaces_it_uses() {

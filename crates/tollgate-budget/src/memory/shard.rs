@@ -386,17 +386,18 @@ pub(super) trait Rehash {
 pub(super) struct Shard {
     /// The space whose tables are [`first`](Self::first), or [`NO_SPACE`].
     first_space: u32,
-    /// The tables of the first space to write here, inline: a key of a
-    /// store with one policy (or one busy one) is then two loads from its
-    /// locked shard (the table, its slot) instead of four (the list of
-    /// spaces, the space's box). Emptied by a sweep, it goes to the next
-    /// space that writes here.
+    /// The tables of the first space to touch this shard (to write, or to
+    /// load its siblings for a read), inline: a key of a store with one
+    /// policy is then two loads from its locked shard (the table, its
+    /// slot) instead of four (the list of spaces, the space's box); so is
+    /// a store's busiest policy when it came first. Emptied by a sweep,
+    /// they go to the next space that touches the shard.
     first: SpaceTables,
     /// Every other space's tables, indexed by space id; grown when a space
     /// first writes here. Boxed: a store may meet thousands of spaces (one
     /// per distinct override's numbers), each shard only some of them, and
     /// an unused index costs a pointer rather than a space's six empty
-    /// tables (208 bytes). A space left empty by a sweep is freed.
+    /// tables (304 bytes). A space left empty by a sweep is freed.
     spaces: Vec<Option<Box<SpaceTables>>>,
     /// Entries in all tables.
     len: usize,
@@ -723,6 +724,14 @@ fn in_place<W: Words>(
 mod tests {
     use super::{Compact, Wide};
     use std::mem::size_of;
+
+    /// A space's tables, inline in every shard once and boxed for every
+    /// other space a shard holds: the figures in the docs (304 bytes).
+    #[test]
+    #[cfg(target_pointer_width = "64")]
+    fn a_spaces_tables_take_304_bytes() {
+        assert_eq!(size_of::<super::SpaceTables>(), 304);
+    }
 
     /// The slot sizes the memory figures in BENCHMARKS.md rest on: an
     /// IPv4 token bucket in 20 bytes, an IPv6 (or text digest) one in 32.
