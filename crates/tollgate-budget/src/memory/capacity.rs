@@ -25,8 +25,10 @@ impl Inner {
     /// Whether `shard` has room for `new` keys not yet in it, evicting if
     /// the cap policy allows: how many entries must be evicted, or the
     /// refusal. Nothing is evicted yet, so that a call refused in one of
-    /// its shards changes nothing in the others; `keep` (the keys the call
-    /// writes) are never counted as evictable.
+    /// its shards changes nothing in the others; the entries of `keep`'s
+    /// keys (the keys the call writes, in any space: a key moving from a
+    /// sibling space replaces its entry there) are never counted as
+    /// evictable.
     pub(super) fn room_for(
         &self,
         shard: &mut Shard,
@@ -46,11 +48,15 @@ impl Inner {
         let evictable = match self.cap_policy {
             OnKeyCap::RefuseNewKeys => 0,
             OnKeyCap::EvictNearestIdle => {
-                let mut kept: Vec<&Id> = keep.iter().filter(|id| shard.contains(id)).collect();
-                kept.sort_unstable_by_key(|id| (id.space, id.hash));
-                kept.dedup();
-                let kept = kept.len();
-                shard.len() - kept
+                // A call has a few keys: each counted once, with its
+                // entries in every space of this shard.
+                let kept: usize = keep
+                    .iter()
+                    .enumerate()
+                    .filter(|&(i, id)| !keep[..i].iter().any(|k| k.key == id.key))
+                    .map(|(_, id)| shard.holders_of(id))
+                    .sum();
+                shard.len().saturating_sub(kept)
             }
         };
         if new > cap || over > evictable {
@@ -64,14 +70,16 @@ impl Inner {
     }
 
     /// Evicts `count` entries, each the nearest to idle among a small
-    /// sample, never one of `keep`. [`Inner::room_for`] said there are
-    /// enough.
+    /// sample, never one of `keep`'s keys in any space (evicting a key's
+    /// entry in a sibling space would leave the call's write to add the
+    /// key without the removal [`Inner::room_for`] counted on).
+    /// [`Inner::room_for`] said there are enough.
     pub(super) fn evict(&self, shard: &mut Shard, count: usize, keep: &[Id]) {
         const SAMPLE: usize = 8;
         for _ in 0..count {
             let Some(victim) = shard
                 .states(&self.hashes)
-                .filter(|(id, _)| !keep.contains(id))
+                .filter(|(id, _)| !keep.iter().any(|k| k.key == id.key))
                 .take(SAMPLE)
                 .min_by_key(|(id, state)| {
                     // Every space with entries was given by the store.
@@ -99,6 +107,38 @@ mod tests {
 
     fn charge(key: &str, policy: &Policy, cost: u64) -> Charge {
         Charge::new(Key::new(policy.name()).with(key), policy.clone(), cost).unwrap()
+    }
+
+    /// A key moving from a sibling space (a plan switched) while the shard
+    /// is at its cap keeps its entry there until the move replaces it: an
+    /// eviction that took it would leave the shard a key over its cap.
+    #[test]
+    fn evicting_never_takes_a_moving_keys_sibling_entry() {
+        let capped = MemoryStore::builder()
+            .clock(ManualClock::new(0))
+            .shards(1)
+            .max_keys(2, OnKeyCap::EvictNearestIdle)
+            .build();
+        let free = MemoryStore::builder().clock(ManualClock::new(0)).build();
+        let small = Policy::token_bucket("plan", 3, Rate::per_second(1)).unwrap();
+        let large = Policy::token_bucket("plan", 5, Rate::per_second(1)).unwrap();
+        // a moves to the large plan's space while c is new: one entry must
+        // go, and it may not be a's old one.
+        let calls = [
+            vec![charge("a", &small, 1)],
+            vec![charge("b", &small, 3)],
+            vec![charge("a", &large, 1), charge("c", &small, 1)],
+        ];
+        for call in &calls {
+            assert!(capped.charge_now(call).unwrap().is_admitted());
+            assert!(free.charge_now(call).unwrap().is_admitted());
+        }
+        let stats = capped.stats();
+        assert_eq!((stats.keys, stats.evicted), (2, 1));
+        // b went (a's entries, in either space, are the call's), and a
+        // kept its spending across the move.
+        let a = [charge("a", &large, 1)];
+        assert_eq!(capped.describe(&a), free.describe(&a));
     }
 
     #[test]

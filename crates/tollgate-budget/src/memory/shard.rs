@@ -430,6 +430,15 @@ macro_rules! on_table {
     };
 }
 
+/// What `t` holds for `id`'s key, whatever `id`'s space.
+fn read_in(t: &SpaceTables, id: &Id) -> Option<State> {
+    match id.key {
+        KeyBits::V4(k) => t.v4.read(k, id.hash),
+        KeyBits::V6(k) => t.v6.read(k, id.hash),
+        KeyBits::Text(k) => t.text.read(k, id.hash),
+    }
+}
+
 /// [`Shard::first_space`] when no space holds the inline tables. Space ids
 /// are below 2^24 ([`super::spaces`]).
 const NO_SPACE: u32 = u32::MAX;
@@ -516,12 +525,15 @@ impl Shard {
 
     /// What is stored for `id` in its own space.
     pub(super) fn read(&self, id: &Id) -> Option<State> {
-        let t = self.tables(id.space)?;
-        match id.key {
-            KeyBits::V4(k) => t.v4.read(k, id.hash),
-            KeyBits::V6(k) => t.v6.read(k, id.hash),
-            KeyBits::Text(k) => t.text.read(k, id.hash),
-        }
+        read_in(self.tables(id.space)?, id)
+    }
+
+    /// How many spaces hold an entry for `id`'s key: its own and its
+    /// siblings' (a key written under other numbers before a plan switch).
+    pub(super) fn holders_of(&self, id: &Id) -> usize {
+        self.all_tables()
+            .filter(|(_, t)| read_in(t, id).is_some())
+            .count()
     }
 
     /// Decides `cost` against `id`'s compact slot in place, when the slot
