@@ -574,9 +574,9 @@ mod tests {
         assert!((0..inner.shards.len()).all(|i| inner.lock(i).len() == 0));
     }
 
-    /// The inline tables belong to the first space that writes to a
-    /// shard; once a sweep empties them they go to the next space that
-    /// writes, and every space keeps its own budgets throughout.
+    /// The inline tables belong to the first space that touches a shard;
+    /// once a sweep empties them they go to the next space that touches
+    /// it, and every space keeps its own budgets throughout.
     #[test]
     fn the_inline_tables_pass_to_the_next_space_once_swept_empty() {
         let clock = ManualClock::new(0);

@@ -370,6 +370,23 @@ impl SpaceTables {
     fn len(&self) -> usize {
         self.v4.len() + self.v6.len() + self.text.len()
     }
+
+    /// Drops every entry idle at `now` under the space's `numbers` (every
+    /// space with entries was given by the store); how many are left.
+    fn drop_idle<H: Rehash>(
+        &mut self,
+        now: Nanos,
+        hashes: &H,
+        numbers: Option<Algorithm>,
+    ) -> usize {
+        if let Some(numbers) = numbers.filter(|_| self.len() > 0) {
+            let idle_at = |s: State| algorithm::idle_since(&numbers, s);
+            self.v4.drop_idle(now, &idle_at, |k| hashes.v4(k));
+            self.v6.drop_idle(now, &idle_at, |k| hashes.v6(k));
+            self.text.drop_idle(now, &idle_at, <H as Rehash>::text);
+        }
+        self.len()
+    }
 }
 
 /// How the slot placement of a key's bits is recomputed when a table
@@ -593,38 +610,22 @@ impl Shard {
         let before = self.len;
         let mut len = 0;
         if self.first_space != NO_SPACE {
-            let t = &mut self.first;
-            if let Some(numbers) = numbers(self.first_space).filter(|_| t.len() > 0) {
-                let idle_at = |s: State| algorithm::idle_since(&numbers, s);
-                t.v4.drop_idle(now, &idle_at, |k| hashes.v4(k));
-                t.v6.drop_idle(now, &idle_at, |k| hashes.v6(k));
-                t.text.drop_idle(now, &idle_at, <H as Rehash>::text);
-            }
-            if t.len() == 0 {
-                // Freed for the next space that writes here.
-                *t = SpaceTables::default();
+            let left = self.first.drop_idle(now, hashes, numbers(self.first_space));
+            if left == 0 {
+                // Freed for the next space that touches this shard.
+                self.first = SpaceTables::default();
                 self.first_space = NO_SPACE;
-            } else {
-                len += t.len();
             }
+            len += left;
         }
         for (space, slot) in self.spaces.iter_mut().enumerate() {
             let Some(t) = slot else { continue };
-            if t.len() > 0 {
-                // Every space with entries was given by the store.
-                if let Some(numbers) = numbers(space as u32) {
-                    let idle_at = |s: State| algorithm::idle_since(&numbers, s);
-                    t.v4.drop_idle(now, &idle_at, |k| hashes.v4(k));
-                    t.v6.drop_idle(now, &idle_at, |k| hashes.v6(k));
-                    t.text.drop_idle(now, &idle_at, <H as Rehash>::text);
-                }
-            }
-            if t.len() == 0 {
+            let left = t.drop_idle(now, hashes, numbers(space as u32));
+            if left == 0 {
                 // Its siblings are loaded again when next needed.
                 *slot = None;
-            } else {
-                len += t.len();
             }
+            len += left;
         }
         self.len = len;
         before - len
