@@ -465,11 +465,14 @@ async fn app(
                 .on_route("/upload")
                 .with_cost(Cost::content_kib()),
         );
+    // Answers in axum's own body type: axum then passes the responses
+    // through without boxing them again (the same answers either way).
     let limits = match options.log_refusals {
         Some(level) => limits.log_refusals(level),
         None => limits,
     }
-    .build()?;
+    .build()?
+    .with_inner_body();
 
     // Slow work: per account at most 2 in flight, 8 in all, each bounded by a
     // timeout inside the limit so a stuck request cannot hold its slot.

@@ -3,6 +3,9 @@
 //! everything or, with `refuse`, refuse everything after the first request.
 //!
 //! Two workloads:
+//! tollgate's layers answer in axum's own body type (`with_inner_body`), as
+//! the guide deploys them with axum.
+//!
 //! - `GET /`, a hello-world: `bare`, behind tollgate (in-memory, per client
 //!   address) or behind tower_governor (its default peer-address key);
 //!   `tollgate-front` is tollgate's rule at the front door
@@ -51,8 +54,10 @@ pub fn is_limited(mode: &str) -> bool {
 }
 
 /// The hello-world app, with tollgate's per-address rule around it: the
-/// front door, where a request it refuses never reaches the router.
-pub type FrontDoor = tollgate::rate_limit::RateLimit<Router, MemoryStore>;
+/// front door, where a request it refuses never reaches the router. Its
+/// responses are axum's (`with_inner_body`), served as they are.
+pub type FrontDoor =
+    tollgate::rate_limit::RateLimit<Router, MemoryStore, tollgate::rate_limit::InnerBody>;
 
 /// `tollgate-front`: the hello-world [`FrontDoor`].
 pub fn front_door(refuse: bool) -> Result<FrontDoor, String> {
@@ -65,7 +70,8 @@ pub fn front_door(refuse: bool) -> Result<FrontDoor, String> {
         .headers_on_admitted(false)
         .rule(Rule::per_client_ip(policy))
         .build()
-        .map_err(|e| e.to_string())?;
+        .map_err(|e| e.to_string())?
+        .with_inner_body();
     Ok(tower::Layer::layer(&layer, hello()))
 }
 
@@ -100,7 +106,8 @@ pub fn app(mode: &str, refuse: bool) -> Result<Router, String> {
                     .headers_on_admitted(false)
                     .rule(Rule::per_client_ip(policy))
                     .build()
-                    .unwrap(),
+                    .unwrap()
+                    .with_inner_body(),
             ))
         }
         "governor" => {
@@ -128,7 +135,8 @@ pub fn app(mode: &str, refuse: bool) -> Result<Router, String> {
                         .rule(Rule::per_client_ip(per_ip))
                         .rule(Rule::per_account_operation(per_account).on_route(EXPORT_PATH))
                         .build()
-                        .unwrap(),
+                        .unwrap()
+                        .with_inner_body(),
                 )
                 // Outside the limiter, as an authentication layer goes.
                 .layer(middleware::from_fn(authenticate)))

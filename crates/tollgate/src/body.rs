@@ -34,9 +34,11 @@ impl<B> ResponseBody<B> {
         }
     }
 
-    pub(crate) fn refused(body: Full<Bytes>) -> Self {
+    pub(crate) fn refused(body: Bytes) -> Self {
         Self {
-            inner: Kind::Refused { body },
+            inner: Kind::Refused {
+                body: Full::new(body),
+            },
         }
     }
 }
@@ -84,6 +86,74 @@ where
             Kind::Inner { body } => body.size_hint(),
             Kind::Refused { body } => body.size_hint(),
         }
+    }
+}
+
+/// What the body of a [`RateLimit`](crate::rate_limit::RateLimit)
+/// response is: [`Wrapped`] (the default, for any inner body) or
+/// [`InnerBody`] (the inner service's own body type, for bodies a refusal
+/// can be written as). Chosen with
+/// [`RateLimitLayer::with_inner_body`](crate::RateLimitLayer::with_inner_body);
+/// sealed: these two are the only modes.
+pub trait BodyMode<B>: sealed::Sealed {
+    /// The body of the layer's responses around an inner body `B`.
+    type Body;
+
+    /// The inner service's body, as the layer's.
+    #[doc(hidden)]
+    fn pass(body: B) -> Self::Body;
+
+    /// A refusal's body, as the layer's.
+    #[doc(hidden)]
+    fn refusal(body: Bytes) -> Self::Body;
+}
+
+mod sealed {
+    pub trait Sealed {}
+    impl Sealed for super::Wrapped {}
+    impl Sealed for super::InnerBody {}
+}
+
+/// The layer's responses carry a [`ResponseBody`]: the inner body passed
+/// through, or a refusal's. Works with every inner body type; axum boxes
+/// it once more when the layer is inside a `Router`, and a layer around a
+/// `Router` is served after `map_response(IntoResponse::into_response)`.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Wrapped;
+
+/// The layer's responses carry the inner service's own body type, and a
+/// refusal is written as one (`From<Bytes>`: axum's `Body`, http-body-util's
+/// `Full<Bytes>`). Inside a `Router` axum passes the responses through
+/// without boxing them again; around a `Router` the layer's service is
+/// served by `axum::serve` as it is.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct InnerBody;
+
+impl<B> BodyMode<B> for Wrapped {
+    type Body = ResponseBody<B>;
+
+    #[inline]
+    fn pass(body: B) -> ResponseBody<B> {
+        ResponseBody::inner(body)
+    }
+
+    #[inline]
+    fn refusal(body: Bytes) -> ResponseBody<B> {
+        ResponseBody::refused(body)
+    }
+}
+
+impl<B: From<Bytes>> BodyMode<B> for InnerBody {
+    type Body = B;
+
+    #[inline]
+    fn pass(body: B) -> B {
+        body
+    }
+
+    #[inline]
+    fn refusal(body: Bytes) -> B {
+        B::from(body)
     }
 }
 

@@ -40,9 +40,9 @@ fn main() -> ExitCode {
             }
         }
     }
-    // The front door is not a router: its answers are made axum's
-    // (`into_response`, the boxing a layer inside a router pays too), and
-    // it is served as a plain service.
+    // The front door is not a router: its answers are axum's already (the
+    // layer answers in the inner body type), and it is served as a plain
+    // service.
     let front = (mode == "tollgate-front").then(|| bench_app::front_door(refuse));
     let app = match front {
         Some(_) => Ok(axum::Router::new()),
@@ -75,18 +75,13 @@ fn main() -> ExitCode {
         };
         println!("bench_server {mode} listening on http://{addr}");
         let served = match front {
-            Some(front) => {
-                let front = tower::ServiceBuilder::new()
-                    .map_response(axum::response::IntoResponse::into_response)
-                    .service(front);
-                axum::serve(
-                    listener,
-                    axum::ServiceExt::<axum::extract::Request>::into_make_service_with_connect_info::<
-                        SocketAddr,
-                    >(front),
-                )
-                .await
-            }
+            Some(front) => axum::serve(
+                listener,
+                axum::ServiceExt::<axum::extract::Request>::into_make_service_with_connect_info::<
+                    SocketAddr,
+                >(front),
+            )
+            .await,
             None => {
                 axum::serve(
                     listener,

@@ -8,7 +8,6 @@ use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
 use http::{Request, Response};
-use http_body_util::Full as FullBody;
 use pin_project_lite::pin_project;
 use tollgate_budget::Failure;
 use tower_service::Service;
@@ -62,7 +61,7 @@ pin_project! {
             stalls: Arc<Stalls>,
         },
         Refused {
-            response: Option<Response<FullBody<Bytes>>>,
+            response: Option<Response<Bytes>>,
         },
     }
 }
@@ -121,7 +120,7 @@ where
         }
     }
 
-    pub(crate) fn refused(response: Response<FullBody<Bytes>>) -> Self {
+    pub(crate) fn refused(response: Response<Bytes>) -> Self {
         Self {
             state: State::Refused {
                 response: Some(response),

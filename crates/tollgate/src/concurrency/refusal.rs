@@ -2,7 +2,6 @@
 
 use bytes::Bytes;
 use http::Response;
-use http_body_util::Full;
 use tollgate_budget::Unit;
 
 use super::config::Config;
@@ -12,11 +11,7 @@ use crate::response::{Answer, FieldWriter, Limit, Protocol, Refusal};
 /// `answer` as this layer's response: its body written by the
 /// application's [`refusal_body`](super::ConcurrencyLimitLayer::refusal_body)
 /// when there is one.
-pub(crate) fn respond(
-    config: &Config,
-    answer: Answer,
-    protocol: Protocol,
-) -> Response<Full<Bytes>> {
+pub(crate) fn respond(config: &Config, answer: Answer, protocol: Protocol) -> Response<Bytes> {
     answer.into_shaped_response(protocol, config.shape.as_ref())
 }
 

@@ -4,18 +4,18 @@
 //! refusal.
 
 use std::future::Future;
+use std::marker::PhantomData;
 use std::pin::Pin;
 use std::task::{Context, Poll, ready};
 
 use bytes::Bytes;
 use http::{Request, Response};
-use http_body_util::Full;
 use pin_project_lite::pin_project;
 use tower_service::Service;
 
 use super::pipeline::{Admit, AfterResponse, Fields};
 use super::shaping::Wait;
-use crate::ResponseBody;
+use crate::body::{BodyMode, Wrapped};
 use crate::response::{
     Answer, Protocol, RATELIMIT, RATELIMIT_POLICY, Shape, polled_after_completion,
 };
@@ -82,13 +82,15 @@ struct Deciding<S, ReqB> {
 
 pin_project! {
     /// Response future of [`RateLimit`](super::RateLimit): first the store's
-    /// decision, then either the inner service's response or a refusal.
-    pub struct ResponseFuture<S, ReqB>
+    /// decision, then either the inner service's response or a refusal,
+    /// with the body `M` makes of them ([`BodyMode`]).
+    pub struct ResponseFuture<S, ReqB, M = Wrapped>
     where
         S: Service<Request<ReqB>>,
     {
         #[pin]
         state: State<S, ReqB>,
+        mode: PhantomData<fn() -> M>,
     }
 }
 
@@ -115,12 +117,12 @@ pin_project! {
             after: Option<AfterResponse>,
         },
         Refused {
-            response: Option<Response<Full<Bytes>>>,
+            response: Option<Response<Bytes>>,
         },
     }
 }
 
-impl<S, ReqB> ResponseFuture<S, ReqB>
+impl<S, ReqB, M> ResponseFuture<S, ReqB, M>
 where
     S: Service<Request<ReqB>> + Clone,
 {
@@ -132,6 +134,7 @@ where
         shape: Option<Shape>,
     ) -> Self {
         Self {
+            mode: PhantomData,
             state: State::Deciding {
                 deciding: Box::new(Deciding {
                     decision,
@@ -146,6 +149,7 @@ where
     /// Admitted: the inner service's future, with the fields to add.
     pub(crate) fn calling(future: S::Future, fields: Fields, after: Option<AfterResponse>) -> Self {
         Self {
+            mode: PhantomData,
             state: State::Calling {
                 future,
                 fields,
@@ -164,14 +168,16 @@ where
         after: Option<AfterResponse>,
     ) -> Self {
         Self {
+            mode: PhantomData,
             state: State::Waiting {
                 held: HeldForShaping::new(wait, idle, req, fields, after),
             },
         }
     }
 
-    pub(crate) fn refused(response: Response<Full<Bytes>>) -> Self {
+    pub(crate) fn refused(response: Response<Bytes>) -> Self {
         Self {
+            mode: PhantomData,
             state: State::Refused {
                 response: Some(response),
             },
@@ -179,7 +185,7 @@ where
     }
 }
 
-impl<S, ReqB> std::fmt::Debug for ResponseFuture<S, ReqB>
+impl<S, ReqB, M> std::fmt::Debug for ResponseFuture<S, ReqB, M>
 where
     S: Service<Request<ReqB>>,
 {
@@ -194,11 +200,12 @@ where
     }
 }
 
-impl<S, ReqB, ResB> Future for ResponseFuture<S, ReqB>
+impl<S, ReqB, ResB, M> Future for ResponseFuture<S, ReqB, M>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone,
+    M: BodyMode<ResB>,
 {
-    type Output = Result<Response<ResponseBody<ResB>>, S::Error>;
+    type Output = Result<Response<M::Body>, S::Error>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let mut this = self.project();
@@ -287,11 +294,11 @@ where
                         headers.append(RATELIMIT_POLICY.clone(), policy);
                         headers.append(RATELIMIT.clone(), current);
                     }
-                    return Poll::Ready(Ok(response.map(ResponseBody::inner)));
+                    return Poll::Ready(Ok(response.map(M::pass)));
                 }
                 StateProj::Refused { response } => {
                     let response = response.take().unwrap_or_else(polled_after_completion);
-                    return Poll::Ready(Ok(response.map(ResponseBody::refused)));
+                    return Poll::Ready(Ok(response.map(M::refusal)));
                 }
             }
         }

@@ -2,6 +2,7 @@
 //! exemptions and answers, checked once when the layer is built.
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::sync::atomic::AtomicBool;
 
@@ -15,6 +16,7 @@ use super::handle::RulesHandle;
 use super::invalid::InvalidRule;
 use super::{Exemption, RateLimit, Rule};
 use crate::ClientIpResolver;
+use crate::body::{InnerBody, Wrapped};
 use crate::response::{RefusalBody, RefusalInfo, Shape};
 
 /// Applies [`RateLimit`] to a service: the rules, the store, how client
@@ -31,20 +33,26 @@ use crate::response::{RefusalBody, RefusalInfo, Shape};
 /// # let _ = layer;
 /// # Ok(()) }
 /// ```
+///
+/// Its services answer with a [`ResponseBody`](crate::ResponseBody) around
+/// the inner body (`M` = [`Wrapped`], for any body), or with the inner body
+/// type itself after [`with_inner_body`](Self::with_inner_body).
 #[must_use]
-pub struct RateLimitLayer<St> {
+pub struct RateLimitLayer<St, M = Wrapped> {
     config: Arc<Config<St>>,
+    mode: PhantomData<fn() -> M>,
 }
 
-impl<St> Clone for RateLimitLayer<St> {
+impl<St, M> Clone for RateLimitLayer<St, M> {
     fn clone(&self) -> Self {
         Self {
             config: self.config.clone(),
+            mode: PhantomData,
         }
     }
 }
 
-impl<St> fmt::Debug for RateLimitLayer<St> {
+impl<St, M> fmt::Debug for RateLimitLayer<St, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimitLayer")
             .field("rules", &self.config.rules.load())
@@ -53,7 +61,47 @@ impl<St> fmt::Debug for RateLimitLayer<St> {
             .field("headers_on_admitted", &self.config.headers_on_admitted)
             .field("exemptions", &self.config.exemptions)
             .field("dry_run", &self.config.dry_run)
+            .field("body", &std::any::type_name::<M>())
             .finish_non_exhaustive()
+    }
+}
+
+impl<St> RateLimitLayer<St> {
+    /// The same layer, answering with the inner service's own body type
+    /// instead of a [`ResponseBody`](crate::ResponseBody) around it: an
+    /// admitted response is the inner response as it is (with the
+    /// `RateLimit` fields added to its head), and a refusal's body is made
+    /// with `From<Bytes>`. For inner bodies that have it: axum's `Body`
+    /// (every axum `Router` and handler), http-body-util's `Full<Bytes>`.
+    ///
+    /// The answers are the same, byte for byte; only the type differs.
+    /// With axum that saves work on every request: inside a `Router`, axum
+    /// boxes a layer's response body unless it already is axum's `Body`;
+    /// around a `Router` (the front door) the layer's service returns
+    /// axum's own response type, so `axum::serve` takes it as it is,
+    /// without a `map_response` that boxes every body.
+    ///
+    /// ```
+    /// use std::net::SocketAddr;
+    /// use axum::{Router, ServiceExt, extract::Request, routing::get};
+    /// use tollgate::{MemoryStore, Policy, Rate, RateLimitLayer, Rule};
+    /// use tower::Layer;
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// let per_ip = RateLimitLayer::builder(MemoryStore::new())
+    ///     .rule(Rule::per_client_ip(Policy::token_bucket("per-ip", 5, Rate::per_second(1))?))
+    ///     .build()?
+    ///     .with_inner_body();
+    /// let router = Router::new().route("/", get(|| async { "hi" })).with_state(());
+    /// // Around the router: its responses are axum's, ready to serve.
+    /// let app = per_ip.layer(router);
+    /// let _make = ServiceExt::<Request>::into_make_service_with_connect_info::<SocketAddr>(app);
+    /// # Ok(()) }
+    /// ```
+    pub fn with_inner_body(self) -> RateLimitLayer<St, InnerBody> {
+        RateLimitLayer {
+            config: self.config,
+            mode: PhantomData,
+        }
     }
 }
 
@@ -83,7 +131,9 @@ impl<St: Store> RateLimitLayer<St> {
             rules: Vec::new(),
         }
     }
+}
 
+impl<St: Store, M> RateLimitLayer<St, M> {
     /// A handle that replaces this layer's rules, or one policy or plan,
     /// while it serves, without a fresh budget ([`RulesHandle`]). Every
     /// clone of the layer, and every service made from it, follows the
@@ -159,6 +209,7 @@ impl<St: Store> RateLimitBuilder<St> {
         self.config.applied = Arc::default();
         Ok(RateLimitLayer {
             config: Arc::new(self.config),
+            mode: PhantomData,
         })
     }
 
@@ -251,8 +302,8 @@ impl<St: Store> RateLimitBuilder<St> {
     }
 }
 
-impl<S, St> Layer<S> for RateLimitLayer<St> {
-    type Service = RateLimit<S, St>;
+impl<S, St, M> Layer<S> for RateLimitLayer<St, M> {
+    type Service = RateLimit<S, St, M>;
 
     fn layer(&self, inner: S) -> Self::Service {
         RateLimit::from_config(inner, self.config.clone())

@@ -50,6 +50,15 @@
 //! responses, not errors. `poll_ready` only forwards the inner service's
 //! readiness: the limiter never exerts backpressure.
 //!
+//! # Response bodies
+//!
+//! The layer's responses carry a [`ResponseBody`](crate::ResponseBody)
+//! around the inner service's body ([`Wrapped`], for any body type), or,
+//! after [`RateLimitLayer::with_inner_body`](crate::RateLimitLayer::with_inner_body),
+//! the inner body type itself ([`InnerBody`], for bodies with
+//! `From<Bytes>`, such as axum's). The answers are the same, byte for
+//! byte; with axum the inner body saves boxing each response again.
+//!
 //! # Exemptions
 //!
 //! An [`Exemption`] on a rule (or on the layer, for every rule) skips the
@@ -187,6 +196,7 @@ pub(crate) mod rule;
 pub(crate) mod service;
 mod shaping;
 
+pub use crate::body::{BodyMode, InnerBody, Wrapped};
 #[cfg(feature = "serde")]
 #[cfg_attr(docsrs, doc(cfg(feature = "serde")))]
 pub use data::{

@@ -2,6 +2,7 @@
 //! response future's path.
 
 use std::fmt;
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::task::{Context, Poll};
 
@@ -12,25 +13,31 @@ use tower_service::Service;
 use super::ResponseFuture;
 use super::config::Config;
 use super::pipeline::{self, Admit, ChargePlan, Now};
+use crate::body::{BodyMode, Wrapped};
 use crate::response::Protocol;
 
 /// Rate-limits requests to an inner service; made by
-/// [`RateLimitLayer`](crate::RateLimitLayer).
-pub struct RateLimit<S, St> {
+/// [`RateLimitLayer`](crate::RateLimitLayer). Its responses' body is the
+/// one `M` makes ([`BodyMode`]): a [`ResponseBody`](crate::ResponseBody)
+/// by default, the inner body type with
+/// [`RateLimitLayer::with_inner_body`](crate::RateLimitLayer::with_inner_body).
+pub struct RateLimit<S, St, M = Wrapped> {
     inner: S,
     config: Arc<Config<St>>,
+    mode: PhantomData<fn() -> M>,
 }
 
-impl<S: Clone, St> Clone for RateLimit<S, St> {
+impl<S: Clone, St, M> Clone for RateLimit<S, St, M> {
     fn clone(&self) -> Self {
         Self {
             inner: self.inner.clone(),
             config: self.config.clone(),
+            mode: PhantomData,
         }
     }
 }
 
-impl<S: fmt::Debug, St> fmt::Debug for RateLimit<S, St> {
+impl<S: fmt::Debug, St, M> fmt::Debug for RateLimit<S, St, M> {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("RateLimit")
             .field("inner", &self.inner)
@@ -39,9 +46,13 @@ impl<S: fmt::Debug, St> fmt::Debug for RateLimit<S, St> {
     }
 }
 
-impl<S, St> RateLimit<S, St> {
+impl<S, St, M> RateLimit<S, St, M> {
     pub(crate) fn from_config(inner: S, config: Arc<Config<St>>) -> Self {
-        Self { inner, config }
+        Self {
+            inner,
+            config,
+            mode: PhantomData,
+        }
     }
 
     /// The inner service.
@@ -60,15 +71,16 @@ impl<S, St> RateLimit<S, St> {
     }
 }
 
-impl<S, St, ReqB, ResB> Service<Request<ReqB>> for RateLimit<S, St>
+impl<S, St, ReqB, ResB, M> Service<Request<ReqB>> for RateLimit<S, St, M>
 where
     S: Service<Request<ReqB>, Response = Response<ResB>> + Clone + Send + 'static,
     St: Store,
     ReqB: Send + 'static,
+    M: BodyMode<ResB>,
 {
-    type Response = Response<crate::ResponseBody<ResB>>;
+    type Response = Response<M::Body>;
     type Error = S::Error;
-    type Future = ResponseFuture<S, ReqB>;
+    type Future = ResponseFuture<S, ReqB, M>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         // The limiter itself never waits: only the inner service's readiness

@@ -7,7 +7,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
 use http::{HeaderMap, HeaderValue, Response, StatusCode};
-use http_body_util::Full;
 use tollgate_budget::{Charge, Outcome, Policy, Verdict};
 
 use super::custom::{RefusalInfo, Shape};
@@ -246,7 +245,7 @@ impl Answer {
         }
     }
 
-    pub(crate) fn into_response(self, protocol: Protocol) -> Response<Full<Bytes>> {
+    pub(crate) fn into_response(self, protocol: Protocol) -> Response<Bytes> {
         self.into_shaped_response(protocol, None)
     }
 
@@ -256,7 +255,7 @@ impl Answer {
         mut self,
         protocol: Protocol,
         shape: Option<&Shape>,
-    ) -> Response<Full<Bytes>> {
+    ) -> Response<Bytes> {
         // A lone policy's refusal for lack of budget: its parts rendered
         // once (`from_outcome`).
         let numbers = match self.detail {
@@ -281,7 +280,7 @@ impl Answer {
             // `RateLimit` value of `numbers` can fail to be one).
             let fields = self.fields.take().map(|both| *both);
             if let Some(head) = rendered.http_head(numbers, fields, secs) {
-                let mut response = Response::new(Full::new(rendered.body(secs)));
+                let mut response = Response::new(rendered.body(secs));
                 *response.status_mut() = self.refusal.status();
                 *response.headers_mut() = head;
                 return response;
@@ -373,7 +372,7 @@ impl Answer {
             }
             (StatusCode::OK, Bytes::new())
         };
-        let mut response = Response::new(Full::new(body));
+        let mut response = Response::new(body);
         *response.status_mut() = status;
         *response.headers_mut() = headers;
         response
@@ -382,7 +381,7 @@ impl Answer {
 
 /// A future polled after it completed gets a 500 rather than a panic.
 #[cold]
-pub(crate) fn polled_after_completion() -> Response<Full<Bytes>> {
+pub(crate) fn polled_after_completion() -> Response<Bytes> {
     Answer::new(
         Refusal::Misconfigured,
         "tollgate response future polled after completion",
@@ -407,16 +406,8 @@ mod tests {
         assert_eq!(r.headers()[CONTENT_TYPE], "application/problem+json");
     }
 
-    fn body_text(r: Response<Full<Bytes>>) -> String {
-        use http_body::Body;
-        let mut body = r.into_body();
-        let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
-        match std::pin::Pin::new(&mut body).poll_frame(&mut cx) {
-            std::task::Poll::Ready(Some(Ok(frame))) => {
-                String::from_utf8(frame.into_data().unwrap().to_vec()).unwrap()
-            }
-            _ => String::new(),
-        }
+    fn body_text(r: Response<Bytes>) -> String {
+        String::from_utf8(r.into_body().to_vec()).unwrap()
     }
 
     /// A refusal for lack of budget, written from its policy's
@@ -484,7 +475,7 @@ mod tests {
             assert_eq!(fast.status(), general.status());
             assert_eq!(fast.headers(), general.headers(), "{protocol:?} {shape:?}");
             // In the same order on the wire too.
-            let order = |r: &Response<Full<Bytes>>| r.headers().keys().cloned().collect::<Vec<_>>();
+            let order = |r: &Response<Bytes>| r.headers().keys().cloned().collect::<Vec<_>>();
             assert_eq!(order(&fast), order(&general));
             assert_eq!(body_text(fast), body_text(general));
         }
