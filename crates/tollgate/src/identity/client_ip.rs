@@ -447,14 +447,22 @@ impl ClientIpResolver {
     /// `addr`'s network under the resolver's prefix for its family,
     /// masked as a [`Key::client_ip`] masks it (one mask for both).
     pub(crate) fn mask(&self, addr: IpAddr) -> ClientIp {
+        let (addr, prefix) = self
+            .masked_key(addr)
+            .as_client_ip()
+            .expect("a key made of one client address");
+        ClientIp { addr, prefix }
+    }
+
+    /// The key of `addr` aggregated by this resolver's prefix: what
+    /// [`mask`](Self::mask) gives, as a key (made once, for the rules keyed
+    /// by the address alone).
+    pub(crate) fn masked_key(&self, addr: IpAddr) -> Key {
         let prefix = match addr {
             IpAddr::V4(_) => self.v4_prefix,
             IpAddr::V6(_) => self.v6_prefix,
         };
-        let (addr, prefix) = Key::client_ip(addr, prefix)
-            .as_client_ip()
-            .expect("a key made of one client address");
-        ClientIp { addr, prefix }
+        Key::client_ip(addr, prefix)
     }
 }
 

@@ -248,9 +248,10 @@ impl<'a> RequestIdentity<'a> {
         route: Option<&str>,
     ) -> Result<Option<Key>, KeyError> {
         if let [KeyPart::ClientIp] = key_parts {
-            // The common rule, per client address: the address is the key.
-            return match self.ip() {
-                Ok(ip) => Ok(Some(Key::client_ip(ip.addr(), ip.prefix()))),
+            // The common rule, per client address: the address is the key
+            // (masked into a key once).
+            return match self.client_addr() {
+                Ok(addr) => Ok(Some(self.resolver.masked_key(addr))),
                 Err(e) => Err(KeyError::ClientIp(e)),
             };
         }
