@@ -375,3 +375,138 @@ async fn on_redis_both_body_modes_answer_alike() {
     .await;
     covers(&same_answers(wrapped, inner, switch).await);
 }
+
+/// A `HEAD` request over HTTP/2 with prior knowledge: its status, its
+/// `content-length`, and how many body bytes came (an error if the stream
+/// broke).
+async fn h2_head(server: SocketAddr, from: &str) -> (http::StatusCode, Option<String>, usize) {
+    use http_body_util::BodyExt;
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.bind(SocketAddr::new(ip(from), 0)).unwrap();
+    let stream = socket.connect(server).await.unwrap();
+    let (mut sender, conn) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .handshake(hyper_util::rt::TokioIo::new(stream))
+            .await
+            .unwrap();
+    let conn = tokio::spawn(conn);
+    let req = http::Request::head(format!("http://{server}/"))
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .unwrap();
+    let response = sender.send_request(req).await.expect("a response");
+    let status = response.status();
+    let length = response
+        .headers()
+        .get("content-length")
+        .map(|v| v.to_str().unwrap().to_owned());
+    let body = tokio::time::timeout(Duration::from_secs(10), response.into_body().collect())
+        .await
+        .expect("the body ends within 10 s")
+        .expect("the stream ends cleanly")
+        .to_bytes();
+    conn.abort();
+    (status, length, body.len())
+}
+
+/// Found in review: a refusal to `HEAD` kept its problem+json body. Over
+/// HTTP/1.1 hyper leaves it out, and inside a `Router` axum strips it;
+/// at the front door over HTTP/2 nothing did, and the stream broke
+/// (`PROTOCOL_ERROR`). A refusal to `HEAD` is the head a `GET` gets, its
+/// body's length in `Content-Length`, and no body: for both layers, in
+/// both body modes.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_head_refused_at_the_front_door_has_no_body_on_either_protocol() {
+    let per_ip = || {
+        RateLimitLayer::builder(MemoryStore::new())
+            .rule(Rule::per_client_ip(slow("per-ip", 1)))
+            .build()
+            .unwrap()
+    };
+    let hello = || router().with_state(());
+    let wrapped = tower::ServiceBuilder::new()
+        .map_response(IntoResponse::into_response)
+        .service(per_ip().layer(hello()));
+    let inner = per_ip().with_inner_body().layer(hello());
+    // The in-flight layer refuses at once: its one slot is held by a
+    // request that never ends.
+    let in_flight = tollgate::ConcurrencyLimitLayer::builder("one")
+        .global(NonZeroUsize::MIN)
+        .build()
+        .unwrap();
+    let holding = std::sync::Arc::new(tokio::sync::Notify::new());
+    let entered = holding.clone();
+    let held = router()
+        .route(
+            "/hold",
+            get(move || {
+                entered.notify_one();
+                std::future::pending::<&'static str>()
+            }),
+        )
+        .with_state(());
+    let concurrency = tower::ServiceBuilder::new()
+        .map_response(IntoResponse::into_response)
+        .service(in_flight.layer(held));
+    let servers = [
+        ("rate limit, wrapped", serve(wrapped).await, "127.0.8.1"),
+        ("rate limit, inner body", serve(inner).await, "127.0.8.2"),
+        ("in flight", serve(concurrency).await, "127.0.8.3"),
+    ];
+    // The in-flight server's slot taken by a request that never ends, for
+    // as long as the test runs: sent again if another request had the
+    // slot when it came (then it is refused, and its handler never runs).
+    let mut _holder = None;
+    let started = std::time::Instant::now();
+    while _holder.is_none() {
+        use tokio::io::AsyncWriteExt;
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the slot was never taken"
+        );
+        let mut stream = tokio::net::TcpStream::connect(servers[2].1).await.unwrap();
+        stream
+            .write_all(b"GET /hold HTTP/1.1\r\nHost: test\r\n\r\n")
+            .await
+            .unwrap();
+        if tokio::time::timeout(Duration::from_secs(1), holding.notified())
+            .await
+            .is_ok()
+        {
+            _holder = Some(stream);
+        }
+    }
+    for (what, server, from) in servers {
+        let mut statuses = Vec::new();
+        for _ in 0..2 {
+            let (status, length, body) = h2_head(server, from).await;
+            statuses.push(status);
+            if status.is_client_error() || status.is_server_error() {
+                assert_eq!(body, 0, "{what}: a body came with a refusal to HEAD");
+                // Over HTTP/1.1, the same head as a GET's refusal.
+                let get = exchange(server, &(from, "GET", "/", vec![], vec![])).await;
+                let got = get.split("\r\n\r\n").nth(1).unwrap_or_default().len();
+                assert_eq!(length, Some(got.to_string()), "{what}: {get}");
+                // The same status and header lines (hyper puts a length it
+                // computes after `connection`, a given one before it).
+                let head = exchange(server, &(from, "HEAD", "/", vec![], vec![])).await;
+                let lines = |text: &str| {
+                    let head = text.split("\r\n\r\n").next().unwrap_or_default();
+                    let mut lines: Vec<String> = head.split("\r\n").map(str::to_owned).collect();
+                    lines.sort();
+                    lines
+                };
+                assert!(
+                    head.ends_with("\r\n\r\n"),
+                    "{what}: a body after the head: {head}"
+                );
+                assert_eq!(lines(&head), lines(&get), "{what}");
+            }
+        }
+        assert!(
+            statuses
+                .iter()
+                .any(|s| s.is_client_error() || s.is_server_error()),
+            "{what}: nothing refused: {statuses:?}"
+        );
+    }
+}

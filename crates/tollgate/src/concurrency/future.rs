@@ -164,7 +164,11 @@ where
                         match ready!(acquire.as_mut().poll(cx)) {
                             Ok(slot) => *acquired = Some(slot),
                             Err(full) => {
-                                let response = respond(config, refusal(config, full), *protocol);
+                                let method = pending
+                                    .as_ref()
+                                    .map_or(&http::Method::GET, |(_, req)| req.method());
+                                let response =
+                                    respond(config, refusal(config, full), *protocol, method);
                                 this.state.set(State::Refused {
                                     response: Some(response),
                                 });

@@ -1,7 +1,7 @@
 //! The concurrency layer's refusals, as answers and as responses.
 
 use bytes::Bytes;
-use http::Response;
+use http::{Method, Response};
 use tollgate_budget::Unit;
 
 use super::config::Config;
@@ -11,8 +11,13 @@ use crate::response::{Answer, FieldWriter, Limit, Protocol, Refusal};
 /// `answer` as this layer's response: its body written by the
 /// application's [`refusal_body`](super::ConcurrencyLimitLayer::refusal_body)
 /// when there is one.
-pub(crate) fn respond(config: &Config, answer: Answer, protocol: Protocol) -> Response<Bytes> {
-    answer.into_shaped_response(protocol, config.shape.as_ref())
+pub(crate) fn respond(
+    config: &Config,
+    answer: Answer,
+    protocol: Protocol,
+    method: &Method,
+) -> Response<Bytes> {
+    answer.answer(protocol, config.shape.as_ref(), method)
 }
 
 /// When to come back after a refusal for fair share or priority: by then

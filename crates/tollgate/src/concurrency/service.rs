@@ -83,6 +83,7 @@ where
         let config = &self.config;
         let (parts, body) = req.into_parts();
         let protocol = Protocol::of(&parts.headers);
+        let method = parts.method.clone();
         let mut who = RequestIdentity::new(&parts, &config.resolver);
         if any_matches(&config.exemptions, &mut who, &parts) {
             let req = Request::from_parts(parts, body);
@@ -97,7 +98,7 @@ where
                 if answer.challenge.is_some() {
                     answer.challenge = Some(Box::new(config.www_authenticate.clone()));
                 }
-                Err(Box::new(respond(config, answer, protocol)))
+                Err(Box::new(respond(config, answer, protocol, &method)))
             }
         };
         let key: Option<Box<str>> = if config.limiter.limits.per_key() {
@@ -151,7 +152,7 @@ where
             }
             Err(full) => {
                 let answer = refusal(config, config.limiter.refused(full, ask.key.as_deref()));
-                ResponseFuture::refused(respond(config, answer, protocol))
+                ResponseFuture::refused(respond(config, answer, protocol, req.method()))
             }
         }
     }

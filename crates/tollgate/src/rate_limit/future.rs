@@ -213,46 +213,50 @@ where
             match this.state.as_mut().project() {
                 StateProj::Deciding { deciding } => {
                     let result = ready!(deciding.decision.as_mut().poll(cx));
-                    let next =
-                        match (result, deciding.pending.take()) {
-                            (
-                                Ok(Admit {
-                                    fields,
-                                    wait: None,
-                                    settle,
-                                }),
-                                Some((mut inner, req)),
-                            ) => State::Calling {
-                                future: inner.call(req),
+                    let next = match (result, deciding.pending.take()) {
+                        (
+                            Ok(Admit {
                                 fields,
-                                after: settle,
-                            },
-                            (
-                                Ok(Admit {
-                                    fields,
-                                    wait: Some(wait),
-                                    settle,
-                                }),
-                                Some((inner, req)),
-                            ) => {
-                                // The ready instance is let go at once; a
-                                // clone waits (see `HeldForShaping::new`).
-                                let idle = inner.clone();
-                                drop(inner);
-                                State::Waiting {
-                                    held: HeldForShaping::new(wait, idle, req, fields, settle),
-                                }
+                                wait: None,
+                                settle,
+                            }),
+                            Some((mut inner, req)),
+                        ) => State::Calling {
+                            future: inner.call(req),
+                            fields,
+                            after: settle,
+                        },
+                        (
+                            Ok(Admit {
+                                fields,
+                                wait: Some(wait),
+                                settle,
+                            }),
+                            Some((inner, req)),
+                        ) => {
+                            // The ready instance is let go at once; a
+                            // clone waits (see `HeldForShaping::new`).
+                            let idle = inner.clone();
+                            drop(inner);
+                            State::Waiting {
+                                held: HeldForShaping::new(wait, idle, req, fields, settle),
                             }
-                            (Err(answer), _) => State::Refused {
-                                response: Some(answer.into_shaped_response(
+                        }
+                        (Err(answer), pending) => State::Refused {
+                            response: Some(
+                                answer.answer(
                                     deciding.protocol,
                                     deciding.shape.as_ref(),
-                                )),
-                            },
-                            (Ok(_), None) => State::Refused {
-                                response: Some(polled_after_completion()),
-                            },
-                        };
+                                    pending
+                                        .as_ref()
+                                        .map_or(&http::Method::GET, |(_, req)| req.method()),
+                                ),
+                            ),
+                        },
+                        (Ok(_), None) => State::Refused {
+                            response: Some(polled_after_completion()),
+                        },
+                    };
                     this.state.set(next);
                 }
                 StateProj::Waiting { held } => {

@@ -61,9 +61,16 @@ impl<St, M> fmt::Debug for RateLimitLayer<St, M> {
             .field("headers_on_admitted", &self.config.headers_on_admitted)
             .field("exemptions", &self.config.exemptions)
             .field("dry_run", &self.config.dry_run)
-            .field("body", &std::any::type_name::<M>())
+            .field("body", &short_name::<M>())
             .finish_non_exhaustive()
     }
+}
+
+/// `M`'s name without its path (`Wrapped`, `InnerBody`): the path of its
+/// definition is not the one it is used by.
+fn short_name<M>() -> &'static str {
+    let name = std::any::type_name::<M>();
+    name.rsplit("::").next().unwrap_or(name)
 }
 
 impl<St> RateLimitLayer<St> {
@@ -97,6 +104,12 @@ impl<St> RateLimitLayer<St> {
     /// let _make = ServiceExt::<Request>::into_make_service_with_connect_info::<SocketAddr>(app);
     /// # Ok(()) }
     /// ```
+    ///
+    /// Around an inner body without `From<Bytes>` (hyper's `Incoming`, a
+    /// boxed body, `Empty`), the layer's service is not a `Service` at
+    /// all: the compiler says that `RateLimit<…, InnerBody>` does not
+    /// implement `Service` (or, where a `Service` is required, that the
+    /// body has no `From<Bytes>`). Leave `with_inner_body` out there.
     pub fn with_inner_body(self) -> RateLimitLayer<St, InnerBody> {
         RateLimitLayer {
             config: self.config,

@@ -18,6 +18,10 @@
 //! `application/grpc-web+proto`, `application/grpc-web-text`), which are
 //! answered in their own content type. `application/grpcx` is plain HTTP.
 //!
+//! A refusal to `HEAD` is the head a `GET` would get (its body's length in
+//! `Content-Length`) with no body, whichever layer answers and wherever it
+//! sits (the in-flight layer's refusals too).
+//!
 //! # The order of answers: every request counts against its address
 //!
 //! A rule whose key or cost cannot be determined (no principal, no

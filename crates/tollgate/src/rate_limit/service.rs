@@ -96,10 +96,11 @@ where
         let config = &self.config;
         if plan.charges.is_empty() {
             return match plan.refusal {
-                Some(answer) => ResponseFuture::refused(
-                    answer
-                        .into_shaped_response(Protocol::of(&parts.headers), config.shape.as_ref()),
-                ),
+                Some(answer) => ResponseFuture::refused(answer.answer(
+                    Protocol::of(&parts.headers),
+                    config.shape.as_ref(),
+                    &parts.method,
+                )),
                 None => ResponseFuture::calling(
                     self.inner.call(Request::from_parts(parts, body)),
                     None,
@@ -157,12 +158,11 @@ where
                         fields,
                         settle,
                     ),
-                    Err(answer) => {
-                        ResponseFuture::refused(answer.into_shaped_response(
-                            Protocol::of(&parts.headers),
-                            config.shape.as_ref(),
-                        ))
-                    }
+                    Err(answer) => ResponseFuture::refused(answer.answer(
+                        Protocol::of(&parts.headers),
+                        config.shape.as_ref(),
+                        &parts.method,
+                    )),
                 }
             }
             Now::Later(failed) => {

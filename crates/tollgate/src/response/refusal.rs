@@ -5,8 +5,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use http::header::{CACHE_CONTROL, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
-use http::{HeaderMap, HeaderValue, Response, StatusCode};
+use http::header::{CACHE_CONTROL, CONTENT_LENGTH, CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE};
+use http::{HeaderMap, HeaderValue, Method, Response, StatusCode};
 use tollgate_budget::{Charge, Outcome, Policy, Verdict};
 
 use super::custom::{RefusalInfo, Shape};
@@ -249,6 +249,23 @@ impl Answer {
         self.into_shaped_response(protocol, None)
     }
 
+    /// The response to a request of `method`: with an HTTP body written by
+    /// `shape` when there is one (the status and every header stay
+    /// tollgate's), and none for `HEAD` ([`without_body`]).
+    pub(crate) fn answer(
+        self,
+        protocol: Protocol,
+        shape: Option<&Shape>,
+        method: &Method,
+    ) -> Response<Bytes> {
+        let response = self.into_shaped_response(protocol, shape);
+        if method == Method::HEAD {
+            without_body(response)
+        } else {
+            response
+        }
+    }
+
     /// The response, with an HTTP body written by `shape` when there is
     /// one (the status and every header stay tollgate's).
     pub(crate) fn into_shaped_response(
@@ -377,6 +394,23 @@ impl Answer {
         *response.headers_mut() = headers;
         response
     }
+}
+
+/// `response` as the answer to a `HEAD` request: the same head, with its
+/// body's length in `Content-Length`, and no body. A response to `HEAD`
+/// carries none: HTTP/1.1 servers leave it out, but over HTTP/2 a body
+/// there is a protocol error, and a layer around a `Router` (the front
+/// door) answers before axum's routing, which would strip it. A response
+/// without a body (gRPC's trailers-only) is left as it is.
+pub(crate) fn without_body(mut response: Response<Bytes>) -> Response<Bytes> {
+    let length = response.body().len();
+    if length > 0 {
+        response
+            .headers_mut()
+            .insert(CONTENT_LENGTH, HeaderValue::from(length));
+        *response.body_mut() = Bytes::new();
+    }
+    response
 }
 
 /// A future polled after it completed gets a 500 rather than a panic.
