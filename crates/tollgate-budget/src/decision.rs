@@ -565,7 +565,17 @@ impl Outcome {
     /// The overall verdict: never-fits beats denied beats admitted. An
     /// outcome with an unevaluated limit and no refusal is not admitted: it
     /// is reported as denied with no wait, which a store never returns.
+    #[inline]
     pub fn verdict(&self) -> Verdict {
+        // One admitted limit, the common outcome: answered inline.
+        if let [Decision(Answer::Admitted { .. })] = self.limits() {
+            return Verdict::Admitted;
+        }
+        self.verdict_of_all()
+    }
+
+    /// [`verdict`](Self::verdict), limit by limit.
+    fn verdict_of_all(&self) -> Verdict {
         let mut wait: Option<u64> = None;
         let mut unevaluated = false;
         for d in self.limits() {

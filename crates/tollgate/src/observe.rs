@@ -226,11 +226,18 @@ impl Throttle {
 /// `tollgate_admitted_cost_total` for each limit of an admitted call,
 /// `tollgate_denied_cost_total` for each limit that refused it and
 /// `tollgate_never_fits_total` for each that it can never fit.
+#[inline]
 pub(crate) fn outcome(charges: &[Charge], outcome: &Outcome, verdict: Verdict, level: Level) {
-    // An admission is only counted, which needs the metrics feature.
+    // An admission is only counted, which needs the metrics feature: with
+    // it off, nothing to do, and no call made.
     if !cfg!(feature = "metrics") && verdict == Verdict::Admitted {
         return;
     }
+    observed(charges, outcome, verdict, level);
+}
+
+/// [`outcome`], for an outcome there is something to log or count about.
+fn observed(charges: &[Charge], outcome: &Outcome, verdict: Verdict, level: Level) {
     for (charge, decision) in charges.iter().zip(outcome.limits()) {
         let name = charge.policy().name();
         match (verdict, decision) {

@@ -99,7 +99,18 @@ impl Cost {
         }
     }
 
+    #[inline]
     pub(crate) fn of(&self, parts: &Parts) -> Result<u64, CostRefusal> {
+        // The common cost is fixed: answered here, inlined where it is
+        // asked, without a call.
+        match self {
+            Cost::Fixed(n) => Ok(n.get()),
+            _ => self.of_request(parts),
+        }
+    }
+
+    /// A cost read from the request: its length, or the application's.
+    fn of_request(&self, parts: &Parts) -> Result<u64, CostRefusal> {
         match self {
             Cost::Fixed(n) => Ok(n.get()),
             Cost::ContentLength { unit_bytes } => {
@@ -647,7 +658,23 @@ impl Rule {
     /// Whether the rule applies to the request `parts`; `routed` is where
     /// routing put it, looked up by the first rule that names routes and
     /// kept for the others.
+    #[inline]
     pub(crate) fn applies_to<'p>(
+        &self,
+        parts: &'p Parts,
+        routed: &mut Option<Routed<'p>>,
+    ) -> Applies<'_> {
+        // A rule for every method and route applies to all, answered
+        // where it is asked, without a call.
+        if self.methods.is_none() && self.routes.is_empty() {
+            return Applies::Yes;
+        }
+        self.applies_by_route(parts, routed)
+    }
+
+    /// [`applies_to`](Self::applies_to) for a rule that names methods or
+    /// routes.
+    fn applies_by_route<'p>(
         &self,
         parts: &'p Parts,
         routed: &mut Option<Routed<'p>>,
