@@ -11,11 +11,10 @@ use axum::extract::Request;
 use axum::middleware::{self, Next};
 use axum::response::Response;
 use axum::routing::{get, post};
-use common::{ip, param, send, serve, sf_list};
+use common::{ip, param, send, serve, sf_list, test_auth};
 use http::{HeaderValue, StatusCode};
 use tollgate::{
-    ClientIpResolver, Cost, Exemption, KeyPart, MemoryStore, Policy, Principal, Rate,
-    RateLimitLayer, Rule,
+    ClientIpResolver, Cost, Exemption, KeyPart, MemoryStore, Policy, Rate, RateLimitLayer, Rule,
     identity::ForwardedHeader,
     rate_limit::RateLimitBuilder,
     store::{Charge, Key, OnKeyCap},
@@ -23,21 +22,6 @@ use tollgate::{
 
 fn bucket(name: &str, capacity: u64) -> Policy {
     Policy::token_bucket(name, capacity, Rate::per_hour(1)).unwrap()
-}
-
-/// Test-only authentication: `X-Test-User: tenant/account` becomes the
-/// principal (a stand-in for a verifying middleware).
-async fn test_auth(mut req: Request, next: Next) -> Response {
-    let who = req
-        .headers()
-        .get("x-test-user")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.split_once('/'))
-        .map(|(t, a)| Principal::new(t, a));
-    if let Some(p) = who {
-        req.extensions_mut().insert(p);
-    }
-    next.run(req).await
 }
 
 async fn statuses(

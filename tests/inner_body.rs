@@ -20,41 +20,20 @@ use std::num::NonZeroUsize;
 use std::time::Duration;
 
 use axum::extract::Request;
-use axum::middleware::{self, Next};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Router, ServiceExt};
 use tollgate::store::ManualClock;
-use tollgate::{
-    Cost, Exemption, MemoryStore, Policy, Principal, Rate, RateLimitLayer, Rule, Store,
-};
+use tollgate::{Cost, Exemption, MemoryStore, Policy, Rate, RateLimitLayer, Rule, Store};
 use tower::Layer;
 
-use common::ip;
+use common::{ip, test_auth};
 
 /// A minute of budget refills in an hour: nothing refills during a test,
 /// and the clock does not move anyway.
 fn slow(name: &str, capacity: u64) -> Policy {
     Policy::token_bucket(name, capacity, Rate::per_hour(60)).unwrap()
-}
-
-/// `X-Test-User: tenant/account[/plan]` becomes the principal.
-async fn test_auth(mut req: Request, next: Next) -> Response {
-    let who = req
-        .headers()
-        .get("x-test-user")
-        .and_then(|v| v.to_str().ok())
-        .map(|v| v.split('/').collect::<Vec<_>>());
-    if let Some(parts) = who
-        && parts.len() >= 2
-    {
-        let mut principal = Principal::new(parts[0], parts[1]);
-        if let Some(plan) = parts.get(2) {
-            principal = principal.with_plan(*plan);
-        }
-        req.extensions_mut().insert(principal);
-    }
-    next.run(req).await
 }
 
 /// Every rule kind the answers depend on.
@@ -140,7 +119,8 @@ type Step = (
 
 fn script() -> Vec<Step> {
     let alice = ("x-test-user", "north/alice");
-    let bob_pro = ("x-test-user", "north/bob/pro");
+    let bob = ("x-test-user", "north/bob");
+    let pro = ("x-test-plan", "pro");
     let grpc = ("content-type", "application/grpc");
     let mut steps: Vec<Step> = Vec::new();
     // Admitted, with fields; then the address's budget runs out (written
@@ -188,7 +168,7 @@ fn script() -> Vec<Step> {
     }
     // A plan: bob's is "pro".
     for _ in 0..4 {
-        steps.push(("127.0.7.6", "GET", "/report", vec![bob_pro], vec![]));
+        steps.push(("127.0.7.6", "GET", "/report", vec![bob, pro], vec![]));
     }
     // gRPC: admitted, then refused trailers-only.
     for _ in 0..7 {
@@ -210,29 +190,12 @@ fn without_date(raw: &[u8]) -> String {
         .join("\r\n")
 }
 
+/// `step` sent from its address; the answer as it came, without `date`.
 async fn exchange(server: SocketAddr, step: &Step) -> String {
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let (from, method, path, headers, body) = step;
-    let mut request =
-        format!("{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n").into_bytes();
-    for (k, v) in headers {
-        request.extend_from_slice(format!("{k}: {v}\r\n").as_bytes());
-    }
-    if *method == "POST" {
-        request.extend_from_slice(format!("Content-Length: {}\r\n", body.len()).as_bytes());
-    }
-    request.extend_from_slice(b"\r\n");
-    request.extend_from_slice(body);
-    let socket = tokio::net::TcpSocket::new_v4().unwrap();
-    socket.bind(SocketAddr::new(ip(from), 0)).unwrap();
-    let mut stream = socket.connect(server).await.unwrap();
-    let _ = stream.write_all(&request).await;
-    let mut raw = Vec::new();
-    tokio::time::timeout(Duration::from_secs(10), stream.read_to_end(&mut raw))
-        .await
-        .expect("response within 10 s")
-        .unwrap();
-    without_date(&raw)
+    let headers: Vec<(&str, &[u8])> = headers.iter().map(|(k, v)| (*k, v.as_bytes())).collect();
+    let request = common::request_bytes(method, path, &headers, body);
+    without_date(&common::exchange_raw(server, ip(from), &request).await)
 }
 
 /// Sends the script to both servers in turn; every answer must be the
@@ -300,27 +263,22 @@ fn switch_plans<St: Store>(handles: [tollgate::RulesHandle<St>; 2]) -> impl Fn()
     }
 }
 
+/// `a` and `b` (the same rules on stores of their own) inside the same
+/// router, `b` answering in the inner body: the script's answers alike.
+async fn inside_routers<St: Store>(a: RateLimitLayer<St>, b: RateLimitLayer<St>) {
+    let b = b.with_inner_body();
+    let switch = switch_plans([a.rules_handle(), b.rules_handle()]);
+    let app = |routes: Router| routes.layer(middleware::from_fn(test_auth)).with_state(());
+    let wrapped = serve(app(router().layer(a))).await;
+    let inner = serve(app(router().layer(b))).await;
+    covers(&same_answers(wrapped, inner, switch).await);
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn inside_a_router_both_body_modes_answer_alike() {
     let clock = ManualClock::new(1_000_000_000_000);
     let (a, b) = memory_layers(&clock);
-    let b = b.with_inner_body();
-    let switch = switch_plans([a.rules_handle(), b.rules_handle()]);
-    let wrapped = serve(
-        router()
-            .layer(a)
-            .layer(middleware::from_fn(test_auth))
-            .with_state(()),
-    )
-    .await;
-    let inner = serve(
-        router()
-            .layer(b)
-            .layer(middleware::from_fn(test_auth))
-            .with_state(()),
-    )
-    .await;
-    covers(&same_answers(wrapped, inner, switch).await);
+    inside_routers(a, b).await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -354,26 +312,7 @@ async fn on_redis_both_body_modes_answer_alike() {
             .build()
             .unwrap()
     };
-    let (a, b) = (
-        layer(store("wrapped")),
-        layer(store("inner")).with_inner_body(),
-    );
-    let switch = switch_plans([a.rules_handle(), b.rules_handle()]);
-    let wrapped = serve(
-        router()
-            .layer(a)
-            .layer(middleware::from_fn(test_auth))
-            .with_state(()),
-    )
-    .await;
-    let inner = serve(
-        router()
-            .layer(b)
-            .layer(middleware::from_fn(test_auth))
-            .with_state(()),
-    )
-    .await;
-    covers(&same_answers(wrapped, inner, switch).await);
+    inside_routers(layer(store("wrapped")), layer(store("inner"))).await;
 }
 
 /// A `HEAD` request over HTTP/2 with prior knowledge: its status, its

@@ -10,37 +10,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use axum::Router;
-use axum::extract::Request;
-use axum::middleware::{self, Next};
-use axum::response::Response;
+use axum::middleware;
 use axum::routing::get;
-use common::{ip, param, send, serve, sf_list};
+use common::{ip, param, send, serve, sf_list, test_auth};
 use http::StatusCode;
 use num_rational::Ratio;
 use tollgate::{
     MemoryStore, Policy, Principal, Rate, RateLimitLayer, Rule, Store,
     store::{Clock, ManualClock},
 };
-
-/// Test-only authentication: `X-Test-User: tenant/account` is the
-/// principal and `X-Test-Plan` its plan (a stand-in for a verifying
-/// middleware that reads the account's record).
-async fn test_auth(mut req: Request, next: Next) -> Response {
-    if let Some(p) = principal(req.headers()) {
-        req.extensions_mut().insert(p);
-    }
-    next.run(req).await
-}
-
-fn principal(headers: &http::HeaderMap) -> Option<Principal> {
-    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
-    let (tenant, account) = header("x-test-user")?.split_once('/')?;
-    let p = Principal::new(tenant, account);
-    Some(match header("x-test-plan") {
-        Some(plan) => p.with_plan(plan),
-        None => p,
-    })
-}
 
 fn export(capacity: u64, per_second: u64) -> Policy {
     Policy::token_bucket("export", capacity, Rate::per_second(per_second)).unwrap()

@@ -30,6 +30,30 @@ pub async fn serve(app: axum::Router) -> SocketAddr {
     addr
 }
 
+/// Test-only authentication, a stand-in for a verifying middleware:
+/// `X-Test-User: tenant/account` is the principal and `X-Test-Plan` its
+/// plan (as if read from the account's record).
+pub async fn test_auth(
+    mut req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    if let Some(p) = test_principal(req.headers()) {
+        req.extensions_mut().insert(p);
+    }
+    next.run(req).await
+}
+
+/// The principal [`test_auth`] reads from `headers`.
+pub fn test_principal(headers: &HeaderMap) -> Option<tollgate::Principal> {
+    let header = |name: &str| headers.get(name).and_then(|v| v.to_str().ok());
+    let (tenant, account) = header("x-test-user")?.split_once('/')?;
+    let p = tollgate::Principal::new(tenant, account);
+    Some(match header("x-test-plan") {
+        Some(plan) => p.with_plan(plan),
+        None => p,
+    })
+}
+
 /// A parsed response.
 #[derive(Debug)]
 pub struct Reply {
@@ -119,6 +143,12 @@ pub async fn send_bytes(
     headers: &[(&str, &[u8])],
     body: &[u8],
 ) -> Reply {
+    send_raw(server, from, &request_bytes(method, path, headers, body)).await
+}
+
+/// An HTTP/1.1 request asking for `Connection: close`, as bytes, with a
+/// `Content-Length` unless `headers` frame the body themselves.
+pub fn request_bytes(method: &str, path: &str, headers: &[(&str, &[u8])], body: &[u8]) -> Vec<u8> {
     let mut request =
         format!("{method} {path} HTTP/1.1\r\nHost: test\r\nConnection: close\r\n").into_bytes();
     for (k, v) in headers {
@@ -135,12 +165,17 @@ pub async fn send_bytes(
     }
     request.extend_from_slice(b"\r\n");
     request.extend_from_slice(body);
-    send_raw(server, from, &request).await
+    request
 }
 
 /// Sends `request` (whole, as bytes; it should ask for `Connection: close`)
 /// from `from` and reads the whole response.
 pub async fn send_raw(server: SocketAddr, from: IpAddr, request: &[u8]) -> Reply {
+    parse(&exchange_raw(server, from, request).await)
+}
+
+/// Sends `request` like [`send_raw`]; the response as it came, unparsed.
+pub async fn exchange_raw(server: SocketAddr, from: IpAddr, request: &[u8]) -> Vec<u8> {
     let socket = TcpSocket::new_v4().unwrap();
     socket.bind(SocketAddr::new(from, 0)).unwrap();
     let mut stream = socket.connect(server).await.unwrap();
@@ -151,7 +186,7 @@ pub async fn send_raw(server: SocketAddr, from: IpAddr, request: &[u8]) -> Reply
         .await
         .expect("response within 10 s")
         .unwrap();
-    parse(&raw)
+    raw
 }
 
 pub fn parse(raw: &[u8]) -> Reply {

@@ -637,37 +637,18 @@ impl Shard {
         hashes: &'a H,
     ) -> impl Iterator<Item = (Id, State)> + 'a {
         self.all_tables().flat_map(move |(space, t)| {
+            let id = move |key, hash| Id { space, key, hash };
             let v4 = t.v4.states().map(move |(k, at)| {
                 let hash = hashes.v4(&k);
-                (
-                    Id {
-                        space,
-                        key: KeyBits::V4(k),
-                        hash,
-                    },
-                    at,
-                )
+                (id(KeyBits::V4(k), hash), at)
             });
             let v6 = t.v6.states().map(move |(k, at)| {
                 let hash = hashes.v6(&k);
-                (
-                    Id {
-                        space,
-                        key: KeyBits::V6(k),
-                        hash,
-                    },
-                    at,
-                )
+                (id(KeyBits::V6(k), hash), at)
             });
             let text = t.text.states().map(move |(k, at)| {
-                (
-                    Id {
-                        space,
-                        key: KeyBits::Text(k),
-                        hash: <H as Rehash>::text(&k),
-                    },
-                    at,
-                )
+                let hash = <H as Rehash>::text(&k);
+                (id(KeyBits::Text(k), hash), at)
             });
             v4.chain(v6).chain(text)
         })
