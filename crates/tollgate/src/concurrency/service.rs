@@ -83,13 +83,12 @@ where
         let config = &self.config;
         let (parts, body) = req.into_parts();
         let protocol = Protocol::of(&parts.headers);
-        let method = parts.method.clone();
         let mut who = RequestIdentity::new(&parts, &config.resolver);
         if any_matches(&config.exemptions, &mut who, &parts) {
             let req = Request::from_parts(parts, body);
             return ResponseFuture::exempt(inner, req, config.stalls.clone());
         }
-        let mut key_of = |parts: &[KeyPart]| match who.key(parts, config.missing, None) {
+        let mut key_of = |key: &[KeyPart]| match who.key(key, config.missing, None) {
             Ok(key) => Ok(key.map(|k| Box::<str>::from(k.text()))),
             Err(error) => {
                 let limits = &config.limiter.limits;
@@ -98,7 +97,7 @@ where
                 if answer.challenge.is_some() {
                     answer.challenge = Some(Box::new(config.www_authenticate.clone()));
                 }
-                Err(Box::new(respond(config, answer, protocol, &method)))
+                Err(Box::new(respond(config, answer, protocol, &parts.method)))
             }
         };
         let key: Option<Box<str>> = if config.limiter.limits.per_key() {
