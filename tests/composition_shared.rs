@@ -75,7 +75,10 @@ enum Event {
         exempt: bool,
     },
     /// `n` requests at once to one instance, tenants in turn.
-    Burst { instance: usize, n: usize },
+    Burst {
+        instance: usize,
+        n: usize,
+    },
     /// The inner service answers the `pick`-th held request, its body
     /// left open.
     Answer(usize),
@@ -610,7 +613,8 @@ impl Drive<'_> {
         } else {
             leases == live
         };
-        Ok((!true_leases).then(|| format!("{leases} leases in Redis for {live} requests in flight")))
+        Ok((!true_leases)
+            .then(|| format!("{leases} leases in Redis for {live} requests in flight")))
     }
 
     /// Waits until the counts agree (requests and leases settle in real

@@ -38,7 +38,10 @@ impl Inner {
     ) -> Result<usize, StoreError> {
         // At most one sweep per interval even here: under a flood of new
         // keys a sweep per request would make every refusal O(shard size).
-        // (A sweep removes only idle entries: it changes no decision.)
+        // (A sweep removes only entries idle at its reading: it changes
+        // no decision at that reading or a later one. A custom clock that
+        // then steps back behind it finds those keys new, as Redis finds
+        // a key its own clock expired; `sweep_interval` says so.)
         self.maybe_sweep(shard, now);
         let cap = self.per_shard.unwrap_or(usize::MAX);
         let over = (shard.len() + new).saturating_sub(cap);
@@ -107,6 +110,50 @@ mod tests {
 
     fn charge(key: &str, policy: &Policy, cost: u64) -> Charge {
         Charge::new(Key::new(policy.name()).with(key), policy.clone(), cost).unwrap()
+    }
+
+    /// What `sweep_interval` documents: a clock stepping back behind a
+    /// sweep finds the key it dropped new; a store that never sweeps
+    /// (`Duration::MAX`) still holds its spent state.
+    #[test]
+    fn a_clock_stepping_back_behind_a_sweep_finds_the_swept_key_new() {
+        let p = Policy::token_bucket("tb", 1, Rate::per_second(1)).unwrap();
+        let store = |every| {
+            let clock = ManualClock::new(0);
+            let store = MemoryStore::builder()
+                .clock(clock.clone())
+                .shards(1)
+                .sweep_interval(every)
+                .build();
+            (clock, store)
+        };
+        let second = |again: bool| -> [bool; 2] {
+            [Duration::ZERO, Duration::MAX].map(|every| {
+                let (clock, store) = store(every);
+                assert!(
+                    store
+                        .charge_now(&[charge("a", &p, 1)])
+                        .unwrap()
+                        .is_admitted()
+                );
+                clock.set(2_000_000_000);
+                assert!(
+                    store
+                        .charge_now(&[charge("b", &p, 1)])
+                        .unwrap()
+                        .is_admitted()
+                );
+                clock.set(if again { 500_000_000 } else { 2_000_000_000 });
+                store
+                    .charge_now(&[charge("a", &p, 1)])
+                    .unwrap()
+                    .is_admitted()
+            })
+        };
+        // At the sweep's reading or later, the sweep changes nothing.
+        assert_eq!(second(false), [true, true]);
+        // Behind it: new where it was swept, spent where it was kept.
+        assert_eq!(second(true), [true, false]);
     }
 
     /// A key moving from a sibling space (a plan switched) while the shard

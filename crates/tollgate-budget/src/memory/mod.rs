@@ -124,6 +124,19 @@ impl MemoryStoreBuilder {
     }
 
     /// How often each shard is swept for idle entries (default: 1 s).
+    ///
+    /// An entry is idle at a reading when its state is the one a new key
+    /// has there (a bucket full again, a window over): dropping it changes
+    /// no decision at that reading or later. A [`Clock`](crate::Clock) that
+    /// steps back behind a sweep (a custom one, or
+    /// [`ManualClock::set`](crate::ManualClock::set); the system clock never
+    /// does) finds the keys that sweep dropped new, where a store that had
+    /// kept them would decide on their old state: as the Redis store does
+    /// with a key its server's clock expired before stepping back. Each
+    /// such step back can give a dropped key its policy's capacity again;
+    /// with the system clock that never happens. A test that steps its
+    /// clock back and compares with a store that keeps every key sets
+    /// this to [`Duration::MAX`].
     pub fn sweep_interval(mut self, interval: Duration) -> Self {
         self.sweep_interval = interval;
         self
