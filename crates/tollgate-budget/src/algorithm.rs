@@ -998,7 +998,7 @@ fn charged(p: &TokenBucket, l: Level, need: u64, now: Nanos) -> (Decision, Optio
             ..l
         };
         let full = p.full_of(after);
-        let decision = Decision::admitted_ns(p.tokens(after.credit), full - now);
+        let decision = Decision::admitted_scaled(after.credit, p.denominator, full - now);
         (decision, Some(after), full)
     } else {
         let full = p.full_of(l);

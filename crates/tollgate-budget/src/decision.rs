@@ -149,17 +149,25 @@ impl Charge {
 /// assert_eq!(d.retry_after(), Some(Duration::from_secs(2)));
 /// assert_eq!(Decision::never_fitting(5, 3).remaining(), 0);
 /// ```
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+///
+/// Two decisions are equal when they read the same through every
+/// accessor, however a store built them.
+#[derive(Clone, Copy)]
 pub struct Decision(pub(crate) Answer);
 
 /// The cases of a [`Decision`], private to this crate.
-#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+#[derive(Clone, Copy)]
 pub(crate) enum Answer {
     /// The cost fitted and was (or, in a multi-charge that another limit
     /// refused, would have been) deducted.
     Admitted {
-        /// Whole units left after the charge.
-        remaining: u64,
+        /// What is left after the charge, in units of which `per_unit`
+        /// make one whole unit of the policy: a token bucket's scaled
+        /// credit, divided only when [`Decision::remaining`] is read (an
+        /// admission whose numbers nobody reads costs no division).
+        left: u64,
+        /// At least 1.
+        per_unit: u64,
         /// Nanoseconds until the budget is fully restored if nothing else
         /// is charged.
         reset: u64,
@@ -194,9 +202,9 @@ impl fmt::Debug for Decision {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let ns = Duration::from_nanos;
         match self.0 {
-            Answer::Admitted { remaining, reset } => f
+            Answer::Admitted { reset, .. } => f
                 .debug_struct("Admitted")
-                .field("remaining", &remaining)
+                .field("remaining", &self.remaining())
                 .field("reset", &ns(reset))
                 .finish(),
             Answer::Denied {
@@ -219,6 +227,20 @@ impl fmt::Debug for Decision {
     }
 }
 
+impl PartialEq for Decision {
+    fn eq(&self, other: &Self) -> bool {
+        self.read() == other.read()
+    }
+}
+
+impl Eq for Decision {}
+
+impl std::hash::Hash for Decision {
+    fn hash<H: std::hash::Hasher>(&self, state: &mut H) {
+        self.read().hash(state);
+    }
+}
+
 impl Decision {
     /// The cost fitted and was (or, in a multi-charge that another limit
     /// refused, would have been) deducted: `remaining` whole units are
@@ -235,7 +257,19 @@ impl Decision {
     /// without a `Duration` on the hot path.
     #[inline(always)]
     pub(crate) const fn admitted_ns(remaining: u64, reset: u64) -> Self {
-        Self(Answer::Admitted { remaining, reset })
+        Self::admitted_scaled(remaining, 1, reset)
+    }
+
+    /// [`Decision::admitted_ns`] with what is left in `per_unit` parts of
+    /// a unit (`per_unit` at least 1): the whole units are worked out when
+    /// they are read.
+    #[inline(always)]
+    pub(crate) const fn admitted_scaled(left: u64, per_unit: u64, reset: u64) -> Self {
+        Self(Answer::Admitted {
+            left,
+            per_unit,
+            reset,
+        })
     }
 
     /// The cost did not fit and nothing was spent: it fits after exactly
@@ -295,8 +329,23 @@ impl Decision {
     /// and unevaluated.
     pub fn remaining(&self) -> u64 {
         match self.0 {
-            Answer::Admitted { remaining, .. } | Answer::Denied { remaining, .. } => remaining,
+            Answer::Admitted { left, per_unit, .. } => left / per_unit,
+            Answer::Denied { remaining, .. } => remaining,
             Answer::NeverFits { .. } | Answer::Unevaluated => 0,
+        }
+    }
+
+    /// What the accessors read, for equality and hashing.
+    fn read(&self) -> (u8, u64, u64, u64) {
+        match self.0 {
+            Answer::Admitted { reset, .. } => (0, self.remaining(), reset, 0),
+            Answer::Denied {
+                retry_after,
+                remaining,
+                reset,
+            } => (1, remaining, reset, retry_after),
+            Answer::NeverFits { cost, capacity } => (2, cost, capacity, 0),
+            Answer::Unevaluated => (3, 0, 0, 0),
         }
     }
 
@@ -611,7 +660,7 @@ impl Outcome {
         let rank = |d: &Decision| match d.0 {
             Answer::NeverFits { .. } => (2, u64::MAX, 0),
             Answer::Denied { retry_after, .. } => (1, retry_after, 0),
-            Answer::Admitted { remaining, .. } => (0, 0, u64::MAX - remaining),
+            Answer::Admitted { .. } => (0, 0, u64::MAX - d.remaining()),
             Answer::Unevaluated => (0, 0, 0),
         };
         let limits = self.limits();
