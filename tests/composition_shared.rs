@@ -23,15 +23,19 @@
 //!   per-tenant limit, except in dry-run;
 //! - **refusals are the right ones**: never in dry-run, never for an
 //!   exempt request; `503` without `Retry-After`, or `429` only with a
-//!   per-key limit;
+//!   per-key limit; and a request sent while the fleet is quiet, with
+//!   nobody waiting or being decided and room in both limits counting
+//!   every request in flight, is admitted;
 //! - **the counts are true**, once the fleet is quiet: each instance's
 //!   `in_flight` is its admitted requests not over (exempt ones are never
 //!   counted) and its `waiting` those neither admitted nor answered; Redis
-//!   holds one lease per admitted request not over (in dry-run, no more
-//!   than that, and never more than the limit: a request let through over
-//!   the limit holds no lease);
+//!   holds one lease per admitted request not over, in the limit's set
+//!   and, with a per-key limit, in the key sets, none of which holds more
+//!   than that limit (in dry-run, no more than that, and never more than
+//!   the limit: a request let through over the limit holds no lease);
 //! - **nothing leaks**: once every request is answered, ended or dropped,
-//!   no lease is left in Redis and nothing is in flight or waiting.
+//!   no lease and no key set is left in Redis and nothing is in flight or
+//!   waiting. Leases last an hour, so none expires during a case.
 //!
 //! Seeded (`PROPTEST_RNG_SEED` replays another seed), with a fixed budget
 //! of cases (`COMPOSITION_CASES` changes it).
@@ -143,6 +147,9 @@ fn layer(setup: &Setup, name: &str, store: &RedisStore) -> Result<ConcurrencyLim
     let n = |v: usize| NonZeroUsize::new(v).expect("not zero");
     let mut b = ConcurrencyLimitLayer::builder(name)
         .shared(Arc::new(store.clone()))
+        // An hour: no lease expires during a case, so a release that never
+        // happened cannot pass for one that did.
+        .lease_ttl(Duration::from_secs(3600))
         .poll_every(Duration::from_millis(10));
     if let Some(max) = setup.global {
         b = b.global(n(max));
@@ -225,6 +232,14 @@ impl World {
             .count()
     }
 
+    fn live_of_tenant(&self, tenant: u8) -> usize {
+        self.reqs
+            .iter()
+            .filter(|r| !r.exempt && r.tenant == tenant)
+            .filter(|r| matches!(r.phase, Phase::Held | Phase::Streaming))
+            .count()
+    }
+
     fn pending(&self, instance: usize) -> usize {
         self.reqs
             .iter()
@@ -270,6 +285,7 @@ fn id_of<B>(req: &Request<B>) -> usize {
 #[derive(Default)]
 struct Seen {
     admitted: AtomicU64,
+    admitted_with_room: AtomicU64,
     refused_503: AtomicU64,
     refused_429: AtomicU64,
     waited_then_admitted: AtomicU64,
@@ -290,6 +306,7 @@ impl Seen {
     fn assert_exercised(&self, min: u64) {
         let counts = [
             ("admitted", &self.admitted),
+            ("sent with room, and admitted", &self.admitted_with_room),
             ("refused with 503", &self.refused_503),
             ("refused with 429", &self.refused_429),
             ("admitted after waiting", &self.waited_then_admitted),
@@ -466,12 +483,19 @@ impl Drive<'_> {
             .map(|r| r.phase.clone())
             .collect();
         let exempting = self.setup.exempt;
+        let mut must_admit = None;
         match event {
             Event::Send {
                 instance,
                 tenant,
                 exempt,
-            } => self.send(instance, tenant, exempt && exempting),
+            } => {
+                let exempt = exempt && exempting;
+                if !exempt && self.room_for(tenant) {
+                    must_admit = Some(lock(&self.world).reqs.len());
+                }
+                self.send(instance, tenant, exempt);
+            }
             Event::Burst { instance, n } => {
                 for i in 0..n {
                     self.send(instance, u8::try_from(i % 3).expect("small"), false);
@@ -513,7 +537,43 @@ impl Drive<'_> {
         }
         settle().await;
         self.check(&before)?;
-        self.quiet().await
+        self.quiet().await?;
+        if let Some(id) = must_admit {
+            let w = lock(&self.world);
+            if let Phase::Refused(status, _) = &w.reqs[id].phase {
+                return Err(format!(
+                    "request {id} refused ({status}) with room: {} of {:?} in flight, its tenant's {} of {:?}",
+                    w.live(None),
+                    self.setup.global,
+                    w.live_of_tenant(w.reqs[id].tenant),
+                    self.setup.per_key,
+                ));
+            }
+            Seen::note(&self.seen.admitted_with_room);
+        }
+        Ok(())
+    }
+
+    /// Whether a request of `tenant` sent now must be admitted at once:
+    /// the fleet is quiet (every step ends with `quiet`, so Redis holds a
+    /// lease for each request in flight and none for one that is over),
+    /// nobody waits or is being decided, and the limits have room even
+    /// counting every request in flight (a body that times out meanwhile
+    /// only makes more room). The refusals the model cannot time (a full
+    /// limit seen in the middle of releases) are left alone; this is the
+    /// one a limit that refuses too much must fail.
+    fn room_for(&self, tenant: u8) -> bool {
+        let w = lock(&self.world);
+        let busy = w
+            .reqs
+            .iter()
+            .any(|r| r.phase == Phase::Pending || (r.phase == Phase::Dropped && !r.admitted));
+        !busy
+            && self.setup.global.is_none_or(|max| w.live(None) < max)
+            && self
+                .setup
+                .per_key
+                .is_none_or(|max| w.live_of_tenant(tenant) < max)
     }
 
     /// The bounds and the refusals, after an event.
@@ -586,16 +646,32 @@ impl Drive<'_> {
     }
 
     fn leases(&self) -> Result<usize, String> {
+        self.zcard(&self.leases_key)
+    }
+
+    fn zcard(&self, key: &str) -> Result<usize, String> {
         self.redis
-            .query(&["ZCARD", &self.leases_key])?
+            .query(&["ZCARD", key])?
             .trim()
             .parse()
-            .map_err(|e| format!("ZCARD: {e}"))
+            .map_err(|e| format!("ZCARD {key}: {e}"))
+    }
+
+    /// The leases in each key's set (`PREFIX:{inflight/NAME}:k:KEY`), by
+    /// set: one per keyed request in flight, as in the limit's own set.
+    fn keyed_leases(&self) -> Result<Vec<usize>, String> {
+        let pattern = format!("{}:k:*", self.leases_key.trim_end_matches(":all"));
+        let keys = self.redis.query(&["KEYS", &pattern])?;
+        keys.lines()
+            .filter(|k| !k.trim().is_empty())
+            .map(|k| self.zcard(k.trim()))
+            .collect()
     }
 
     /// What the counts should be once the fleet is quiet, or why not.
     fn counts_disagree(&self) -> Result<Option<String>, String> {
         let leases = self.leases()?;
+        let keyed = self.keyed_leases()?;
         let w = lock(&self.world);
         for (i, instance) in self.instances.iter().enumerate() {
             let stats = instance.layer.stats();
@@ -613,8 +689,28 @@ impl Drive<'_> {
         } else {
             leases == live
         };
-        Ok((!true_leases)
-            .then(|| format!("{leases} leases in Redis for {live} requests in flight")))
+        if !true_leases {
+            return Ok(Some(format!(
+                "{leases} leases in Redis for {live} requests in flight"
+            )));
+        }
+        // With a per-key limit every request counted has a key: each is in
+        // its key's set too, and no key's set holds more than the limit
+        // (in dry-run, one let through over it holds no lease).
+        let Some(max) = self.setup.per_key else {
+            return Ok(
+                (!keyed.is_empty()).then(|| format!("key sets {keyed:?} without a per-key limit"))
+            );
+        };
+        let in_sets: usize = keyed.iter().sum();
+        let agree = if self.setup.dry_run {
+            in_sets <= live
+        } else {
+            in_sets == live
+        };
+        Ok((!agree || keyed.iter().any(|&n| n > max)).then(|| {
+            format!("{in_sets} leases in the key sets {keyed:?} for {live} requests in flight")
+        }))
     }
 
     /// Waits until the counts agree (requests and leases settle in real
@@ -651,14 +747,15 @@ impl Drive<'_> {
             tokio::time::sleep(Duration::from_millis(20)).await;
             let left = self.ids(|p| matches!(p, Phase::Pending | Phase::Held | Phase::Streaming));
             let leases = self.leases()?;
+            let keyed = self.keyed_leases()?;
             let stats = self.instances.each_ref().map(|i| i.layer.stats());
             let idle = stats.iter().all(|s| s.in_flight == 0 && s.waiting == 0);
-            if left.is_empty() && leases == 0 && idle {
+            if left.is_empty() && leases == 0 && keyed.is_empty() && idle {
                 return Ok(());
             }
             if Instant::now() > deadline {
                 return Err(format!(
-                    "at the end: {leases} leases, requests not over {left:?}, in flight / waiting {:?}",
+                    "at the end: {leases} leases, key sets {keyed:?}, requests not over {left:?}, in flight / waiting {:?}",
                     stats.map(|s| (s.in_flight, s.waiting))
                 ));
             }

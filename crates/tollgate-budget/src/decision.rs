@@ -150,8 +150,8 @@ impl Charge {
 /// assert_eq!(Decision::never_fitting(5, 3).remaining(), 0);
 /// ```
 ///
-/// Two decisions are equal when they read the same through every
-/// accessor, however a store built them.
+/// Two decisions are equal when they hold the same numbers (the units
+/// left counted whole), however a store built them.
 #[derive(Clone, Copy)]
 pub struct Decision(pub(crate) Answer);
 

@@ -132,11 +132,14 @@ impl MemoryStoreBuilder {
     /// [`ManualClock::set`](crate::ManualClock::set); the system clock never
     /// does) finds the keys that sweep dropped new, where a store that had
     /// kept them would decide on their old state: as the Redis store does
-    /// with a key its server's clock expired before stepping back. Each
-    /// such step back can give a dropped key its policy's capacity again;
-    /// with the system clock that never happens. A test that steps its
-    /// clock back and compares with a store that keeps every key sets
-    /// this to [`Duration::MAX`].
+    /// on its server's clock with a key that clock expired before stepping
+    /// back. (With tollgate-redis's `RedisStoreBuilder::injected_time`, a
+    /// test's clock, Redis keeps every key for at least an hour of real
+    /// time, so it does not.) Each such step back can give a dropped key
+    /// its policy's capacity again; with the system clock that never
+    /// happens. [`Duration::MAX`] sweeps each shard at most once, at the
+    /// first decision in it; [`MemoryStore::sweep`] and a key cap's
+    /// eviction still drop keys.
     pub fn sweep_interval(mut self, interval: Duration) -> Self {
         self.sweep_interval = interval;
         self
