@@ -683,6 +683,30 @@ mod tests {
     use super::*;
     use crate::Rate;
 
+    /// An admission built from a scaled credit reads, compares and hashes
+    /// as one built from the whole units it holds (the Redis store builds
+    /// the second kind, the in-memory store the first).
+    #[test]
+    fn a_scaled_admission_is_the_admission_of_its_whole_units() {
+        use std::hash::{BuildHasher, RandomState};
+        let hashes = RandomState::new();
+        let reset = Duration::from_millis(1500);
+        // 7 whole units and a part of the next, 10 parts to a unit.
+        let scaled = Decision::admitted_scaled(79, 10, 1_500_000_000);
+        let whole = Decision::admitted(7, reset);
+        assert_eq!(scaled.remaining(), 7);
+        assert_eq!(scaled, whole);
+        assert_eq!(hashes.hash_one(scaled), hashes.hash_one(whole));
+        assert_eq!(format!("{scaled:?}"), format!("{whole:?}"));
+        assert_ne!(scaled, Decision::admitted(8, reset));
+        assert_ne!(
+            scaled,
+            Decision::admitted(7, reset + Duration::from_nanos(1))
+        );
+        // Units left is not a wait: an admission is never a denial.
+        assert_ne!(whole, Decision::denied(Duration::ZERO, 7, reset));
+    }
+
     #[test]
     fn zero_cost_is_not_a_charge() {
         let p = Policy::token_bucket("p", 3, Rate::per_second(1)).unwrap();
