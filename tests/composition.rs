@@ -64,6 +64,7 @@ use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::driven::note;
 use http::{Request, Response, StatusCode};
 use http_body_util::Empty;
 use num_rational::Ratio;
@@ -793,7 +794,7 @@ impl Model<'_> {
                 if !kept {
                     continue;
                 }
-                Seen::note(&self.seen.kept_by_outcome);
+                note(&self.seen.kept_by_outcome);
                 self.budgets.entry((i, key.clone())).or_default().tainted = true;
             }
             // A shaping rule spends when the request is released; the
@@ -885,7 +886,7 @@ impl Model<'_> {
             }) else {
                 continue;
             };
-            Seen::note(checked);
+            note(checked);
             if r < expected {
                 return Err(format!(
                     "rule r{i} key {key}: request {} ({}) was described with r={r}, where \
@@ -972,10 +973,6 @@ struct Seen {
 }
 
 impl Seen {
-    fn note(counter: &AtomicU64) {
-        counter.fetch_add(1, Ordering::Relaxed);
-    }
-
     /// Fails unless every feature was exercised at least `min` times.
     fn assert_exercised(&self, min: u64) {
         let counts = [
@@ -1221,14 +1218,14 @@ impl Drive<'_> {
     async fn judge(&mut self, s: Sent, probe: bool) -> Result<(), String> {
         let Some(response) = self.send(&s) else {
             if self.called(s.id).is_none() {
-                Seen::note(&self.seen.held);
+                note(&self.seen.held);
             }
             return Ok(());
         };
         let inner = response.headers().contains_key("x-inner");
         match (inner, response.status()) {
-            (false, StatusCode::TOO_MANY_REQUESTS) => Seen::note(&self.seen.refused),
-            (true, _) => Seen::note(&self.seen.admitted),
+            (false, StatusCode::TOO_MANY_REQUESTS) => note(&self.seen.refused),
+            (true, _) => note(&self.seen.admitted),
             _ => {}
         }
         if inner || response.status() == StatusCode::TOO_MANY_REQUESTS {
@@ -1291,7 +1288,7 @@ impl Drive<'_> {
                         let w = self.waiting.remove(n % self.waiting.len());
                         let called = self.called(w.sent.id);
                         drop(w.future);
-                        Seen::note(&self.seen.dropped);
+                        note(&self.seen.dropped);
                         self.model.settled(w.sent.id, self.clock.now());
                         // Held and dropped: given back or spent, never
                         // admitted. In flight and dropped: its charges by
@@ -1316,7 +1313,7 @@ impl Drive<'_> {
                     let policy = spec.policies[k].policy(&format!("r{rule}"));
                     if self.handle.set_policy(policy).is_ok() {
                         self.model.own[rule] = k;
-                        Seen::note(&self.seen.policy_changes);
+                        note(&self.seen.policy_changes);
                     }
                 }
                 Event::SetPlan(rule, plan, k) => {
@@ -1330,7 +1327,7 @@ impl Drive<'_> {
                     let policy = spec.policies[k].policy(&format!("r{rule}"));
                     if self.handle.set_plan(&format!("p{plan}"), policy).is_ok() {
                         self.model.plans[rule][plan] = k;
-                        Seen::note(&self.seen.plan_changes);
+                        note(&self.seen.plan_changes);
                     }
                 }
                 Event::ApplySet { rule, k, plan, j } => {
@@ -1367,7 +1364,7 @@ impl Drive<'_> {
                     if let Some(plan) = plan {
                         model.plans[rule][plan] = j;
                     }
-                    Seen::note(&self.seen.sets_applied);
+                    note(&self.seen.sets_applied);
                 }
             }
             self.model.check_envelope()?;
@@ -1440,7 +1437,7 @@ impl Drive<'_> {
         }
         // Nobody else spends meanwhile: only what was reserved before is
         // released.
-        Seen::note(&self.seen.probes);
+        note(&self.seen.probes);
         self.quiet = true;
         let waited = self.wait(secs * 1_000_000_000).await;
         self.quiet = false;

@@ -45,17 +45,17 @@
 //! Seeded (`PROPTEST_RNG_SEED` replays another seed), with a fixed budget
 //! of cases (`COMPOSITION_CASES` changes it).
 
+mod common;
+
 use std::convert::Infallible;
 use std::num::{NonZeroU32, NonZeroUsize};
-use std::pin::Pin;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use bytes::Bytes;
+use common::driven::{ChannelBody, assert_exercised, id_of, lock, note, settle};
 use http::{Request, Response, StatusCode};
-use http_body::Frame;
 use http_body_util::{BodyExt, Empty};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed, TestCaseError, TestRunner};
@@ -298,36 +298,6 @@ impl World {
 
 type Shared = Arc<Mutex<World>>;
 
-fn lock(world: &Shared) -> std::sync::MutexGuard<'_, World> {
-    world
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-}
-
-/// A body fed by the test; it ends when the sender is dropped.
-struct ChannelBody(mpsc::Receiver<Bytes>);
-
-impl http_body::Body for ChannelBody {
-    type Data = Bytes;
-    type Error = Infallible;
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        self.0
-            .poll_recv(cx)
-            .map(|chunk| chunk.map(|b| Ok(Frame::data(b))))
-    }
-}
-
-fn id_of<B>(req: &Request<B>) -> usize {
-    req.headers()
-        .get("x-id")
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse().ok())
-        .expect("every request has an id")
-}
-
 /// Counts of what the cases exercised, so that a run that never reached a
 /// feature fails instead of passing for want of trying.
 #[derive(Default)]
@@ -348,11 +318,7 @@ struct Seen {
 }
 
 impl Seen {
-    fn note(counter: &AtomicU64) {
-        counter.fetch_add(1, Ordering::Relaxed);
-    }
-
-    fn assert_exercised(&self, min: u64) {
+    fn exercised(&self, min: u64) {
         let counts = [
             ("admitted", &self.admitted),
             ("refused with 503", &self.refused_503),
@@ -374,13 +340,7 @@ impl Seen {
                 &self.adaptive_full_at_bound,
             ),
         ];
-        for (what, count) in counts {
-            let count = count.load(Ordering::Relaxed);
-            assert!(
-                count >= min,
-                "{what}: exercised {count} times, fewer than {min}"
-            );
-        }
+        assert_exercised(&counts, min);
     }
 }
 
@@ -398,13 +358,6 @@ type Limited = tower::util::BoxCloneSyncService<
     Response<tollgate::ResponseBody<tollgate::concurrency::PermitBody<ChannelBody>>>,
     Infallible,
 >;
-
-/// Lets every task run as far as it can at this instant.
-async fn settle() {
-    for _ in 0..64 {
-        tokio::task::yield_now().await;
-    }
-}
 
 impl Drive<'_> {
     fn send(&self, tenant: u8, batch: bool, exempt: bool) -> usize {
@@ -503,8 +456,8 @@ impl Drive<'_> {
                 if let Some(&id) = live.get(pick % live.len().max(1)) {
                     let mut w = lock(&self.world);
                     match w.reqs[id].phase {
-                        Phase::Pending => Seen::note(&self.seen.dropped_waiting),
-                        Phase::Held => Seen::note(&self.seen.dropped_held),
+                        Phase::Pending => note(&self.seen.dropped_waiting),
+                        Phase::Held => note(&self.seen.dropped_held),
                         _ => {}
                     }
                     if let Some(task) = w.reqs[id].task.take() {
@@ -553,7 +506,7 @@ impl Drive<'_> {
             ));
         }
         if limit == ADAPTIVE_MAX && counted == ADAPTIVE_MAX {
-            Seen::note(&self.seen.adaptive_full_at_bound);
+            note(&self.seen.adaptive_full_at_bound);
         }
         Ok(())
     }
@@ -610,7 +563,7 @@ impl Drive<'_> {
             && everyone > n
             && everyone > counted
         {
-            Seen::note(&self.seen.exempt_over_limit);
+            note(&self.seen.exempt_over_limit);
         }
 
         // The bounds hold.
@@ -621,23 +574,23 @@ impl Drive<'_> {
             .count()
             + sent.map_or(0, |id| usize::from(live(&w.reqs[id])));
         if admitted_now > 0 {
-            Seen::note(&self.seen.admitted);
+            note(&self.seen.admitted);
         }
         match s.global {
             Bound::Fixed(n) if counted > n => {
                 if !s.dry_run {
                     return Err(format!("{counted} in flight over a global limit of {n}"));
                 }
-                Seen::note(&self.seen.dry_run_over_limit);
+                note(&self.seen.dry_run_over_limit);
             }
             Bound::Adaptive => {
                 let limit = stats.global_limit.unwrap_or(0);
                 // Above where it starts (8), and between the probe limit
                 // (1) and that: a fall, or a probe at half the limit.
                 if limit > 8 {
-                    Seen::note(&self.seen.adaptive_rose);
+                    note(&self.seen.adaptive_rose);
                 } else if limit > 1 && limit < 8 {
-                    Seen::note(&self.seen.adaptive_between);
+                    note(&self.seen.adaptive_between);
                 }
                 if !(1..=ADAPTIVE_MAX).contains(&limit) {
                     return Err(format!(
@@ -692,12 +645,12 @@ impl Drive<'_> {
                     ));
                 }
                 if waited >= Duration::from_millis(ms) {
-                    Seen::note(&self.seen.timed_out_in_line);
+                    note(&self.seen.timed_out_in_line);
                 }
             }
             match *status {
                 StatusCode::SERVICE_UNAVAILABLE => {
-                    Seen::note(&self.seen.refused_503);
+                    note(&self.seen.refused_503);
                     // A full limit or line promises no time; a share or a
                     // class held back is looked at again within a second.
                     let seconds = retry.as_deref().map(|v| v.parse::<u64>().ok());
@@ -711,7 +664,7 @@ impl Drive<'_> {
                     }
                 }
                 StatusCode::TOO_MANY_REQUESTS if s.per_key != Bound::Off => {
-                    Seen::note(&self.seen.refused_429);
+                    note(&self.seen.refused_429);
                 }
                 other => return Err(format!("request {i} refused with {other}")),
             }
@@ -768,13 +721,13 @@ impl Drive<'_> {
         }
         for (i, r) in w.reqs.iter().enumerate() {
             if before.get(i) == Some(&Phase::Pending) && live(r) {
-                Seen::note(&self.seen.waited_then_admitted);
+                note(&self.seen.waited_then_admitted);
             }
             if before.get(i) == Some(&Phase::Streaming)
                 && r.phase == Phase::Over
                 && r.body.is_some()
             {
-                Seen::note(&self.seen.stalled);
+                note(&self.seen.stalled);
             }
         }
         Ok(())
@@ -894,5 +847,5 @@ fn in_flight_features_compose() {
         run_case(&case, &seen).map_err(TestCaseError::fail)
     })
     .unwrap();
-    seen.assert_exercised(10);
+    seen.exercised(10);
 }

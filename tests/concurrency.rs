@@ -13,6 +13,7 @@ use std::time::{Duration, Instant};
 use axum::Router;
 use axum::routing::get;
 use bytes::Bytes;
+use common::driven::ChannelBody;
 use common::{ip, open, param, quickstart, send, serve, sf_list};
 use http::StatusCode;
 use http_body::Frame;
@@ -73,23 +74,6 @@ async fn quickstart_slow_route_limits_each_account_to_two_in_flight() {
     // Bad input is a clear 400.
     let bad = send(a, ip("127.0.30.5"), "GET", "/slow?ms=99999", &[ALICE], b"").await;
     assert_eq!(bad.status, StatusCode::BAD_REQUEST);
-}
-
-/// A response body fed by the test through a channel; it ends when the
-/// sender is dropped.
-struct ChannelBody(mpsc::Receiver<Bytes>);
-
-impl http_body::Body for ChannelBody {
-    type Data = Bytes;
-    type Error = Infallible;
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        self.0
-            .poll_recv(cx)
-            .map(|chunk| chunk.map(|b| Ok(Frame::data(b))))
-    }
 }
 
 /// An app whose `/stream` responses are driven by the test: each request

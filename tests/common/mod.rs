@@ -2,6 +2,7 @@
 //! loopback source address and send any header, and a quickstart launcher.
 #![allow(dead_code, unreachable_pub)]
 
+pub mod driven;
 pub mod logs;
 pub mod nginx;
 
