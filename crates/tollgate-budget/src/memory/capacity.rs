@@ -113,8 +113,9 @@ mod tests {
     }
 
     /// What `sweep_interval` documents: a clock stepping back behind a
-    /// sweep finds the key it dropped new; a store that never sweeps
-    /// (`Duration::MAX`) still holds its spent state.
+    /// sweep finds the key it dropped new; a store whose interval is
+    /// `Duration::MAX` (swept once, at its first decision, when it is
+    /// empty) still holds the key's spent state.
     #[test]
     fn a_clock_stepping_back_behind_a_sweep_finds_the_swept_key_new() {
         let p = Policy::token_bucket("tb", 1, Rate::per_second(1)).unwrap();
