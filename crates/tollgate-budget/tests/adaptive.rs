@@ -29,6 +29,8 @@ struct Backend {
     /// mean 1, drawn from a fixed sequence (this state).
     dispersed: Option<u64>,
     made: u64,
+    /// Shows the controller its oldest requests (as the layer does).
+    aged: bool,
 }
 
 #[derive(Clone)]
@@ -63,12 +65,25 @@ impl Backend {
             spread: false,
             dispersed: None,
             made: 0,
+            aged: true,
         }
     }
 
     /// One step: admit up to the limit, serve, report completions.
     fn step(&mut self, limit: &mut AdaptiveLimit) -> Step {
         limit.tick(self.now, count(self.jobs.len()));
+        // The layer shows the controller its oldest requests on every
+        // arrival and departure; here once a step.
+        let (rank, since) = limit.overdue_query();
+        let oldest = self
+            .jobs
+            .iter()
+            .filter(|job| job.started >= since)
+            .nth(usize::try_from(rank).unwrap() - 1)
+            .map(|job| job.started);
+        if self.aged {
+            limit.overdue(self.now, oldest);
+        }
         let admit = usize::try_from(limit.limit()).unwrap();
         while self.jobs.len() < admit {
             let left = if let Some(state) = &mut self.dispersed {
@@ -197,6 +212,7 @@ fn widely_spread_latencies_settle_near_the_capacity() {
         let tail = &steps[10_000..];
         let below = tail.iter().filter(|s| !s.probing && s.steady < lo).count();
         let above = tail.iter().filter(|s| s.steady > 2 * lo).count();
+        eprintln!("SPREAD capacity {capacity}: below {below} above {above}");
         assert!(
             below * 10 <= tail.len() && above * 10 <= tail.len(),
             "capacity {capacity}: {below} steps below it and {above} above twice it of {}",
@@ -382,6 +398,12 @@ enum Event {
     Back {
         by: Nanos,
     },
+    /// The oldest requests in flight shown (`age` of the one asked for,
+    /// or none in flight).
+    Overdue {
+        after: Nanos,
+        age: Option<Nanos>,
+    },
 }
 
 fn event() -> impl Strategy<Value = Event> {
@@ -395,8 +417,10 @@ fn event() -> impl Strategy<Value = Event> {
     ];
     prop_oneof![
         2 => (after.clone(), in_flight.clone()).prop_map(|(after, in_flight)| Event::Tick { after, in_flight }),
-        8 => (after, in_flight, sample).prop_map(|(after, in_flight, sample)| Event::Sample { after, in_flight, sample }),
+        8 => (after.clone(), in_flight, sample).prop_map(|(after, in_flight, sample)| Event::Sample { after, in_flight, sample }),
         1 => (0..1_000 * MS).prop_map(|by| Event::Back { by }),
+        2 => (after.clone(), proptest::option::of(prop_oneof![0..100 * MS, 0..10_000 * MS]))
+            .prop_map(|(after, age)| Event::Overdue { after, age }),
     ]
 }
 
@@ -456,6 +480,10 @@ fn replay(
             Event::Back { by } => {
                 now -= by;
                 limit.tick(now, 0)
+            }
+            Event::Overdue { after, age } => {
+                now += after;
+                limit.overdue(now, age.map(|age| now.saturating_sub(age)))
             }
         };
         out.push((
@@ -650,5 +678,66 @@ fn a_fixed_round_trip_keeps_its_floor() {
             worst <= 57 * MS,
             "capacity {capacity}: the floor reached {worst} ns"
         );
+    }
+}
+
+/// Found in the overload benchmark: after a backend's capacity halved,
+/// the requests it slowed told the controller only as they ended, a
+/// latency later, and the limit came down over 50-150 ms while every
+/// request admitted meanwhile ran in a crowd of up to 3x the capacity.
+/// The oldest requests in flight, aging past the latencies of the last
+/// window, show it sooner.
+#[test]
+fn overdue_requests_bring_the_limit_down_before_they_end() {
+    let first_at_most_twice_the_capacity = |aged: bool| {
+        let mut backend = Backend::new(16, 20 * MS);
+        backend.aged = aged;
+        let mut limit = controller(1, 1000, 20);
+        backend.run(&mut limit, 20_000);
+        let settled = limit.steady_limit();
+        assert!((20..=28).contains(&settled), "settled at {settled}");
+        backend.capacity = 8;
+        let steps = backend.run(&mut limit, 2_000);
+        // Where the gradient settles for 8, with or without.
+        let at = settles(&steps, 8, 16);
+        assert!(at.is_some_and(|at| at <= 5 * WINDOW), "settled at {at:?}");
+        steps.iter().position(|s| s.steady <= 16).unwrap()
+    };
+    // Measured: 50 steps shown the oldest, 98 without.
+    let (aged, unaged) = (
+        first_at_most_twice_the_capacity(true),
+        first_at_most_twice_the_capacity(false),
+    );
+    assert!(
+        aged <= 60 && aged + 30 <= unaged,
+        "down to twice the capacity after {aged} steps (without: {unaged})"
+    );
+}
+
+/// Requests that live long (streams, long polls) age past any latency; a
+/// few of them starting together may cut the limit once, by at most half,
+/// and never more than that until windows have measured again.
+#[test]
+fn long_lived_requests_cut_the_limit_by_half_at_most() {
+    for streams in [1, 2, 8, 30] {
+        let mut backend = Backend::new(16, 20 * MS);
+        let mut limit = controller(1, 1000, 20);
+        backend.run(&mut limit, 20_000);
+        let settled = limit.steady_limit();
+        for _ in 0..streams {
+            backend.jobs.push(Job {
+                started: backend.now,
+                left: u64::MAX,
+            });
+        }
+        let steps = backend.run(&mut limit, 3_000);
+        let lowest = steps.iter().map(|s| s.steady).min().unwrap();
+        assert!(
+            lowest * 2 + 1 >= settled,
+            "{streams} streams: from {settled} down to {lowest}"
+        );
+        if streams == 1 {
+            assert!(lowest >= settled, "one stream moved the limit to {lowest}");
+        }
     }
 }

@@ -9,7 +9,7 @@
 
 use std::convert::Infallible;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU16, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -30,6 +30,10 @@ struct Backend {
     capacity: AtomicUsize,
     /// The status it answers with.
     status: AtomicU16,
+    /// While set, no request it serves ends.
+    stalled: AtomicBool,
+    /// Requests it has served to the end.
+    ended: AtomicUsize,
 }
 
 impl Backend {
@@ -63,6 +67,10 @@ impl Backend {
             c => 10 * MS * u32::try_from(n.max(c)).unwrap() / u32::try_from(c).unwrap(),
         };
         tokio::time::sleep(latency).await;
+        while self.stalled.load(Ordering::Relaxed) {
+            tokio::time::sleep(MS).await;
+        }
+        self.ended.fetch_add(1, Ordering::Relaxed);
         self.busy.fetch_sub(1, Ordering::Relaxed);
         let status = StatusCode::from_u16(self.status.load(Ordering::Relaxed)).unwrap();
         let mut response = Response::new(Full::new(Bytes::from_static(b"done")));
@@ -512,5 +520,67 @@ async fn long_polls_arriving_first_do_not_hold_the_limit_at_the_probe() {
         pinned * 10 < seen.len(),
         "the limit was at 3 or less in {pinned} of {} samples (admitted {admitted}, refused {refused})",
         seen.len()
+    );
+}
+
+/// A backend that stops answering: nothing ends, so no latency can say
+/// so, and a window without latencies leaves the limit where it was. The
+/// requests in flight, aging past the last window's latencies, bring it
+/// down before anything ends (by at most half, until windows measure
+/// again), and it recovers once the backend answers again.
+#[tokio::test(start_paused = true)]
+async fn a_backend_that_stops_answering_brings_the_limit_down_before_anything_ends() {
+    let config = AdaptiveConfig::builder()
+        .bounds(1, 1000)
+        // No probe between the first and the end of the test.
+        .probe_interval(Duration::from_secs(600))
+        .build()
+        .unwrap();
+    let layer = adaptive(config);
+    let backend = Backend::new(16);
+    let svc = limited(&backend, &layer);
+    let (settled, _) = median_limit(
+        &layer,
+        &svc,
+        200,
+        Duration::from_secs(10),
+        Duration::from_secs(3),
+    )
+    .await;
+    assert!((16..=48).contains(&settled), "settled at {settled}");
+
+    let until = Instant::now() + Duration::from_secs(3);
+    let clients = {
+        let svc = svc.clone();
+        tokio::spawn(async move { load(&svc, 200, until).await })
+    };
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let before = layer.stats().global_limit.unwrap();
+    backend.stalled.store(true, Ordering::Relaxed);
+    let ended = backend.ended.load(Ordering::Relaxed);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let during = layer.stats().global_limit.unwrap();
+    assert_eq!(
+        backend.ended.load(Ordering::Relaxed),
+        ended,
+        "nothing ended while stalled"
+    );
+    assert!(
+        during < before && during * 2 + 1 >= before,
+        "limit {during} after 300 ms of a stalled backend (before: {before})"
+    );
+    backend.stalled.store(false, Ordering::Relaxed);
+    clients.await.unwrap();
+    let (again, _) = median_limit(
+        &layer,
+        &svc,
+        200,
+        Duration::from_secs(5),
+        Duration::from_secs(2),
+    )
+    .await;
+    assert!(
+        again >= settled * 3 / 4,
+        "back at {again} (settled at {settled})"
     );
 }

@@ -63,6 +63,11 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///   the kind of failure);
 /// - [`tick`](Self::tick) when time passes without one (e.g. on arrival),
 ///   so a probe starts on time and sees the requests in flight drain;
+/// - [`overdue`](Self::overdue), optionally, on arrivals and departures:
+///   when the request [`overdue_query`](Self::overdue_query) names was
+///   admitted (the layer keeps its requests' admission times for this);
+///   a caller that cannot tell leaves it out and the limit moves on
+///   latencies alone;
 /// - [`limit`](Self::limit) is the number to enforce.
 ///
 /// The caller owns the time: `now` comes from any [`Clock`], or a test's
@@ -110,6 +115,26 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///   limit sits at about `tolerance × C + √limit` (with the defaults,
 ///   25 for `C` = 16, 84 to 89 for `C` = 64), where latency is about
 ///   `limit / C` times its floor.
+/// - **A fall before anything ends (overdue requests).** Latencies show a
+///   backend that slowed down only as its slowed requests end, a latency
+///   later. The requests in flight show it sooner: when the
+///   `rank`-th oldest of those admitted within the last two windows
+///   (`rank` a sixteenth of the steady limit, at least 2) has been in
+///   flight longer than the last full window's mean latency plus three
+///   standard deviations by more than a quarter, the limit falls at once
+///   to what a window of that age would ask (and at least by the ratio of
+///   the two); a further fall on the same evidence needs the age to grow
+///   by a quarter again. Requests that live long (streams, long polls)
+///   age past any latency too, so these falls together never take the
+///   limit below half of where the first of them started until a window
+///   with enough latencies has closed, and requests admitted more than
+///   two windows ago are left out (in review, thirty requests that never
+///   end, started together over a limit of 24, cut it to 12 for about
+///   0.3 s; without the bound, to the minimum). In the overload
+///   benchmark, after the backend's capacity halved, the limit reached
+///   about 14 within 50-60 ms (it took 150 ms on latencies alone), and
+///   p99 of that phase went from 2.5-3.0x to 1.8-1.9x the unloaded
+///   service time.
 /// - **The floor, re-probed.** The floor ([`floor`](Self::floor)) is the
 ///   mean latency of requests run with few others in flight, measured by
 ///   probes only: the same statistic as a window's (a floor taken as the
@@ -251,6 +276,14 @@ pub struct AdaptiveLimit {
     root: (u64, u128),
     /// The latest `now` seen: time never moves back.
     now: Nanos,
+    /// The age the requests in flight are compared with (see
+    /// [`overdue`](Self::overdue)): the longest latency of the last
+    /// window that closed with enough of them, or the age of the last
+    /// fall it caused.
+    overdue_after: Option<Nanos>,
+    /// The lowest limit overdue falls may reach until a window closes with
+    /// enough latencies: half the limit the first of them fell from.
+    overdue_floor: Option<u64>,
 }
 
 /// The latencies of one sampling window.
@@ -263,6 +296,8 @@ struct Window {
     busiest: u32,
     /// A failure has cut the limit in this window.
     backed_off: bool,
+    /// The sum of the squares of the latencies recorded.
+    squares: u128,
 }
 
 impl Window {
@@ -273,6 +308,7 @@ impl Window {
             count: 0,
             busiest: 0,
             backed_off: false,
+            squares: 0,
         }
     }
 }
@@ -317,6 +353,8 @@ impl AdaptiveLimit {
             root: (0, 0),
             gave_up: 0,
             now,
+            overdue_after: None,
+            overdue_floor: None,
         }
     }
 
@@ -399,6 +437,55 @@ impl AdaptiveLimit {
         self.report()
     }
 
+    /// Which request in flight [`overdue`](Self::overdue) wants to be
+    /// shown: `(rank, since)`, the `rank`-th oldest of those admitted at
+    /// or after `since` (a sixteenth of the steady limit, at least 2, of
+    /// those admitted within the last two windows). Requests admitted
+    /// earlier are left out: a stream or a long poll says nothing about
+    /// how fast the backend is now.
+    pub fn overdue_query(&self) -> (u32, Nanos) {
+        let rank = (self.steady_limit() / 16).max(2);
+        let since = self
+            .now
+            .saturating_sub(self.config.window.saturating_mul(2));
+        (rank, since)
+    }
+
+    /// Shows the controller, at `now`, when the request
+    /// [`overdue_query`](Self::overdue_query) names was admitted (`None`
+    /// when fewer requests are in flight): see *a fall before anything
+    /// ends* on the type. Returns the move if the limit has moved by more
+    /// than the report fraction since the last report.
+    pub fn overdue(&mut self, now: Nanos, started: Option<Nanos>) -> Option<Change> {
+        let now = self.advance(now);
+        let since = now.saturating_sub(self.config.window.saturating_mul(2));
+        let (None, Some(floor), Some(reference), Some(started)) = (
+            self.probe,
+            self.min_latency,
+            self.overdue_after,
+            started.filter(|&at| at >= since),
+        ) else {
+            return self.report();
+        };
+        let age = now.saturating_sub(started);
+        if u128::from(age) * 4 > u128::from(reference) * 5 {
+            let by_ratio = u128::from(self.limit) * u128::from(reference) / u128::from(age);
+            let (_, by_gradient) = self.target(floor, u128::from(age));
+            // Never below half of where the first of these falls started
+            // (long-lived requests age too), and never a rise (the limit
+            // may have backed off below that half since).
+            let lowest = u128::from(*self.overdue_floor.get_or_insert(self.limit / 2));
+            let limit = u128::from(self.limit);
+            self.limit = self.clamp(by_ratio.min(by_gradient).max(lowest).min(limit));
+            self.overdue_after = Some(age);
+            let backed_off = self.window.backed_off;
+            self.window = Window::new(now);
+            self.window.backed_off = backed_off;
+            self.counted_from = now;
+        }
+        self.report()
+    }
+
     fn note_drained(&mut self, now: Nanos, in_flight: u32) {
         let limit = self.probe_limit();
         if let Some(probe) = &mut self.probe {
@@ -459,6 +546,10 @@ impl AdaptiveLimit {
                 if now.saturating_sub(latency) >= self.counted_from {
                     self.window.sum += u128::from(latency);
                     self.window.count += 1;
+                    self.window.squares = self
+                        .window
+                        .squares
+                        .saturating_add(u128::from(latency) * u128::from(latency));
                     // Enough latencies (a probe's worth, and half the
                     // limit) that say the limit must fall by more than a
                     // tenth: fall now, not at the window's end (a backend
@@ -570,6 +661,15 @@ impl AdaptiveLimit {
             return;
         };
         let mean = w.sum / u128::from(w.count);
+        if w.count >= u64::from(self.config.probe_samples) {
+            // What overdue requests are compared with: the mean plus three
+            // standard deviations (two let widely spread latencies cut the
+            // limit in the simulated backend's test, and the longest
+            // latency moved with one slow request).
+            let variance = (w.squares / u128::from(w.count)).saturating_sub(mean * mean);
+            self.overdue_after = Nanos::try_from(mean + 3 * variance.isqrt()).ok();
+            self.overdue_floor = None;
+        }
         // A whole window faster than the floor by more than the tolerance
         // (the backend got faster, or the window was of cheap answers):
         // measure again now, rather than take a mean of whatever was asked

@@ -3,7 +3,7 @@
 //! waiting in which a freed slot is handed to one waiter. An adaptive
 //! global limit is fed, under the same lock, by every permit given back.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
@@ -40,6 +40,10 @@ struct SlotCounts {
     next_waiter: u64,
     /// The global limit found from latency, when it is adaptive.
     adaptive: Option<AdaptiveLimit>,
+    /// When each request in flight was admitted (how many at each time),
+    /// kept for an adaptive global limit: its oldest requests tell it the
+    /// backend slowed down before they end.
+    started: BTreeMap<Nanos, u32>,
     /// Each key's limit found from latency, when the per-key limit is
     /// adaptive.
     key_limits: Option<KeyLimits>,
@@ -56,6 +60,19 @@ struct Waiter {
 }
 
 impl SlotCounts {
+    /// Shows an adaptive global limit how long its oldest requests have
+    /// been in flight.
+    fn overdue(&mut self, now: Nanos) -> Option<Change> {
+        let adaptive = self.adaptive.as_mut()?;
+        let (rank, since) = adaptive.overdue_query();
+        let mut seen = 0u32;
+        let started = self.started.range(since..).find_map(|(&at, &n)| {
+            seen = seen.saturating_add(n);
+            (seen >= rank).then_some(at)
+        });
+        adaptive.overdue(now, started)
+    }
+
     /// Whether `ask` may be admitted now: under its key's limit; with fair
     /// share, when the tenants' demands exceed the global limit, below its
     /// tenant's share, or else only into slots that no other tenant below
@@ -161,7 +178,13 @@ impl SlotCounts {
         }
     }
 
-    fn take(&mut self, limiter: &Limiter, ask: &Ask) {
+    /// Takes a slot for `ask`; when the limit is measured, the time it
+    /// was admitted at.
+    fn take(&mut self, limiter: &Limiter, ask: &Ask) -> Option<Nanos> {
+        let at = limiter.limits.measured().then(|| limiter.now());
+        if let (Some(at), Some(_)) = (at, &self.adaptive) {
+            *self.started.entry(at).or_insert(0) += 1;
+        }
         self.global += 1;
         if let Some(key) = ask.key.as_deref() {
             *self.per_key.entry(key.into()).or_insert(0) += 1;
@@ -169,9 +192,18 @@ impl SlotCounts {
         if limiter.limits.shares() {
             self.demand.in_flight(ask, 1);
         }
+        at
     }
 
-    fn give_back(&mut self, limiter: &Limiter, ask: &Ask) {
+    fn give_back(&mut self, limiter: &Limiter, ask: &Ask, admitted: Option<Nanos>) {
+        if let Some(at) = admitted
+            && let Some(n) = self.started.get_mut(&at)
+        {
+            *n -= 1;
+            if *n == 0 {
+                self.started.remove(&at);
+            }
+        }
         self.global = self.global.saturating_sub(1);
         if let Some(key) = ask.key.as_deref()
             && let Some(n) = self.per_key.get_mut(key)
@@ -431,7 +463,8 @@ impl Drop for Permit {
     fn drop(&mut self) {
         let (handed, change, key_moved) = {
             let mut counts = self.limiter.lock();
-            counts.give_back(&self.limiter, &self.ask);
+            let admitted = self.sampled.as_ref().map(|(at, _)| *at);
+            counts.give_back(&self.limiter, &self.ask, admitted);
             if self.limiter.limits.shares() {
                 counts.demand.advance(self.limiter.now());
             }
@@ -446,6 +479,10 @@ impl Drop for Permit {
                 (Some((now, Some(sample))), Some(adaptive)) => adaptive.update(now, global, sample),
                 (Some((now, None)), Some(adaptive)) => adaptive.tick(now, global),
                 _ => None,
+            };
+            let change = match measured {
+                Some((now, _)) => moves(change, counts.overdue(now)),
+                None => change,
             };
             let mut key_moved = None;
             if let (Some((now, sample)), Some(key)) = (measured, self.ask.key.as_deref()) {
@@ -468,6 +505,17 @@ impl Drop for Permit {
             self.limiter.report_key(change, key);
         }
         self.limiter.gauges();
+    }
+}
+
+/// Two reported moves of one limit, one after the other, as one.
+fn moves(first: Option<Change>, then: Option<Change>) -> Option<Change> {
+    match (first, then) {
+        (Some(first), Some(then)) => Some(Change {
+            from: first.from,
+            to: then.to,
+        }),
+        (first, then) => then.or(first),
     }
 }
 
@@ -514,6 +562,7 @@ impl Limiter {
             let mut counts = self.lock();
             let (now, global) = (self.now(), in_flight(counts.global));
             let change = counts.adaptive.as_mut().and_then(|a| a.tick(now, global));
+            let change = moves(change, counts.overdue(now));
             (self.hand_over_all(&mut counts), change)
         };
         for (grant, permit) in handed {
@@ -525,8 +574,8 @@ impl Limiter {
         }
     }
 
-    fn permit(self: &Arc<Self>, ask: Ask) -> Permit {
-        let sampled = self.limits.measured().then(|| (self.now(), Arc::default()));
+    fn permit(self: &Arc<Self>, ask: Ask, admitted: Option<Nanos>) -> Permit {
+        let sampled = admitted.map(|at| (at, Arc::default()));
         Permit {
             limiter: self.clone(),
             ask,
@@ -575,8 +624,8 @@ impl Limiter {
             if self.limits.shares() {
                 counts.demand.waiting(&waiter.ask, -1);
             }
-            counts.take(self, &waiter.ask);
-            handed.push((waiter.grant, self.permit(waiter.ask)));
+            let at = counts.take(self, &waiter.ask);
+            handed.push((waiter.grant, self.permit(waiter.ask, at)));
         }
         handed
     }
@@ -614,9 +663,9 @@ impl Limiter {
     }
 
     pub(crate) fn take_unchecked(self: &Arc<Self>, ask: Ask) -> Permit {
-        self.lock().take(self, &ask);
+        let at = self.lock().take(self, &ask);
         self.gauges();
-        self.permit(ask)
+        self.permit(ask, at)
     }
 
     /// `ask` arrives. With a per-key adaptive limit, its key's controller
@@ -673,10 +722,10 @@ impl Limiter {
             self.turned_away(&mut counts, ask);
             return Err(full);
         }
-        counts.take(self, ask);
+        let at = counts.take(self, ask);
         drop(counts);
         self.gauges();
-        Ok(self.permit(ask.clone()))
+        Ok(self.permit(ask.clone(), at))
     }
 
     /// Acquires at once, or (if waiting is configured) waits in a bounded
@@ -697,10 +746,10 @@ impl Limiter {
             _arrived = self.arrive(&mut counts, &mut ask);
             let full = match counts.fits_now(&self, &ask) {
                 Ok(()) => {
-                    counts.take(&self, &ask);
+                    let at = counts.take(&self, &ask);
                     drop(counts);
                     self.gauges();
-                    return Ok(self.permit(ask));
+                    return Ok(self.permit(ask, at));
                 }
                 Err(full) => full,
             };
