@@ -33,6 +33,10 @@ pub struct Charge {
     max_delay: Option<Duration>,
     /// Whether the caller may give it back ([`Charge::refundable`]).
     refundable: bool,
+    /// Neither shaped nor refundable, and the cost can fit: decided now or
+    /// refused, the memory store's one-charge path (kept with the fields it
+    /// follows from, so that path tests one flag).
+    plain: bool,
 }
 
 /// A charge whose cost was zero.
@@ -56,7 +60,22 @@ impl Charge {
             cost,
             max_delay: None,
             refundable: false,
-        })
+            plain: false,
+        }
+        .noted())
+    }
+
+    /// The charge with `plain` brought up to date.
+    fn noted(mut self) -> Self {
+        self.plain = self.max_delay().is_none() && self.can_fit() && !self.refundable;
+        self
+    }
+
+    /// Whether the charge is neither [shaped](Charge::shaped) nor
+    /// [refundable](Charge::refundable) and its cost can fit: a store
+    /// decides it now or refuses it.
+    pub(crate) fn is_plain(&self) -> bool {
+        self.plain
     }
 
     /// The same charge, shaped: when the cost does not fit now but will
@@ -77,7 +96,7 @@ impl Charge {
     #[must_use]
     pub fn shaped(mut self, max_delay: Duration) -> Self {
         self.max_delay = (!max_delay.is_zero()).then(|| max_delay.min(Self::MAX_DELAY));
-        self
+        self.noted()
     }
 
     /// The same charge, to be given back if it turns out not to count: an
@@ -91,7 +110,7 @@ impl Charge {
     #[must_use]
     pub fn refundable(mut self) -> Self {
         self.refundable = true;
-        self
+        self.noted()
     }
 
     /// Whether this charge is [`Charge::refundable`].

@@ -51,12 +51,19 @@ impl MemoryStore {
         let inner = &*self.inner;
         let now = inner.clock.now();
         if let [charge] = charges
-            && charge.max_delay().is_none()
-            && charge.can_fit()
-            && !charge.is_refundable()
+            && charge.is_plain()
         {
             return self.charge_one(charge, now);
         }
+        self.charge_many(charges, now)
+    }
+
+    /// Every other call: several charges, or one shaped, refundable or
+    /// never fitting. Kept out of line, so that the one-charge path above
+    /// does not carry this one's stack frame and saved registers.
+    #[inline(never)]
+    fn charge_many(&self, charges: &[Charge], now: Nanos) -> Result<Outcome, StoreError> {
+        let inner = &*self.inner;
         if let Some(outcome) = Outcome::never_fits(charges) {
             return Ok(outcome);
         }
@@ -227,6 +234,23 @@ impl MemoryStore {
         if let Some(decision) = shard.decide_in_place(&id, policy, now, cost) {
             return Ok(Outcome::one(decision));
         }
+        self.charge_one_moved(shard, id, charge, now)
+    }
+
+    /// [`charge_one`](Self::charge_one) for a key not decided in place
+    /// (new, in the wide table, or of another space). Out of line, so
+    /// that the in-place path keeps its key in registers instead of
+    /// storing it for this one.
+    #[inline(never)]
+    fn charge_one_moved(
+        &self,
+        mut shard: MutexGuard<'_, Shard>,
+        id: Id,
+        charge: &Charge,
+        now: Nanos,
+    ) -> Result<Outcome, StoreError> {
+        let inner = &*self.inner;
+        let (policy, cost) = (charge.policy(), charge.cost());
         let existed = shard.contains(&id);
         let (state, from) = inner.state(&mut shard, &id, policy, now);
         let step = algorithm::decide(policy, state, now, cost);
