@@ -584,3 +584,55 @@ async fn a_backend_that_stops_answering_brings_the_limit_down_before_anything_en
         "back at {again} (settled at {settled})"
     );
 }
+
+/// Answered requests whose bodies stay open (a stream, an upgraded
+/// connection, a client reading slowly) hold their slots, but their heads
+/// said the backend answered: they are not overdue, however old they grow,
+/// and do not bring the limit down.
+#[tokio::test(start_paused = true)]
+async fn answered_requests_with_open_bodies_are_not_overdue() {
+    let config = AdaptiveConfig::builder()
+        .bounds(1, 1000)
+        .probe_interval(Duration::from_secs(600))
+        .build()
+        .unwrap();
+    let layer = adaptive(config);
+    let backend = Backend::new(16);
+    let svc = limited(&backend, &layer);
+    let (settled, _) = median_limit(
+        &layer,
+        &svc,
+        200,
+        Duration::from_secs(10),
+        Duration::from_secs(3),
+    )
+    .await;
+    assert!((16..=48).contains(&settled), "settled at {settled}");
+
+    // Eight answers held unread, taken while the service is quiet: each
+    // keeps its slot until dropped. Then the traffic comes back.
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    let before = layer.stats().global_limit.unwrap();
+    let mut held = Vec::new();
+    for _ in 0..8 {
+        let response = svc.clone().oneshot(to("/fast")).await.unwrap();
+        assert_eq!(response.status(), StatusCode::OK);
+        held.push(response);
+    }
+    let until = Instant::now() + Duration::from_secs(2);
+    let clients = {
+        let svc = svc.clone();
+        tokio::spawn(async move { load(&svc, 200, until).await })
+    };
+    let mut lowest = before;
+    for _ in 0..100 {
+        tokio::time::sleep(10 * MS).await;
+        lowest = lowest.min(layer.stats().global_limit.unwrap());
+    }
+    assert!(
+        lowest * 10 >= before * 9,
+        "limit down to {lowest} (before: {before}) with eight answered bodies open for 1 s"
+    );
+    drop(held);
+    clients.await.unwrap();
+}

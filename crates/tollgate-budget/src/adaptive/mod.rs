@@ -117,24 +117,31 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///   `limit / C` times its floor.
 /// - **A fall before anything ends (overdue requests).** Latencies show a
 ///   backend that slowed down only as its slowed requests end, a latency
-///   later. The requests in flight show it sooner: when the
-///   `rank`-th oldest of those admitted within the last two windows
-///   (`rank` a sixteenth of the steady limit, at least 2) has been in
-///   flight longer than the last full window's mean latency plus three
-///   standard deviations by more than a quarter, the limit falls at once
-///   to what a window of that age would ask (and at least by the ratio of
-///   the two); a further fall on the same evidence needs the age to grow
-///   by a quarter again. Requests that live long (streams, long polls)
-///   age past any latency too, so these falls together never take the
-///   limit below half of where the first of them started until a window
-///   with enough latencies has closed, and requests admitted more than
-///   two windows ago are left out (in review, thirty requests that never
-///   end, started together over a limit of 24, cut it to 12 for about
-///   0.3 s; without the bound, to the minimum). In the overload
-///   benchmark, after the backend's capacity halved, the limit reached
-///   about 14 within 50-60 ms (it took 150 ms on latencies alone), and
-///   p99 of that phase went from 2.5-3.0x to 1.8-1.9x the unloaded
-///   service time.
+///   later. The requests still waiting for their answer show it sooner.
+///   The caller shows the controller the `rank`-th oldest of those
+///   admitted within the last two windows (`rank` a sixteenth of the
+///   steady limit, at least 2); the controller remembers how old that
+///   request grew in windows that measured enough latencies (the greatest
+///   such age, forgetting an eighth of it per window). When it is older
+///   than that by more than a quarter, the limit falls at once: to what a
+///   window of that age would ask, and at least by the ratio of the two
+///   ages; a further fall on the same evidence needs the age to grow by a
+///   quarter again. The comparison is with how old the request asked
+///   about usually grows, not with latencies, so a route where a few
+///   requests cost far more than the rest (which are most of what is in
+///   flight) does not look overdue (in review, comparing with the last
+///   window's mean latency plus three standard deviations cut such a
+///   route's limit from about 80 to about 3). These falls together never
+///   take the limit below half of where the first of them started until a
+///   window with enough latencies has closed (eight requests that never
+///   end, started together over a limit of 24, cut it to 12; without the
+///   bound, to 4). Requests admitted more than two windows ago are left
+///   out, so this does nothing for a backend whose latency is longer than
+///   about one window (100 ms by default), where latencies alone move the
+///   limit. In the overload benchmark, after the backend's capacity
+///   halved, the limit reached about 14 within 45-60 ms (it took 150 ms
+///   on latencies alone), and p99 of that phase went from 2.5-3.0x to
+///   1.8-1.9x the unloaded service time.
 /// - **The floor, re-probed.** The floor ([`floor`](Self::floor)) is the
 ///   mean latency of requests run with few others in flight, measured by
 ///   probes only: the same statistic as a window's (a floor taken as the
@@ -277,9 +284,9 @@ pub struct AdaptiveLimit {
     /// The latest `now` seen: time never moves back.
     now: Nanos,
     /// The age the requests in flight are compared with (see
-    /// [`overdue`](Self::overdue)): the longest latency of the last
-    /// window that closed with enough of them, or the age of the last
-    /// fall it caused.
+    /// [`overdue`](Self::overdue)): the greatest age of the request asked
+    /// about in the last window that measured enough latencies, or the age
+    /// of the last fall it caused.
     overdue_after: Option<Nanos>,
     /// The lowest limit overdue falls may reach until a window closes with
     /// enough latencies: half the limit the first of them fell from.
@@ -296,8 +303,9 @@ struct Window {
     busiest: u32,
     /// A failure has cut the limit in this window.
     backed_off: bool,
-    /// The sum of the squares of the latencies recorded.
-    squares: u128,
+    /// The greatest age of the request [`AdaptiveLimit::overdue`] was
+    /// shown in this window, outside falls.
+    oldest: Nanos,
 }
 
 impl Window {
@@ -308,7 +316,7 @@ impl Window {
             count: 0,
             busiest: 0,
             backed_off: false,
-            squares: 0,
+            oldest: 0,
         }
     }
 }
@@ -437,12 +445,13 @@ impl AdaptiveLimit {
         self.report()
     }
 
-    /// Which request in flight [`overdue`](Self::overdue) wants to be
-    /// shown: `(rank, since)`, the `rank`-th oldest of those admitted at
-    /// or after `since` (a sixteenth of the steady limit, at least 2, of
-    /// those admitted within the last two windows). Requests admitted
-    /// earlier are left out: a stream or a long poll says nothing about
-    /// how fast the backend is now.
+    /// Which request [`overdue`](Self::overdue) wants to be shown:
+    /// `(rank, since)`, the `rank`-th oldest of the requests still waiting
+    /// for their answer that were admitted at or after `since` (a
+    /// sixteenth of the steady limit, at least 2, of those admitted within
+    /// the last two windows). Requests admitted earlier are left out, and
+    /// so are requests already answered (a stream, an upgraded connection):
+    /// they say nothing about how fast the backend answers now.
     pub fn overdue_query(&self) -> (u32, Nanos) {
         let rank = (self.steady_limit() / 16).max(2);
         let since = self
@@ -459,29 +468,31 @@ impl AdaptiveLimit {
     pub fn overdue(&mut self, now: Nanos, started: Option<Nanos>) -> Option<Change> {
         let now = self.advance(now);
         let since = now.saturating_sub(self.config.window.saturating_mul(2));
-        let (None, Some(floor), Some(reference), Some(started)) = (
+        let (None, Some(floor), Some(started)) = (
             self.probe,
             self.min_latency,
-            self.overdue_after,
             started.filter(|&at| at >= since),
         ) else {
             return self.report();
         };
         let age = now.saturating_sub(started);
-        if u128::from(age) * 4 > u128::from(reference) * 5 {
-            let by_ratio = u128::from(self.limit) * u128::from(reference) / u128::from(age);
-            let (_, by_gradient) = self.target(floor, u128::from(age));
-            // Never below half of where the first of these falls started
-            // (long-lived requests age too), and never a rise (the limit
-            // may have backed off below that half since).
-            let lowest = u128::from(*self.overdue_floor.get_or_insert(self.limit / 2));
-            let limit = u128::from(self.limit);
-            self.limit = self.clamp(by_ratio.min(by_gradient).max(lowest).min(limit));
-            self.overdue_after = Some(age);
-            let backed_off = self.window.backed_off;
-            self.window = Window::new(now);
-            self.window.backed_off = backed_off;
-            self.counted_from = now;
+        match self.overdue_after {
+            Some(reference) if u128::from(age) * 4 > u128::from(reference) * 5 => {
+                let by_ratio = u128::from(self.limit) * u128::from(reference) / u128::from(age);
+                let (_, by_gradient) = self.target(floor, u128::from(age));
+                // Never below half of where the first of these falls started
+                // (long-lived requests age too), and never a rise (the limit
+                // may have backed off below that half since).
+                let lowest = u128::from(*self.overdue_floor.get_or_insert(self.limit / 2));
+                let limit = u128::from(self.limit);
+                self.limit = self.clamp(by_ratio.min(by_gradient).max(lowest).min(limit));
+                self.overdue_after = Some(age);
+                let backed_off = self.window.backed_off;
+                self.window = Window::new(now);
+                self.window.backed_off = backed_off;
+                self.counted_from = now;
+            }
+            _ => self.window.oldest = self.window.oldest.max(age),
         }
         self.report()
     }
@@ -546,10 +557,6 @@ impl AdaptiveLimit {
                 if now.saturating_sub(latency) >= self.counted_from {
                     self.window.sum += u128::from(latency);
                     self.window.count += 1;
-                    self.window.squares = self
-                        .window
-                        .squares
-                        .saturating_add(u128::from(latency) * u128::from(latency));
                     // Enough latencies (a probe's worth, and half the
                     // limit) that say the limit must fall by more than a
                     // tenth: fall now, not at the window's end (a backend
@@ -661,13 +668,12 @@ impl AdaptiveLimit {
             return;
         };
         let mean = w.sum / u128::from(w.count);
-        if w.count >= u64::from(self.config.probe_samples) {
-            // What overdue requests are compared with: the mean plus three
-            // standard deviations (two let widely spread latencies cut the
-            // limit in the simulated backend's test, and the longest
-            // latency moved with one slow request).
-            let variance = (w.squares / u128::from(w.count)).saturating_sub(mean * mean);
-            self.overdue_after = Nanos::try_from(mean + 3 * variance.isqrt()).ok();
+        // What the requests in flight are compared with: how old the one
+        // asked about grew in a window that measured enough latencies (a
+        // window of a stalled backend measures none and sets nothing).
+        if w.count >= u64::from(self.config.probe_samples) && w.oldest > 0 {
+            let kept = self.overdue_after.map_or(0, |r| r - r / 8);
+            self.overdue_after = Some(w.oldest.max(kept));
             self.overdue_floor = None;
         }
         // A whole window faster than the floor by more than the tolerance

@@ -448,14 +448,17 @@ impl ConcurrencyLimitBuilder {
     /// lives as long as the client keeps the connection). The latency includes the time the client takes to
     /// read the body: put the layer on routes of similar cost
     /// (`route_layer`), as one mean latency is compared per window. The
-    /// layer also keeps when each request in flight was admitted, and
-    /// shows the controller its oldest on every arrival and departure
+    /// layer also keeps when each request still waiting for its response
+    /// head was admitted, and on every arrival and departure shows the
+    /// controller the one it asks about
     /// ([`AdaptiveLimit::overdue`](crate::concurrency::AdaptiveLimit::overdue)),
     /// so a backend that slows down or stops answering brings the limit
     /// down before its slowed requests end (by at most half until windows
-    /// measure again: streams, long polls and upgraded connections age
-    /// too). A [per-key adaptive](Self::per_key_adaptive) limit moves on
-    /// latencies alone. The
+    /// measure again, since a long poll ages too; an answered stream or
+    /// upgraded connection does not count). It acts only where latencies
+    /// are shorter than about one window. A
+    /// [per-key adaptive](Self::per_key_adaptive) limit moves on latencies
+    /// alone. The
     /// limit is
     /// [`ConcurrencyStats::global_limit`] and the gauge
     /// `tollgate_concurrency_limit{layer}`; moves larger than the

@@ -4,7 +4,7 @@
 //! global limit is fed, under the same lock, by every permit given back.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
-use std::sync::atomic::{AtomicU8, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -40,9 +40,10 @@ struct SlotCounts {
     next_waiter: u64,
     /// The global limit found from latency, when it is adaptive.
     adaptive: Option<AdaptiveLimit>,
-    /// When each request in flight was admitted (how many at each time),
-    /// kept for an adaptive global limit: its oldest requests tell it the
-    /// backend slowed down before they end.
+    /// When each request in flight still awaiting its answer (its
+    /// response head) was admitted, how many at each time; kept for an
+    /// adaptive global limit: the oldest tell it the backend slowed down
+    /// before they end.
     started: BTreeMap<Nanos, u32>,
     /// Each key's limit found from latency, when the per-key limit is
     /// adaptive.
@@ -195,14 +196,21 @@ impl SlotCounts {
         at
     }
 
-    fn give_back(&mut self, limiter: &Limiter, ask: &Ask, admitted: Option<Nanos>) {
-        if let Some(at) = admitted
-            && let Some(n) = self.started.get_mut(&at)
-        {
+    /// Takes one request admitted at `at` out of `started`.
+    fn unlist(&mut self, at: Nanos) {
+        if let Some(n) = self.started.get_mut(&at) {
             *n -= 1;
             if *n == 0 {
                 self.started.remove(&at);
             }
+        }
+    }
+
+    /// Gives back the slot of `ask`, admitted at `awaiting` if it is still
+    /// listed as awaiting an answer.
+    fn give_back(&mut self, limiter: &Limiter, ask: &Ask, awaiting: Option<Nanos>) {
+        if let Some(at) = awaiting {
+            self.unlist(at);
         }
         self.global = self.global.saturating_sub(1);
         if let Some(key) = ask.key.as_deref()
@@ -360,6 +368,9 @@ pub(crate) struct Permit {
 #[derive(Debug, Default)]
 pub(crate) struct Ending {
     how: AtomicU8,
+    /// Its admission time has been taken out of the limiter's list of
+    /// requests awaiting an answer (its head arrived).
+    answered: AtomicBool,
     /// What the request asked: [`Ending::HEAD`], [`Ending::CONNECT`].
     asked: AtomicU8,
 }
@@ -438,9 +449,15 @@ impl Permit {
     /// that has no body (to `HEAD`, `204`, `304`, a declared length of 0)
     /// ends here.
     pub(crate) fn answered(&self, status: StatusCode, declared: Option<u64>) {
-        let Some((_, ending)) = &self.sampled else {
+        let Some((admitted, ending)) = &self.sampled else {
             return;
         };
+        // Answered: no longer one of the requests whose age shows a
+        // backend that stopped answering (a stream, an upgraded connection
+        // lives on, but its head says the backend answered).
+        if !ending.answered.swap(true, Ordering::Relaxed) {
+            self.limiter.lock().unlist(*admitted);
+        }
         let asked = ending.asked.load(Ordering::Relaxed);
         if let Some(failure) = self.limiter.limits.failure(status) {
             ending.failed(failure);
@@ -463,8 +480,12 @@ impl Drop for Permit {
     fn drop(&mut self) {
         let (handed, change, key_moved) = {
             let mut counts = self.limiter.lock();
-            let admitted = self.sampled.as_ref().map(|(at, _)| *at);
-            counts.give_back(&self.limiter, &self.ask, admitted);
+            let awaiting = self
+                .sampled
+                .as_ref()
+                .filter(|(_, ending)| !ending.answered.load(Ordering::Relaxed))
+                .map(|(at, _)| *at);
+            counts.give_back(&self.limiter, &self.ask, awaiting);
             if self.limiter.limits.shares() {
                 counts.demand.advance(self.limiter.now());
             }
