@@ -121,8 +121,9 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///   The caller shows the controller the `rank`-th oldest of those
 ///   admitted within the last two windows (`rank` a sixteenth of the
 ///   steady limit, at least 2); the controller remembers how old that
-///   request grew in windows that measured enough latencies (the greatest
-///   such age, forgetting an eighth of it per window). When it is older
+///   request grew in windows that filled the limit and measured enough
+///   latencies (the greatest such age; each such window keeps at least
+///   seven eighths of the age before it). When it is older
 ///   than that by more than a quarter, the limit falls at once: to what a
 ///   window of that age would ask, and at least by the ratio of the two
 ///   ages; a further fall on the same evidence needs the age to grow by a
@@ -135,7 +136,12 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///   take the limit below half of where the first of them started until a
 ///   window with enough latencies has closed (eight requests that never
 ///   end, started together over a limit of 24, cut it to 12; without the
-///   bound, to 4). Requests admitted more than two windows ago are left
+///   bound, to 4). Ages are learnt only while the limit is full, so a
+///   burst after light load is judged by what the limit saw full (in
+///   review, learning at light load too halved a limit of 101 at the
+///   burst); while the limit grows from low, an age learnt at a lower limit
+///   can cost one fall of about a fifth for a window. Requests admitted
+///   more than two windows ago are left
 ///   out, so this does nothing for a backend whose latency is longer than
 ///   about one window (100 ms by default), where latencies alone move the
 ///   limit. In the overload benchmark, after the backend's capacity
@@ -285,8 +291,9 @@ pub struct AdaptiveLimit {
     now: Nanos,
     /// The age the requests in flight are compared with (see
     /// [`overdue`](Self::overdue)): the greatest age of the request asked
-    /// about in the last window that measured enough latencies, or the age
-    /// of the last fall it caused.
+    /// about in the last window that filled the limit and measured enough
+    /// latencies, or seven eighths of the age before it if that is
+    /// greater; after a fall, the age that caused it.
     overdue_after: Option<Nanos>,
     /// The lowest limit overdue falls may reach until a window closes with
     /// enough latencies: half the limit the first of them fell from.
@@ -669,9 +676,12 @@ impl AdaptiveLimit {
         };
         let mean = w.sum / u128::from(w.count);
         // What the requests in flight are compared with: how old the one
-        // asked about grew in a window that measured enough latencies (a
-        // window of a stalled backend measures none and sets nothing).
-        if w.count >= u64::from(self.config.probe_samples) && w.oldest > 0 {
+        // asked about grew in a window that filled the limit and measured
+        // enough latencies (a window of a stalled backend measures none and
+        // sets nothing; one at light load would teach an age that the
+        // next burst exceeds, found in review: a limit of 101 halved).
+        let full = u64::from(w.busiest) >= self.limit >> FRAC_BITS;
+        if full && w.count >= u64::from(self.config.probe_samples) && w.oldest > 0 {
             let kept = self.overdue_after.map_or(0, |r| r - r / 8);
             self.overdue_after = Some(w.oldest.max(kept));
             self.overdue_floor = None;
@@ -695,7 +705,6 @@ impl AdaptiveLimit {
         // is not tolerated, and a smoothed rise would leave the backend
         // idle for a second after its capacity came back.
         let s = self.config.smoothing;
-        let full = u64::from(w.busiest) >= self.limit >> FRAC_BITS;
         let smoothed = if target < limit || (full && g >= 1 << FRAC_BITS) {
             target
         } else {

@@ -455,7 +455,9 @@ impl Permit {
         // Answered: no longer one of the requests whose age shows a
         // backend that stopped answering (a stream, an upgraded connection
         // lives on, but its head says the backend answered).
-        if !ending.answered.swap(true, Ordering::Relaxed) {
+        // (Listed only for an adaptive global limit.)
+        if self.limiter.limits.adaptive.is_some() && !ending.answered.swap(true, Ordering::Relaxed)
+        {
             self.limiter.lock().unlist(*admitted);
         }
         let asked = ending.asked.load(Ordering::Relaxed);
