@@ -147,7 +147,7 @@ const MAX_LATENCY: Nanos = 1 << 48;
 ///   limit. In the overload benchmark, after the backend's capacity
 ///   halved, the limit reached about 14 within 45-60 ms (it took 150 ms
 ///   on latencies alone), and p99 of that phase went from 2.5-3.0x to
-///   1.8-1.9x the unloaded service time.
+///   1.8-1.9x the unloaded service time (2.4x once in eighteen runs).
 /// - **The floor, re-probed.** The floor ([`floor`](Self::floor)) is the
 ///   mean latency of requests run with few others in flight, measured by
 ///   probes only: the same statistic as a window's (a floor taken as the
