@@ -523,16 +523,17 @@ async fn long_polls_arriving_first_do_not_hold_the_limit_at_the_probe() {
     );
 }
 
-/// A backend that stops answering: nothing ends, so no latency can say
-/// so, and a window without latencies leaves the limit where it was. The
-/// requests in flight, aging past the last window's latencies, bring it
-/// down before anything ends (by at most half, until windows measure
-/// again), and it recovers once the backend answers again.
-#[tokio::test(start_paused = true)]
-async fn a_backend_that_stops_answering_brings_the_limit_down_before_anything_ends() {
+/// An adaptive layer over a backend of capacity 16, settled by 200
+/// clients for 10 s, with no probe due for the rest of a test: the layer,
+/// the backend, the service and the settled limit.
+async fn settled_over_capacity_16() -> (
+    ConcurrencyLimitLayer,
+    Arc<Backend>,
+    ConcurrencyLimit<Backed>,
+    usize,
+) {
     let config = AdaptiveConfig::builder()
         .bounds(1, 1000)
-        // No probe between the first and the end of the test.
         .probe_interval(Duration::from_secs(600))
         .build()
         .unwrap();
@@ -548,6 +549,17 @@ async fn a_backend_that_stops_answering_brings_the_limit_down_before_anything_en
     )
     .await;
     assert!((16..=48).contains(&settled), "settled at {settled}");
+    (layer, backend, svc, settled)
+}
+
+/// A backend that stops answering: nothing ends, so no latency can say
+/// so, and a window without latencies leaves the limit where it was. The
+/// requests in flight, aging past the last window's latencies, bring it
+/// down before anything ends (by at most half, until windows measure
+/// again), and it recovers once the backend answers again.
+#[tokio::test(start_paused = true)]
+async fn a_backend_that_stops_answering_brings_the_limit_down_before_anything_ends() {
+    let (layer, backend, svc, settled) = settled_over_capacity_16().await;
 
     let until = Instant::now() + Duration::from_secs(3);
     let clients = {
@@ -591,23 +603,7 @@ async fn a_backend_that_stops_answering_brings_the_limit_down_before_anything_en
 /// and do not bring the limit down.
 #[tokio::test(start_paused = true)]
 async fn answered_requests_with_open_bodies_are_not_overdue() {
-    let config = AdaptiveConfig::builder()
-        .bounds(1, 1000)
-        .probe_interval(Duration::from_secs(600))
-        .build()
-        .unwrap();
-    let layer = adaptive(config);
-    let backend = Backend::new(16);
-    let svc = limited(&backend, &layer);
-    let (settled, _) = median_limit(
-        &layer,
-        &svc,
-        200,
-        Duration::from_secs(10),
-        Duration::from_secs(3),
-    )
-    .await;
-    assert!((16..=48).contains(&settled), "settled at {settled}");
+    let (layer, _backend, svc, _) = settled_over_capacity_16().await;
 
     // Eight answers held unread, taken while the service is quiet: each
     // keeps its slot until dropped. Then the traffic comes back.
