@@ -453,9 +453,9 @@ impl Permit {
             return;
         };
         // Answered: no longer one of the requests whose age shows a
-        // backend that stopped answering (a stream, an upgraded connection
-        // lives on, but its head says the backend answered).
-        // (Listed only for an adaptive global limit.)
+        // backend that stopped answering (a stream or an upgraded
+        // connection lives on, but its head says the backend answered).
+        // Requests are listed only for an adaptive global limit.
         if self.limiter.limits.adaptive.is_some() && !ending.answered.swap(true, Ordering::Relaxed)
         {
             self.limiter.lock().unlist(*admitted);
