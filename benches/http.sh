@@ -4,7 +4,10 @@
 # around the router, tollgate-front);
 # and of tollgate on the quickstart's `POST /export` shape (a principal put
 # in by an authentication layer, a per-address and a per-account-operation
-# rule) against the same app with the authentication layer alone.
+# rule) against the same app with the authentication layer alone; and
+# the refusal floor (floor-refusal: a copy of the front door's refusal for
+# every request, nothing decided), which bounds what any limiter answering
+# with that refusal can reach.
 #
 # Server (current-thread tokio) pinned to CPU 0, wrk pinned to CPU 1.
 # Modes alternate within each round; the table reports medians over rounds
@@ -95,6 +98,7 @@ for round in $(seq "$ROUNDS"); do
     measure bare_export bare-export
     measure tollgate_export tollgate-export
     measure tollgate_export_refused tollgate-export --refuse
+    measure floor_refusal floor-refusal --refuse
 done
 
 python3 - "$OUT" "$ROUNDS" "$DURATION" "$CONNS" <<'PY'
@@ -107,7 +111,7 @@ med = {k: tuple(statistics.median(r[i] for r in v) for i in range(3)) for k, v i
 print(f"rounds={sys.argv[2]} duration={sys.argv[3]}s connections={sys.argv[4]}")
 print("| configuration | requests/s (median) | server user-CPU ns/request (median) | server user+system CPU ns/request (median) |")
 print("|---|---|---|---|")
-for k in ["bare", "tollgate", "governor", "tollgate_refused", "governor_refused", "tollgate_front", "tollgate_front_refused", "bare_export", "tollgate_export", "tollgate_export_refused"]:
+for k in ["bare", "tollgate", "governor", "tollgate_refused", "governor_refused", "tollgate_front", "tollgate_front_refused", "bare_export", "tollgate_export", "tollgate_export_refused", "floor_refusal"]:
     print(f"| {k} | {med[k][0]:.0f} | {med[k][1]:.0f} | {med[k][2]:.0f} |")
 added_t = med["tollgate"][1] - med["bare"][1]
 added_g = med["governor"][1] - med["bare"][1]
@@ -115,6 +119,7 @@ print()
 print(f"added CPU per admitted request: tollgate {added_t:.0f} ns, tower_governor {added_g:.0f} ns, ratio {added_t / added_g:.2f} (target <= 1.0)" if added_g > 0 else "tower_governor added no measurable CPU")
 print(f"all refused, requests/s vs bare: tollgate inside the router {med['tollgate_refused'][0] / med['bare'][0]:.2f}, at the front door {med['tollgate_front_refused'][0] / med['bare'][0]:.2f} (target >= 1.3), tower_governor {med['governor_refused'][0] / med['bare'][0]:.2f}")
 print(f"all refused, server user+system CPU per request vs bare: tollgate inside the router {med['tollgate_refused'][2] / med['bare'][2]:.2f}, at the front door {med['tollgate_front_refused'][2] / med['bare'][2]:.2f}, tower_governor {med['governor_refused'][2] / med['bare'][2]:.2f}")
+print(f"the refusal floor (a copy of the front door's refusal for every request, nothing decided or rendered), requests/s vs bare: {med['floor_refusal'][0] / med['bare'][0]:.2f}; tollgate's front door vs the floor {med['tollgate_front_refused'][0] / med['floor_refusal'][0]:.2f}")
 print(f"all admitted, requests/s vs bare: tollgate inside the router {med['tollgate'][0] / med['bare'][0]:.2f}, at the front door {med['tollgate_front'][0] / med['bare'][0]:.2f} (target >= 0.95), tower_governor {med['governor'][0] / med['bare'][0]:.2f}")
 added_e = med["tollgate_export"][1] - med["bare_export"][1]
 print(f"/export, 2 rules and a principal: added CPU per admitted request over bare_export: tollgate {added_e:.0f} ns (1 rule on GET /: {added_t:.0f} ns); all refused, requests/s vs bare_export {med['tollgate_export_refused'][0] / med['bare_export'][0]:.2f}, CPU per refused request vs bare_export {med['tollgate_export_refused'][1] / med['bare_export'][1]:.2f}")

@@ -99,6 +99,8 @@ layer() {
     local name=$1 mode=$2 refuse=${3:-} n admitted refused ir
     for n in "$LOW" "$HIGH"; do
         if [ -n "$refuse" ]; then admitted=1; refused=$((n - 1)); else admitted=$n; refused=0; fi
+        # The refusal floor refuses the first request too.
+        if [ "$mode" = floor-refusal ]; then admitted=0; refused=$n; fi
         # Not inside echo's arguments: a failure must stop the script.
         ir=$(count "$name" "$n" \
             "$mode${refuse:+ refuse}: $admitted of $n admitted, $refused refused, 0 other" \
@@ -136,6 +138,8 @@ layer governor_refused governor refuse
 layer bare_export bare-export
 layer tollgate_export tollgate-export
 layer tollgate_export_refused tollgate-export refuse
+layer floor_empty floor-empty
+layer floor_refusal floor-refusal refuse
 hot_key hot_tollgate tollgate 'MemoryStore.*charge_now' \
     -- --toggle-collect='*MemoryStore*charge_now*'
 hot_key hot_governor governor 'measure_and_replace' 'QuantaClock as governor::clock::Clock>::now' \
@@ -172,6 +176,8 @@ rows = [
     # tower_governor has no per-account rule: no peer to compare with.
     ("tollgate-export, 2 rules, all admitted", "tollgate_export", "bare_export", None),
     ("tollgate-export, 2 rules, all refused", "tollgate_export_refused", "bare_export", None),
+    ("floor: an empty 200, nothing else (the harness)", "floor_empty", None, None),
+    ("floor: a copy of the front door's refusal, nothing decided or rendered", "floor_refusal", None, None),
 ]
 for label, name, base, peer in rows:
     added = per[name] - per[base] if base else None
@@ -188,6 +194,10 @@ single = per["tollgate"] - per["bare"]
 export = per["tollgate_export"] - per["bare_export"]
 print(f"added per admitted request: 1 rule {fmt(single)}, /export with 2 rules {fmt(export)} "
       f"({export / single:.2f}x); tower_governor {fmt(per['governor'] - per['bare'])}")
+print(f"the refusal floor (any limiter answering with this refusal pays at least this): "
+      f"{per['floor_refusal'] / per['bare']:.3f} of bare; tollgate's front-door refusal is "
+      f"{fmt(per['tollgate_front_refused'] - per['floor_refusal'])} above it, the 0.6 target leaves "
+      f"{fmt(0.6 * per['bare'] - per['floor_refusal'])}")
 print(f"admitted_added_vs_tower_governor {single / (per['governor'] - per['bare']):.3f}")
 print(f"refused_vs_bare {per['tollgate_front_refused'] / per['bare']:.3f}")
 print(f"hot_key_instructions_vs_governor {per['hot_tollgate'] / per['hot_governor']:.3f}")

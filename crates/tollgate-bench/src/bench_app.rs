@@ -39,7 +39,8 @@ pub const EXPORT_AUTHORIZATION: &str = "Bearer bench-key";
 pub const EXPORT_PATH: &str = "/export";
 
 /// The modes [`app`] knows, for usage messages.
-pub const MODES: &str = "bare, tollgate, tollgate-front, governor, bare-export or tollgate-export";
+pub const MODES: &str = "bare, tollgate, tollgate-front, governor, bare-export, tollgate-export, \
+                         floor-empty or floor-refusal";
 
 /// Whether `mode` serves the export workload (`POST /export`, with
 /// [`EXPORT_AUTHORIZATION`]) rather than `GET /`.
@@ -50,7 +51,75 @@ pub fn is_export(mode: &str) -> bool {
 /// Whether `mode` has a rate limiter, so that `refuse` changes what it
 /// admits.
 pub fn is_limited(mode: &str) -> bool {
-    !mode.starts_with("bare")
+    !mode.starts_with("bare") && !mode.starts_with("floor")
+}
+
+/// A floor's service: any request in, the same kind of answer out.
+pub type Floor = tower::util::BoxCloneSyncService<Request, Response, std::convert::Infallible>;
+
+/// The floors a limiter's figures are compared with, or `None` for a
+/// mode that is not one:
+/// - `floor-empty` answers every request with an empty `200` and does
+///   nothing else: what the harness and the server cost on their own;
+/// - `floor-refusal` answers every request with a copy of the front
+///   door's refusal (its status, head and body taken from one real
+///   refusal, the head in a map sized to it, as tollgate's own template
+///   is), deciding and rendering nothing: what any limiter that answers
+///   with that refusal pays at least, however fast it decides.
+pub async fn floor(mode: &str) -> Option<Result<Floor, String>> {
+    match mode {
+        "floor-empty" => {
+            let service = tower::service_fn(|_req: Request| async {
+                Ok::<_, std::convert::Infallible>(Response::new(axum::body::Body::empty()))
+            });
+            Some(Ok(Floor::new(service)))
+        }
+        "floor-refusal" => Some(refusal_copy().await.map(|(status, headers, body)| {
+            // Shared, so that cloning the service per request copies
+            // nothing.
+            let copy = std::sync::Arc::new((headers, body));
+            let service = tower::service_fn(move |_req: Request| {
+                let (headers, body) = &*copy;
+                let mut res = Response::new(axum::body::Body::from(body.clone()));
+                *res.status_mut() = status;
+                *res.headers_mut() = headers.clone();
+                async { Ok::<_, std::convert::Infallible>(res) }
+            });
+            Floor::new(service)
+        })),
+        _ => None,
+    }
+}
+
+/// One refusal of the [`front_door`], taken apart: its status, head and
+/// body.
+async fn refusal_copy() -> Result<(StatusCode, http::HeaderMap, bytes::Bytes), String> {
+    use http_body_util::BodyExt;
+    use tower::ServiceExt;
+    let app = front_door(true)?;
+    let peer = std::net::SocketAddr::from(([127, 0, 0, 1], 40_000));
+    let mut last = None;
+    // The first request is admitted, the second refused.
+    for _ in 0..2 {
+        let req = Request::builder()
+            .uri("/")
+            .extension(axum::extract::ConnectInfo(peer))
+            .body(axum::body::Body::empty())
+            .map_err(|e| e.to_string())?;
+        let Ok(res) = app.clone().oneshot(req).await;
+        last = Some(res);
+    }
+    let res = last.ok_or("no response")?;
+    if res.status() != StatusCode::TOO_MANY_REQUESTS {
+        return Err(format!("expected a refusal, got {}", res.status()));
+    }
+    let (parts, body) = res.into_parts();
+    let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
+    let mut headers = http::HeaderMap::with_capacity(parts.headers.len());
+    for (name, value) in &parts.headers {
+        headers.append(name.clone(), value.clone());
+    }
+    Ok((parts.status, headers, body))
 }
 
 /// The hello-world app, with tollgate's per-address rule around it: the

@@ -4,7 +4,8 @@
 //! behind tower_governor; or the quickstart-shaped
 //! `POST /export` (modes `bare-export`, `tollgate-export`; see `bench_app`
 //! for the header it needs), with a quota that admits everything or
-//! refuses everything.
+//! refuses everything; or one of the floors (`floor-empty`,
+//! `floor-refusal`: see `bench_app::floor`).
 //!
 //! ```text
 //! cargo run --release -p tollgate-bench --bin bench_server -- --mode tollgate --addr 127.0.0.1:8080 [--refuse]
@@ -44,8 +45,10 @@ fn main() -> ExitCode {
     // layer answers in the inner body type), and it is served as a plain
     // service.
     let front = (mode == "tollgate-front").then(|| bench_app::front_door(refuse));
+    let floor = mode.starts_with("floor-");
     let app = match front {
         Some(_) => Ok(axum::Router::new()),
+        None if floor => Ok(axum::Router::new()),
         None => bench_app::app(&mode, refuse),
     };
     let (app, front) = match (app, front.transpose()) {
@@ -74,15 +77,37 @@ fn main() -> ExitCode {
             }
         };
         println!("bench_server {mode} listening on http://{addr}");
-        let served = match front {
-            Some(front) => axum::serve(
+        // A floor is a plain service too (see `bench_app::floor`).
+        let floor = match floor.then_some(()) {
+            Some(()) => match bench_app::floor(&mode).await {
+                Some(Ok(floor)) => Some(floor),
+                Some(Err(why)) => {
+                    eprintln!("bench_server: {why}");
+                    return ExitCode::from(2);
+                }
+                None => {
+                    eprintln!("bench_server: no floor {mode:?}");
+                    return ExitCode::from(2);
+                }
+            },
+            None => None,
+        };
+        let served = match (front, floor) {
+            (_, Some(floor)) => axum::serve(
+                listener,
+                axum::ServiceExt::<axum::extract::Request>::into_make_service_with_connect_info::<
+                    SocketAddr,
+                >(floor),
+            )
+            .await,
+            (Some(front), None) => axum::serve(
                 listener,
                 axum::ServiceExt::<axum::extract::Request>::into_make_service_with_connect_info::<
                     SocketAddr,
                 >(front),
             )
             .await,
-            None => {
+            (None, None) => {
                 axum::serve(
                     listener,
                     app.into_make_service_with_connect_info::<SocketAddr>(),

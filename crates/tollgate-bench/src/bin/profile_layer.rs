@@ -8,7 +8,10 @@
 //!   front door) or `governor` (tower_governor, the equivalent quota);
 //! - `POST /export` with a principal: `bare-export` (the stand-in
 //!   authentication layer alone) or `tollgate-export` (a per-address and a
-//!   per-account-operation rule behind it).
+//!   per-account-operation rule behind it);
+//! - the floors (`bench_app::floor`): `floor-empty`, an empty `200` for
+//!   every request, and `floor-refusal`, a copy of the front door's
+//!   refusal for every request, decided and rendered by nothing.
 //!
 //! With `refuse`, the limiters refuse everything after the first request.
 //! Exits non-zero unless every request was admitted (2xx) or refused (429)
@@ -60,6 +63,8 @@ fn main() -> ExitCode {
     let export = bench_app::is_export(&mode);
     let sent = if mode == "tollgate-front" {
         bench_app::front_door(refuse).map(|app| send_requests(&rt, &app, requests, export))
+    } else if let Some(floor) = rt.block_on(bench_app::floor(&mode)) {
+        floor.map(|app| send_requests(&rt, &app, requests, export))
     } else {
         bench_app::app(&mode, refuse).map(|app| send_requests(&rt, &app, requests, export))
     };
@@ -71,12 +76,17 @@ fn main() -> ExitCode {
         }
     };
     let other = requests - admitted - refused;
-    let refusing = refuse && bench_app::is_limited(&mode);
+    let refusing = (refuse && bench_app::is_limited(&mode)) || mode == "floor-refusal";
     println!(
         "{mode}{}: {admitted} of {requests} admitted, {refused} refused, {other} other",
         if refusing { " refuse" } else { "" }
     );
-    let expected = if refusing { 1 } else { requests };
+    // (A limiter admits the first request; the refusal floor none.)
+    let expected = match (refusing, mode.as_str()) {
+        (true, "floor-refusal") => 0,
+        (true, _) => 1,
+        (false, _) => requests,
+    };
     if admitted == expected && other == 0 {
         ExitCode::SUCCESS
     } else {
