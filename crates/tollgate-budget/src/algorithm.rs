@@ -1037,6 +1037,19 @@ pub(crate) fn token_bucket_compact(
     );
     // The caller checked that the cost fits the capacity.
     let need = cost.max(1).saturating_mul(p.denominator);
+    // Admitted at `now` (the clock not behind the state): the time to full
+    // is the missing credit over the refill per nanosecond, which the
+    // decision divides only if it is read. The sum `now` + that time
+    // (which [`charged`] saturates) is checked not to overflow: the time
+    // is at most the missing credit itself.
+    if l.credit >= need && l.t == now {
+        let credit = l.credit - need;
+        let missing = p.cap() - credit;
+        if now.checked_add(missing).is_some() {
+            let decision = Decision::admitted_filling(credit, p.denominator, missing, p.numerator);
+            return Some((decision, Some((credit, now))));
+        }
+    }
     let (decision, after, _) = charged(p, l, need, now);
     Some((decision, after.map(|a| (a.credit, a.t))))
 }
@@ -1318,7 +1331,11 @@ mod tests {
             ahead in -1_000_000_000i64..4_000_000_000_000,
             cost_share in 0u64..=1_000,
             exact: bool,
+            late: bool,
         ) {
+            // Late: near the end of the clock, where the time to full
+            // saturates.
+            let at = if late { u64::MAX - at } else { at };
             let Ok(p) = Policy::token_bucket(
                 "p",
                 capacity,
@@ -1332,8 +1349,8 @@ mod tests {
             let cost = (capacity * cost_share / 1_000).max(1);
             if exact {
                 // The cost fits at `now` exactly, or one unit short.
-                now = at + ahead.unsigned_abs() % 1_000;
-                let refill = (now - at) * b.numerator;
+                now = at.saturating_add(ahead.unsigned_abs() % 1_000);
+                let refill = (now - at).saturating_mul(b.numerator);
                 let need = cost * b.units_per_token();
                 level = need.saturating_sub(refill).saturating_sub(fill % 2).min(b.cap);
             }

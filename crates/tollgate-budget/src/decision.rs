@@ -187,9 +187,13 @@ pub(crate) enum Answer {
         left: u64,
         /// At least 1.
         per_unit: u64,
-        /// Nanoseconds until the budget is fully restored if nothing else
-        /// is charged.
-        reset: u64,
+        /// Until the budget is fully restored if nothing else is charged,
+        /// in units of which `per_ns` refill in a nanosecond: a token
+        /// bucket's missing credit, divided (rounded up) only when
+        /// [`Decision::reset`] is read.
+        to_full: u64,
+        /// At least 1; 1 where `to_full` is nanoseconds.
+        per_ns: u64,
     },
     /// The cost did not fit; nothing was spent.
     Denied {
@@ -221,10 +225,10 @@ impl fmt::Debug for Decision {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         let ns = Duration::from_nanos;
         match self.0 {
-            Answer::Admitted { reset, .. } => f
+            Answer::Admitted { .. } => f
                 .debug_struct("Admitted")
                 .field("remaining", &self.remaining())
-                .field("reset", &ns(reset))
+                .field("reset", &self.reset())
                 .finish(),
             Answer::Denied {
                 retry_after,
@@ -284,10 +288,24 @@ impl Decision {
     /// they are read.
     #[inline(always)]
     pub(crate) const fn admitted_scaled(left: u64, per_unit: u64, reset: u64) -> Self {
+        Self::admitted_filling(left, per_unit, reset, 1)
+    }
+
+    /// [`Decision::admitted_scaled`] with the time to full as `to_full`
+    /// parts of which `per_ns` (at least 1) refill in a nanosecond: the
+    /// nanoseconds are worked out (rounded up) when they are read.
+    #[inline(always)]
+    pub(crate) const fn admitted_filling(
+        left: u64,
+        per_unit: u64,
+        to_full: u64,
+        per_ns: u64,
+    ) -> Self {
         Self(Answer::Admitted {
             left,
             per_unit,
-            reset,
+            to_full,
+            per_ns,
         })
     }
 
@@ -357,7 +375,7 @@ impl Decision {
     /// What the accessors read, for equality and hashing.
     fn read(&self) -> (u8, u64, u64, u64) {
         match self.0 {
-            Answer::Admitted { reset, .. } => (0, self.remaining(), reset, 0),
+            Answer::Admitted { .. } => (0, self.remaining(), self.reset_ns(), 0),
             Answer::Denied {
                 retry_after,
                 remaining,
@@ -371,11 +389,17 @@ impl Decision {
     /// Time until the budget is fully restored; zero for never-fits and
     /// unevaluated.
     pub fn reset(&self) -> Duration {
+        Duration::from_nanos(self.reset_ns())
+    }
+
+    /// [`Decision::reset`] in nanoseconds.
+    fn reset_ns(&self) -> u64 {
         match self.0 {
-            Answer::Admitted { reset, .. } | Answer::Denied { reset, .. } => {
-                Duration::from_nanos(reset)
-            }
-            Answer::NeverFits { .. } | Answer::Unevaluated => Duration::ZERO,
+            Answer::Admitted {
+                to_full, per_ns, ..
+            } => to_full.div_ceil(per_ns),
+            Answer::Denied { reset, .. } => reset,
+            Answer::NeverFits { .. } | Answer::Unevaluated => 0,
         }
     }
 
@@ -769,14 +793,16 @@ mod tests {
     }
 
     /// A decision is moved on every charge: kept small, it costs no
-    /// store-forwarding stalls (BENCHMARKS.md, round 4). Four words for a
-    /// decision, five for a single-charge outcome (on 64-bit targets).
-    /// Its Debug form speaks `Duration`s, as its accessors do.
+    /// store-forwarding stalls (BENCHMARKS.md, round 4). Five words for a
+    /// decision (an admission's time to full is kept as the missing
+    /// credit and the refill, divided when read), six for a single-charge
+    /// outcome (on 64-bit targets). Its Debug form speaks `Duration`s, as
+    /// its accessors do.
     #[test]
     #[cfg(target_pointer_width = "64")]
-    fn a_decision_is_four_words_and_an_outcome_five() {
-        assert_eq!(std::mem::size_of::<Decision>(), 32);
-        assert_eq!(std::mem::size_of::<Outcome>(), 40);
+    fn a_decision_is_five_words_and_an_outcome_six() {
+        assert_eq!(std::mem::size_of::<Decision>(), 40);
+        assert_eq!(std::mem::size_of::<Outcome>(), 48);
         let d = Decision::denied(Duration::from_secs(2), 1, Duration::from_millis(1500));
         assert_eq!(
             format!("{d:?}"),
