@@ -234,22 +234,24 @@ impl MemoryStore {
         if let Some(decision) = shard.decide_in_place(&id, policy, now, cost) {
             return Ok(Outcome::one(decision));
         }
-        self.charge_one_moved(shard, id, charge, now)
+        self.charge_one_moved(shard, charge, now)
     }
 
     /// [`charge_one`](Self::charge_one) for a key not decided in place
-    /// (new, in the wide table, or of another space). Out of line, so
-    /// that the in-place path keeps its key in registers instead of
-    /// storing it for this one.
+    /// (new, in the wide table, or of another space). Out of line, and
+    /// it works the key's id out again rather than being handed it: so
+    /// the in-place path keeps the id in registers instead of storing it
+    /// for this one (8 instructions a hot-key decision, against about 26
+    /// more for a key's first touch: BENCHMARKS.md, round 4).
     #[inline(never)]
     fn charge_one_moved(
         &self,
         mut shard: MutexGuard<'_, Shard>,
-        id: Id,
         charge: &Charge,
         now: Nanos,
     ) -> Result<Outcome, StoreError> {
         let inner = &*self.inner;
+        let id = inner.id(charge)?;
         let (policy, cost) = (charge.policy(), charge.cost());
         let existed = shard.contains(&id);
         let (state, from) = inner.state(&mut shard, &id, policy, now);
