@@ -54,40 +54,104 @@ pub fn is_limited(mode: &str) -> bool {
     !mode.starts_with("bare") && !mode.starts_with("floor")
 }
 
-/// A floor's service: any request in, the same kind of answer out.
-pub type Floor = tower::util::BoxCloneSyncService<Request, Response, std::convert::Infallible>;
+/// The floors a limiter's figures are compared with, as services that
+/// answer every request alike and do nothing else: concrete types (not
+/// boxed: a clone per request copies two words) whose answers are built
+/// from `'static` parts (no reference counts).
+/// - `floor-empty` ([`Floor::empty`]) answers an empty `200`: what the
+///   harness and the server cost on their own;
+/// - `floor-refusal` ([`Floor::refusal`]) answers a copy of the front
+///   door's refusal (its status, its head in a map sized to it, as
+///   tollgate's template is, and its body, taken from one real refusal),
+///   deciding and rendering nothing: what any limiter that answers with
+///   that refusal pays at least, however fast it decides.
+///
+/// `B` is the body type: the in-process count takes the cheapest
+/// (`http_body_util::Full<Bytes>`: no box), `axum::serve` takes axum's
+/// `Body`.
+#[derive(Clone, Copy, Debug)]
+pub struct Floor {
+    /// `None` for the empty floor.
+    refusal: Option<&'static Refusal>,
+}
 
-/// The floors a limiter's figures are compared with, or `None` for a
-/// mode that is not one:
-/// - `floor-empty` answers every request with an empty `200` and does
-///   nothing else: what the harness and the server cost on their own;
-/// - `floor-refusal` answers every request with a copy of the front
-///   door's refusal (its status, head and body taken from one real
-///   refusal, the head in a map sized to it, as tollgate's own template
-///   is), deciding and rendering nothing: what any limiter that answers
-///   with that refusal pays at least, however fast it decides.
-pub async fn floor(mode: &str) -> Option<Result<Floor, String>> {
-    match mode {
-        "floor-empty" => {
-            let service = tower::service_fn(|_req: Request| async {
-                Ok::<_, std::convert::Infallible>(Response::new(axum::body::Body::empty()))
-            });
-            Some(Ok(Floor::new(service)))
+/// The parts of the copied refusal, made `'static` once.
+#[derive(Debug)]
+struct Refusal {
+    status: StatusCode,
+    headers: http::HeaderMap,
+    body: &'static [u8],
+}
+
+impl Floor {
+    /// The floor `mode` names (`floor-empty`, `floor-refusal`), or `None`
+    /// for a mode that is not a floor.
+    pub async fn of(mode: &str) -> Option<Result<Self, String>> {
+        match mode {
+            "floor-empty" => Some(Ok(Self::empty())),
+            "floor-refusal" => Some(Self::refusal().await),
+            _ => None,
         }
-        "floor-refusal" => Some(refusal_copy().await.map(|(status, headers, body)| {
-            // Shared, so that cloning the service per request copies
-            // nothing.
-            let copy = std::sync::Arc::new((headers, body));
-            let service = tower::service_fn(move |_req: Request| {
-                let (headers, body) = &*copy;
-                let mut res = Response::new(axum::body::Body::from(body.clone()));
-                *res.status_mut() = status;
-                *res.headers_mut() = headers.clone();
-                async { Ok::<_, std::convert::Infallible>(res) }
-            });
-            Floor::new(service)
-        })),
-        _ => None,
+    }
+
+    /// The empty floor.
+    pub fn empty() -> Self {
+        Self { refusal: None }
+    }
+
+    /// The refusal floor: a copy of one refusal of the [`front_door`],
+    /// kept for the rest of the process.
+    pub async fn refusal() -> Result<Self, String> {
+        let (status, copied, body) = refusal_copy().await?;
+        let leak = |bytes: &[u8]| -> Result<&'static str, String> {
+            let text = String::from_utf8(bytes.to_vec()).map_err(|e| e.to_string())?;
+            Ok(Box::leak(text.into_boxed_str()))
+        };
+        let mut headers = http::HeaderMap::with_capacity(copied.len());
+        for (name, value) in &copied {
+            headers.append(
+                http::HeaderName::from_static(leak(name.as_str().as_bytes())?),
+                http::HeaderValue::from_static(leak(value.as_bytes())?),
+            );
+        }
+        let refusal = Refusal {
+            status,
+            headers,
+            body: Box::leak(body.to_vec().into_boxed_slice()),
+        };
+        Ok(Self {
+            refusal: Some(Box::leak(Box::new(refusal))),
+        })
+    }
+
+    /// The answer, in body type `B`.
+    pub fn answer<B: From<bytes::Bytes> + Default>(&self) -> http::Response<B> {
+        let Some(refusal) = self.refusal else {
+            return http::Response::new(B::default());
+        };
+        let mut res = http::Response::new(B::from(bytes::Bytes::from_static(refusal.body)));
+        *res.status_mut() = refusal.status;
+        *res.headers_mut() = refusal.headers.clone();
+        res
+    }
+
+    /// As a service answering [`Floor::answer`] in body type `B` to every
+    /// request.
+    pub fn service<B>(
+        self,
+    ) -> impl tower::Service<
+        Request,
+        Response = http::Response<B>,
+        Error = std::convert::Infallible,
+        Future = std::future::Ready<Result<http::Response<B>, std::convert::Infallible>>,
+    > + Clone
+    + Send
+    + Sync
+    + 'static
+    where
+        B: From<bytes::Bytes> + Default + Send + 'static,
+    {
+        tower::service_fn(move |_req: Request| std::future::ready(Ok(self.answer::<B>())))
     }
 }
 
@@ -115,11 +179,7 @@ async fn refusal_copy() -> Result<(StatusCode, http::HeaderMap, bytes::Bytes), S
     }
     let (parts, body) = res.into_parts();
     let body = body.collect().await.map_err(|e| e.to_string())?.to_bytes();
-    let mut headers = http::HeaderMap::with_capacity(parts.headers.len());
-    for (name, value) in &parts.headers {
-        headers.append(name.clone(), value.clone());
-    }
-    Ok((parts.status, headers, body))
+    Ok((parts.status, parts.headers, body))
 }
 
 /// The hello-world app, with tollgate's per-address rule around it: the

@@ -5,7 +5,7 @@
 //! `POST /export` (modes `bare-export`, `tollgate-export`; see `bench_app`
 //! for the header it needs), with a quota that admits everything or
 //! refuses everything; or one of the floors (`floor-empty`,
-//! `floor-refusal`: see `bench_app::floor`).
+//! `floor-refusal`: see `bench_app::Floor`).
 //!
 //! ```text
 //! cargo run --release -p tollgate-bench --bin bench_server -- --mode tollgate --addr 127.0.0.1:8080 [--refuse]
@@ -41,23 +41,6 @@ fn main() -> ExitCode {
             }
         }
     }
-    // The front door is not a router: its answers are axum's already (the
-    // layer answers in the inner body type), and it is served as a plain
-    // service.
-    let front = (mode == "tollgate-front").then(|| bench_app::front_door(refuse));
-    let floor = mode.starts_with("floor-");
-    let app = match front {
-        Some(_) => Ok(axum::Router::new()),
-        None if floor => Ok(axum::Router::new()),
-        None => bench_app::app(&mode, refuse),
-    };
-    let (app, front) = match (app, front.transpose()) {
-        (Ok(app), Ok(front)) => (app, front),
-        (Err(why), _) | (_, Err(why)) => {
-            eprintln!("bench_server: {why}");
-            return ExitCode::from(2);
-        }
-    };
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -66,6 +49,31 @@ fn main() -> ExitCode {
         Err(e) => {
             eprintln!("runtime: {e}");
             return ExitCode::FAILURE;
+        }
+    };
+    // A floor is a plain service (see `bench_app::Floor`), in axum's body
+    // type, which `axum::serve` takes.
+    let floor = match rt.block_on(bench_app::Floor::of(&mode)) {
+        Some(Ok(floor)) => Some(floor.service::<axum::body::Body>()),
+        Some(Err(why)) => {
+            eprintln!("bench_server: {why}");
+            return ExitCode::from(2);
+        }
+        None => None,
+    };
+    // The front door is not a router: its answers are axum's already (the
+    // layer answers in the inner body type), and it is served as a plain
+    // service.
+    let front = (mode == "tollgate-front").then(|| bench_app::front_door(refuse));
+    let app = match (&front, &floor) {
+        (Some(_), _) | (_, Some(_)) => Ok(axum::Router::new()),
+        (None, None) => bench_app::app(&mode, refuse),
+    };
+    let (app, front) = match (app, front.transpose()) {
+        (Ok(app), Ok(front)) => (app, front),
+        (Err(why), _) | (_, Err(why)) => {
+            eprintln!("bench_server: {why}");
+            return ExitCode::from(2);
         }
     };
     rt.block_on(async move {
@@ -77,21 +85,6 @@ fn main() -> ExitCode {
             }
         };
         println!("bench_server {mode} listening on http://{addr}");
-        // A floor is a plain service too (see `bench_app::floor`).
-        let floor = match floor.then_some(()) {
-            Some(()) => match bench_app::floor(&mode).await {
-                Some(Ok(floor)) => Some(floor),
-                Some(Err(why)) => {
-                    eprintln!("bench_server: {why}");
-                    return ExitCode::from(2);
-                }
-                None => {
-                    eprintln!("bench_server: no floor {mode:?}");
-                    return ExitCode::from(2);
-                }
-            },
-            None => None,
-        };
         let served = match (front, floor) {
             (_, Some(floor)) => axum::serve(
                 listener,

@@ -9,9 +9,10 @@
 //! - `POST /export` with a principal: `bare-export` (the stand-in
 //!   authentication layer alone) or `tollgate-export` (a per-address and a
 //!   per-account-operation rule behind it);
-//! - the floors (`bench_app::floor`): `floor-empty`, an empty `200` for
-//!   every request, and `floor-refusal`, a copy of the front door's
-//!   refusal for every request, decided and rendered by nothing.
+//! - the floors (`bench_app::Floor`): `floor-empty`, an empty `200` for
+//!   every request, and `floor-refusal` (always with `refuse`), a copy of
+//!   the front door's refusal for every request, decided and rendered by
+//!   nothing.
 //!
 //! With `refuse`, the limiters refuse everything after the first request.
 //! Exits non-zero unless every request was admitted (2xx) or refused (429)
@@ -57,14 +58,27 @@ fn main() -> ExitCode {
             }
         }
     }
+    // `refuse` is for the modes that refuse; the refusal floor does nothing
+    // else.
+    let refusing = refuse && (bench_app::is_limited(&mode) || mode == "floor-refusal");
+    if refuse != refusing || (mode == "floor-refusal" && !refuse) {
+        eprintln!(
+            "profile_layer: `refuse` goes with a limited mode or floor-refusal, and floor-refusal needs it\n{USAGE}"
+        );
+        return ExitCode::from(2);
+    }
     let Ok(rt) = tokio::runtime::Builder::new_current_thread().build() else {
         return ExitCode::FAILURE;
     };
     let export = bench_app::is_export(&mode);
     let sent = if mode == "tollgate-front" {
         bench_app::front_door(refuse).map(|app| send_requests(&rt, &app, requests, export))
-    } else if let Some(floor) = rt.block_on(bench_app::floor(&mode)) {
-        floor.map(|app| send_requests(&rt, &app, requests, export))
+    } else if let Some(floor) = rt.block_on(bench_app::Floor::of(&mode)) {
+        // The cheapest body there is: no box.
+        floor.map(|floor| {
+            let app = floor.service::<http_body_util::Full<bytes::Bytes>>();
+            send_requests(&rt, &app, requests, export)
+        })
     } else {
         bench_app::app(&mode, refuse).map(|app| send_requests(&rt, &app, requests, export))
     };
@@ -76,7 +90,6 @@ fn main() -> ExitCode {
         }
     };
     let other = requests - admitted - refused;
-    let refusing = (refuse && bench_app::is_limited(&mode)) || mode == "floor-refusal";
     println!(
         "{mode}{}: {admitted} of {requests} admitted, {refused} refused, {other} other",
         if refusing { " refuse" } else { "" }

@@ -242,7 +242,9 @@ impl MemoryStore {
     /// it works the key's id out again rather than being handed it: so
     /// the in-place path keeps the id in registers instead of storing it
     /// for this one (8 instructions a hot-key decision, against about 26
-    /// more for a key's first touch: BENCHMARKS.md, round 4).
+    /// more for an address key's first touch: BENCHMARKS.md, "Fourth
+    /// round, the table on the final code"). A text key's digest is taken
+    /// a second time here, under the shard lock, on these paths only.
     #[inline(never)]
     fn charge_one_moved(
         &self,
